@@ -1,0 +1,36 @@
+# Quickstart: `make demo` and `make test`. Both create .venv and install what they need the first time.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast lint format gpu-test bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@# torch first, pinned: on a machine without CUDA this picks the local CPU build instead of CUDA wheels.
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q torch
+	$(PY) -m pip install -q -e ".[dev,triton]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/longctx check
+	$(VENV)/bin/longctx demo-memory
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix src tests benchmarks
+	$(VENV)/bin/ruff format src tests benchmarks
+
+test: lint
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -x -n 2 --dist loadgroup tests -m "not slow and not distributed and not interpreter"
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

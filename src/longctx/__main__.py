@@ -1,0 +1,3 @@
+from longctx.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,238 @@
+"""The public attention functions: `attention`, `flash_attn_func` and `explain`."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from longctx.dispatch import AttnInputs, BackendChoice, get_backend, select_backend
+from longctx.masks import Band, normalize_window
+
+__all__ = ["attention", "flash_attn_func", "explain"]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise ValueError(
+            f"{name} must have 4 dimensions (batch, heads, seq, head_dim), got shape {tuple(t.shape)}; "
+            "for the (batch, seq, heads, head_dim) layout use longctx.flash_attn_func"
+        )
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected one of float16, bfloat16, float32, float64")
+    return t
+
+
+def validate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    scale: float | None = None,
+) -> tuple[float, Band]:
+    """Check the inputs of `attention`; returns the resolved scale and the band. Raises ValueError/TypeError."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}; cast them first")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape (batch, kv_heads, seq_k, head_dim), "
+            f"got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+    B, Hq, Sq, D = q.shape
+    if k.shape[0] != B:
+        raise ValueError(f"batch size differs: q has {B}, k and v have {k.shape[0]}")
+    if k.shape[3] != D:
+        raise ValueError(f"head_dim differs: q has {D}, k and v have {k.shape[3]}")
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(
+            f"the number of query heads ({Hq}) must be a positive multiple of the number of key/value "
+            f"heads ({Hkv}) for GQA/MQA; valid kv head counts are the divisors of {Hq}"
+        )
+    if not isinstance(causal, (bool, torch.SymBool)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
+    else:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+        scale = float(scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale}")
+    band = Band.from_args(Sq, k.shape[2], causal=causal, window=normalize_window(window))
+    return scale, band
+
+
+def _resolve(q, k, v, causal, window, scale, backend, return_lse, deterministic, block_mask):
+    scale, band = validate(q, k, v, causal=causal, window=window, scale=scale)
+    if block_mask is not None:
+        block_mask.check_compatible(q, k)
+    inp = AttnInputs.from_tensors(
+        q,
+        k,
+        band=band,
+        return_lse=return_lse,
+        deterministic=deterministic,
+        block_mask=block_mask is not None,
+    )
+    if q.numel() == 0 or k.shape[2] == 0:
+        # Empty batch, Sq = 0 or Sk = 0: the reference handles these exactly (rows with no key give 0, -inf).
+        if backend != "auto":
+            get_backend(backend)  # still reject unknown names
+        return scale, band, BackendChoice(get_backend("math"), "empty input")
+    return scale, band, select_backend(backend, inp)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    deterministic: bool = False,
+    block_mask=None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention, ``softmax(q k^T * scale + mask) v``, on the best available backend.
+
+    Args:
+        q: (B, Hq, Sq, D) queries.
+        k: (B, Hkv, Sk, D) keys; Hq must be a multiple of Hkv (GQA; Hkv == 1 is MQA). Query head h reads
+            kv head ``h // (Hq // Hkv)``. K/V are never repeated in memory.
+        v: (B, Hkv, Sk, D) values.
+        causal: mask aligned to the bottom-right corner as in FlashAttention: query i sees key j iff
+            ``j <= i + Sk - Sq``. (PyTorch SDPA aligns top-left; they agree when Sq == Sk.)
+
+                Sq=3, Sk=5:   k0 k1 k2 k3 k4
+                          q0   x  x  x  .  .
+                          q1   x  x  x  x  .
+                          q2   x  x  x  x  x
+
+        window: ``(left, right)``, FlashAttention's window_size; -1 is unbounded. Query i sees key j iff
+            ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``; with causal, right is 0.
+        scale: multiplies the scores; default ``1 / sqrt(D)``.
+        backend: "auto" or a name from ``longctx.backends()`` ("triton", "tiled", "math", "sdpa_cudnn",
+            "sdpa_flash", "sdpa_efficient", "flex").
+        return_lse: also return the log-sum-exp of the scaled scores, (B, Hq, Sq), natural log, float32
+            (float64 for float64 inputs).
+        deterministic: require a backward pass that gives bitwise identical gradients on every run.
+        block_mask: a `longctx.BlockMask` for block-sparse attention (see `longctx.block_mask`).
+
+    Returns:
+        out (B, Hq, Sq, D) in q's dtype, or ``(out, lse)`` with ``return_lse``. A row that sees no key
+        gives output 0 and lse -inf, with zero gradients.
+
+    Raises:
+        TypeError: non-tensor inputs, unsupported or mixed dtypes, a non-bool causal.
+        ValueError: wrong ranks or mismatched shapes, Hq not a multiple of Hkv, mixed devices, window
+            values below -1, a non-finite scale, an unknown backend, or a pinned backend that cannot
+            run these inputs.
+    """
+    scale, band, choice = _resolve(q, k, v, causal, window, scale, backend, return_lse, deterministic, block_mask)
+    out, lse = choice.backend.run(
+        q,
+        k,
+        v,
+        scale=scale,
+        band=band,
+        return_lse=return_lse,
+        deterministic=deterministic,
+        block_mask=block_mask,
+    )
+    return (out, lse) if return_lse else out
+
+
+def explain(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    deterministic: bool = False,
+    block_mask=None,
+) -> BackendChoice:
+    """Which backend `attention` would use for these arguments, and why each other one was rejected.
+
+    Takes the same arguments as `attention`; runs nothing. ``print(longctx.explain(q, k, v, causal=True))``.
+    """
+    return _resolve(q, k, v, causal, window, scale, backend, return_lse, deterministic, block_mask)[2]
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    backend: str = "auto",
+):
+    """Drop-in for flash-attn's ``flash_attn_func``: (batch, seq, heads, head_dim) layout.
+
+    Args:
+        q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D). Transposed as views, never copied.
+        dropout_p: must be 0.0 (attention dropout is not implemented yet).
+        softmax_scale: default 1/sqrt(D).
+        causal, window_size: as in flash-attn (bottom-right causal; -1 unbounded).
+        alibi_slopes: not supported; must be None.
+        deterministic: deterministic backward.
+        return_attn_probs: also return ``(softmax_lse, None)``: lse (B, Hq, Sq) float32 as flash-attn does;
+            the probabilities themselves are never materialised, so the third item is None.
+
+    Returns:
+        out (B, Sq, Hq, D), or ``(out, softmax_lse, None)`` with ``return_attn_probs``.
+    """
+    if dropout_p != 0.0:
+        raise NotImplementedError(
+            f"longctx.flash_attn_func: dropout_p={dropout_p} is not supported yet (attention dropout is "
+            "not implemented in longctx's kernels); pass dropout_p=0.0"
+        )
+    if alibi_slopes is not None:
+        raise NotImplementedError("longctx.flash_attn_func: alibi_slopes is not supported; pass None")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and t.dim() != 4:
+            raise ValueError(
+                f"{name} must have 4 dimensions (batch, seq, heads, head_dim) in flash_attn_func, "
+                f"got shape {tuple(t.shape)}"
+            )
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    # (B, S, H, D) -> (B, H, S, D): views, no copies.
+    res = attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        causal=causal,
+        window=tuple(window_size),
+        scale=softmax_scale,
+        backend=backend,
+        return_lse=return_attn_probs,
+        deterministic=deterministic,
+    )
+    if return_attn_probs:
+        out, lse = res
+        return out.transpose(1, 2), lse, None
+    return res.transpose(1, 2)

@@ -1,0 +1,252 @@
+"""Backend registry, automatic selection, `explain()` and the environment switches.
+
+Each backend declares what it supports by answering ``not_supported_reasons(inputs) -> list[str]``
+(empty = supported). ``backend="auto"`` walks the priority list and takes the first backend with no
+reasons; ``explain()`` prints the walk. A backend pinned by name (argument or ``LONGCTX_ATTN_BACKEND``)
+that cannot run raises with its reasons; auto falls back quietly.
+
+Switches, read at every call:
+
+=============================================  ==================================================
+``LONGCTX_ATTN_BACKEND=<name>``                 pin a backend (same as ``backend=<name>``)
+``LONGCTX_FLASH_ATTN=0`` / ``NVTE_FLASH_ATTN=0``  disable longctx's own flash kernels (tiled, triton)
+``LONGCTX_FUSED_ATTN=0`` / ``NVTE_FUSED_ATTN=0``  disable cuDNN fused attention (``sdpa_cudnn``)
+=============================================  ==================================================
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from longctx.masks import Band
+
+__all__ = [
+    "AttnInputs",
+    "Backend",
+    "BackendChoice",
+    "register_backend",
+    "get_backend",
+    "backend_names",
+    "select_backend",
+    "disabled_reason",
+]
+
+
+@dataclass(frozen=True)
+class AttnInputs:
+    """What a backend needs to know to say whether it can run a call (no tensors, only facts)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    batch: int
+    hq: int
+    hkv: int
+    sq: int
+    sk: int
+    head_dim: int
+    band: Band = Band()
+    needs_grad: bool = False
+    return_lse: bool = False
+    deterministic: bool = False
+    block_mask: bool = False  # a block-sparse mask (longctx.block_mask) is given
+    varlen: bool = False  # packed documents (cu_seqlens)
+    capability: tuple[int, int] | None = None  # CUDA compute capability, None off CUDA
+
+    @classmethod
+    def from_tensors(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        band: Band,
+        return_lse: bool = False,
+        deterministic: bool = False,
+        block_mask: bool = False,
+        varlen: bool = False,
+        needs_grad: bool | None = None,
+    ) -> AttnInputs:
+        cap = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+        if needs_grad is None:
+            needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        return cls(
+            device=q.device,
+            dtype=q.dtype,
+            batch=q.shape[0],
+            hq=q.shape[1],
+            hkv=k.shape[1],
+            sq=q.shape[2],
+            sk=k.shape[2],
+            head_dim=q.shape[3],
+            band=band,
+            needs_grad=needs_grad,
+            return_lse=return_lse,
+            deterministic=deterministic,
+            block_mask=block_mask,
+            varlen=varlen,
+            capability=cap,
+        )
+
+
+class Backend:
+    """One way of computing attention. Subclasses set the class attributes and implement `run`.
+
+    ``family`` groups backends for the environment switches: ``"flash"`` (longctx's own kernels),
+    ``"fused"`` (cuDNN), ``"peer"`` (other PyTorch kernels), ``"reference"`` (never switched off).
+    """
+
+    name: str = ""
+    family: str = "peer"
+    description: str = ""
+
+    def not_supported_reasons(self, inp: AttnInputs) -> list[str]:
+        raise NotImplementedError
+
+    def available(self) -> tuple[bool, str]:
+        """Whether the backend can run at all in this installation (and why not)."""
+        return True, ""
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        band: Band,
+        return_lse: bool,
+        deterministic: bool = False,
+        block_mask=None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Differentiable attention: ``(out, lse)``; lse may be None when ``return_lse`` is False."""
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, Backend] = {}
+# Auto-selection order, best first. Backends not listed here are only used when pinned.
+_PRIORITY: list[str] = [
+    "triton",
+    "sdpa_cudnn",
+    "sdpa_flash",
+    "flex",
+    "sdpa_efficient",
+    "tiled",
+    "math",
+]
+
+
+def register_backend(backend: Backend, *, priority: int | None = None) -> Backend:
+    """Add a backend to the registry (and, with ``priority``, to the auto order at that index)."""
+    if not backend.name:
+        raise ValueError("a backend needs a non-empty name")
+    _REGISTRY[backend.name] = backend
+    if backend.name not in _PRIORITY:
+        _PRIORITY.insert(len(_PRIORITY) if priority is None else priority, backend.name)
+    return backend
+
+
+def _ensure_loaded() -> None:
+    # Importing the backend modules registers them; done lazily to keep `import longctx` light.
+    from longctx.ops import backends  # noqa: F401
+
+
+def backend_names() -> list[str]:
+    _ensure_loaded()
+    return [n for n in _PRIORITY if n in _REGISTRY]
+
+
+def get_backend(name: str) -> Backend:
+    _ensure_loaded()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; expected 'auto' or one of {backend_names()}")
+    return _REGISTRY[name]
+
+
+def _env_off(*names: str) -> str | None:
+    for n in names:
+        val = os.environ.get(n)
+        if val is not None and val.strip().lower() in ("0", "false", "off", "no"):
+            return n
+    return None
+
+
+def disabled_reason(backend: Backend) -> str | None:
+    """Why an environment switch turns this backend off, or None."""
+    if backend.family == "flash":
+        var = _env_off("LONGCTX_FLASH_ATTN", "NVTE_FLASH_ATTN")
+        if var:
+            return f"disabled by {var}={os.environ[var]}"
+    if backend.name == "sdpa_cudnn":
+        var = _env_off("LONGCTX_FUSED_ATTN", "NVTE_FUSED_ATTN")
+        if var:
+            return f"disabled by {var}={os.environ[var]}"
+    return None
+
+
+def reasons_for(backend: Backend, inp: AttnInputs, *, honour_switches: bool = True) -> list[str]:
+    ok, why = backend.available()
+    if not ok:
+        return [why]
+    reasons = []
+    if honour_switches:
+        off = disabled_reason(backend)
+        if off:
+            reasons.append(off)
+    reasons.extend(backend.not_supported_reasons(inp))
+    return reasons
+
+
+@dataclass
+class BackendChoice:
+    """The result of a selection: the backend, how it was chosen, and every other backend's reasons."""
+
+    backend: Backend
+    how: str  # "auto", "argument" or "LONGCTX_ATTN_BACKEND"
+    rejected: dict[str, list[str]] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"selected: {self.backend.name} ({self.how})"]
+        if self.backend.description:
+            lines[0] += f" - {self.backend.description}"
+        for name, reasons in self.rejected.items():
+            lines.append(f"  {name}: " + "; ".join(reasons))
+        return "\n".join(lines)
+
+
+def select_backend(requested: str, inp: AttnInputs) -> BackendChoice:
+    """Pick the backend for ``inp``; raises ValueError if a pinned backend cannot run it."""
+    _ensure_loaded()
+    if not isinstance(requested, str):
+        raise TypeError(f"backend must be a string, got {type(requested).__name__}")
+    how = "argument"
+    env = os.environ.get("LONGCTX_ATTN_BACKEND", "").strip()
+    if requested == "auto" and env and env != "auto":
+        requested, how = env, "LONGCTX_ATTN_BACKEND"
+    if requested != "auto":
+        backend = get_backend(requested)
+        # A pin is an explicit request: switches still apply, so a pinned-but-disabled backend raises.
+        reasons = reasons_for(backend, inp)
+        if reasons:
+            raise ValueError(
+                f"attention backend {requested!r} (chosen by {how}) cannot run these inputs: "
+                + "; ".join(reasons)
+                + ". Use backend='auto' to fall back to one that can; longctx.explain(...) shows the options."
+            )
+        return BackendChoice(backend, how)
+    rejected: dict[str, list[str]] = {}
+    chosen = None
+    for name in backend_names():
+        backend = _REGISTRY[name]
+        if chosen is not None:
+            rejected[name] = ["lower priority than " + chosen.name]
+            continue
+        reasons = reasons_for(backend, inp)
+        if reasons:
+            rejected[name] = reasons
+        else:
+            chosen = backend
+    if chosen is None:  # math supports everything it is validated for; this is a bug if reached
+        raise ValueError("no attention backend supports these inputs:\n" + str(rejected))
+    return BackendChoice(chosen, "auto", rejected)
