@@ -2,4 +2,7 @@
 
 from __future__ import annotations
 
-from longctx.ops import math_backend  # noqa: F401
+from longctx.ops import (
+    math_backend,  # noqa: F401
+    tiled_backend,  # noqa: F401
+)
