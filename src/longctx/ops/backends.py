@@ -1,8 +1,10 @@
-"""Registers every backend with the dispatcher (imported lazily by `longctx.dispatch`)."""
+"""Registers every backend with the dispatcher (imported lazily by `longctx.dispatch`).
+
+Order of registration does not matter; the auto-selection order is `longctx.dispatch._PRIORITY`.
+"""
 
 from __future__ import annotations
 
-from longctx.ops import (
-    math_backend,  # noqa: F401
-    tiled_backend,  # noqa: F401
-)
+import longctx.ops.math_backend  # noqa: F401
+import longctx.ops.sdpa  # noqa: F401
+import longctx.ops.tiled_backend  # noqa: F401
