@@ -1,0 +1,11 @@
+"""Triton kernels of the `triton` backend: only ``@triton.jit`` code and tile configs live here.
+
+- `flash_fwd`: the FlashAttention-2 forward (online softmax kept on chip), returning out and lse.
+- `flash_bwd`: the backward as three kernels: Delta = rowsum(dO * O) (plus lse in base 2), dK/dV (one
+  program per kv tile, looping over the query heads of its GQA group, no atomics) and dQ (one program
+  per query tile). Without atomics the backward is deterministic by construction.
+- `configs`: the tile configs per head dim and causal-ness, and the default used without autotuning.
+
+The launchers, the autograd Function and the torch.library registration are in `longctx.ops.triton_flash`.
+Keeping this package free of torch-side logic lets every kernel run under ``TRITON_INTERPRET=1`` on the CPU.
+"""

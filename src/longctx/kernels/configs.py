@@ -1,0 +1,53 @@
+"""Tile configs of the Triton attention kernels, per kernel and padded head dim (BLOCK_D).
+
+Each entry is ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``. The first entry of a list is the default used
+without autotuning (``LONGCTX_TRITON_AUTOTUNE=0``, the interpreter); with autotuning the short list is timed
+once per (head dim, band kind, length bucket, dtype). Lists are kept small so compile time stays reasonable.
+
+BLOCK_M is always the query tile and BLOCK_N the key tile, in every kernel.
+"""
+
+import triton
+
+# forward: the query tile stays in registers; K/V tiles are pipelined num_stages deep.
+FWD = {
+    16: [(128, 64, 4, 3), (64, 64, 4, 3)],
+    32: [(128, 64, 4, 3), (128, 128, 8, 3)],
+    64: [(128, 64, 4, 4), (128, 128, 8, 3)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)],
+    256: [(128, 64, 8, 2), (64, 64, 4, 2)],
+}
+# dK/dV: one kv tile (BLOCK_N) stays on chip with its fp32 dK, dV accumulators; query tiles stream.
+BWD_DKDV = {
+    16: [(64, 128, 8, 3), (32, 64, 4, 3)],
+    32: [(64, 128, 8, 3), (32, 128, 4, 3)],
+    64: [(64, 128, 8, 3), (32, 128, 4, 3)],
+    128: [(64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3)],
+    256: [(64, 64, 8, 2), (32, 64, 4, 2)],
+}
+# dQ: one query tile stays on chip with its fp32 dQ accumulator; K/V tiles stream.
+BWD_DQ = {
+    16: [(128, 64, 8, 3), (64, 32, 4, 3)],
+    32: [(128, 64, 8, 3), (128, 32, 4, 3)],
+    64: [(128, 64, 8, 3), (128, 32, 4, 3)],
+    128: [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3)],
+    256: [(64, 64, 8, 2), (64, 32, 4, 2)],
+}
+# the interpreter runs tiny shapes: small tiles keep the numpy emulation fast and exercise many tiles
+INTERPRET = (16, 16, 4, 1)
+
+
+def block_d(head_dim: int) -> int:
+    """Head dim padded to a power of two, at least 16 (tl.dot's minimum inner size)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def table(kind: str) -> dict:
+    return {"fwd": FWD, "dkdv": BWD_DKDV, "dq": BWD_DQ}[kind]
+
+
+def configs(kind: str, bd: int) -> list:
+    """triton.Config list for one kernel kind ("fwd", "dkdv", "dq") at padded head dim ``bd``."""
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in table(kind)[bd]
+    ]

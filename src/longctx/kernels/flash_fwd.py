@@ -1,0 +1,305 @@
+"""FlashAttention-2 forward in Triton.
+
+One program computes one tile of BLOCK_M queries of one query head: it streams the key/value tiles that
+the band lets it see, keeps the running max ``m``, the running sum ``l`` and the output accumulator on chip,
+and writes ``out`` and ``lse`` once.
+
+Masking. Key j is visible to query i iff ``lo <= j - i <= hi`` (`longctx.masks.Band`; HAS_LO / HAS_HI say
+whether a bound exists; lo and hi are arbitrary integers, so shifted bands from context parallelism work).
+The key tiles of a query tile split into three runs (see `_tile_ranges`):
+
+    [k_lo, full_lo)    boundary tiles before the fully visible run (window's left edge)   -> masked
+    [full_lo, full_hi) tiles where every (query, key) pair is visible                     -> no mask at all
+    [full_hi, k_end)   boundary tiles after it (causal diagonal, window's right edge, ragged Sk) -> masked
+
+Tiles outside [k_lo, k_end) are never loaded. Masked entries get score -inf; a row that sees no key keeps
+m = -inf, so the exponent uses a finite stand-in (0) there and the row ends with l = 0: output 0, lse -inf.
+
+Scores are kept in base 2: ``s2 = (q . k) * scale * log2(e)`` and exp2 replaces exp. The running max and
+the log-sum-exp are therefore in base 2 inside the kernel; the lse is converted to natural log (times
+ln 2) once, in the epilogue, before it is stored.
+
+GQA/MQA: query head h reads kv head ``h // GROUP``; K and V are never repeated in memory.
+Strides are passed for every tensor, so views such as the (B, S, H, D) layout need no copy.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _tile_ranges(row_start, row_last, n_cols, lo, hi, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, BLOCK: tl.constexpr):
+    """Column runs for the rows [row_start, row_last] (inclusive; real rows only) of a band ``lo <= c - r <= hi``.
+
+    Returns (c_lo, full_lo, full_hi, c_end): masked tiles [c_lo, full_lo), unmasked tiles [full_lo, full_hi),
+    masked tiles [full_hi, c_end). c_lo, full_lo and full_hi are multiples of BLOCK; c_end is exclusive.
+    """
+    # -- columns any row may see: [c_start, c_end) --
+    c_start = 0
+    c_end = n_cols
+    if HAS_LO:
+        c_start = tl.maximum(row_start + lo, 0)
+    if HAS_HI:
+        c_end = tl.minimum(row_last + hi + 1, n_cols)
+    c_lo = (tl.minimum(c_start, n_cols) // BLOCK) * BLOCK
+    # no visible column: every run is empty (the rows end with l = 0)
+    c_end = tl.where(c_end > c_start, c_end, c_lo)
+    c_end_ceil = tl.cdiv(c_end, BLOCK) * BLOCK
+    # -- columns every row sees: [f_start, f_end), shrunk to whole tiles --
+    f_start = c_lo
+    if HAS_LO:
+        f_start = tl.maximum(f_start, row_last + lo)
+    f_start = tl.cdiv(f_start, BLOCK) * BLOCK
+    f_end = n_cols
+    if HAS_HI:
+        f_end = tl.minimum(f_end, row_start + hi + 1)
+    f_end = (tl.maximum(f_end, 0) // BLOCK) * BLOCK
+    full_lo = tl.minimum(tl.maximum(f_start, c_lo), c_end_ceil)
+    full_hi = tl.minimum(tl.maximum(f_end, full_lo), c_end_ceil)
+    full_hi = tl.maximum(full_hi, full_lo)
+    return c_lo, full_lo, full_hi, c_end
+
+
+@triton.jit
+def _fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    K_bh,
+    V_bh,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    offs_m,
+    offs_d,
+    start,
+    end,
+    Sk,
+    lo,
+    hi,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    k_tile = offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd  # (BLOCK_N, BLOCK_D)
+    v_tile = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    d_ok = offs_d[None, :] < HEAD_DIM
+    for start_n in range(start, end, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k_ptrs = K_bh + start_n.to(tl.int64) * stride_kn + k_tile
+        v_ptrs = V_bh + start_n.to(tl.int64) * stride_vn + v_tile
+        # -- load K: only boundary tiles can reach past Sk; BLOCK_D > HEAD_DIM pads with zeros --
+        if MASKED:
+            ld_mask = ((start_n + offs_n)[:, None] < Sk) & d_ok
+            k = tl.load(k_ptrs, mask=ld_mask, other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=d_ok, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        # -- scores (base 2) --
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if MASKED:
+            # boundary tile: the band and the ragged end of Sk, element by element
+            cols = start_n + offs_n
+            diff = cols[None, :] - offs_m[:, None]
+            keep = cols[None, :] < Sk
+            if HAS_LO:
+                keep = keep & (diff >= lo)
+            if HAS_HI:
+                keep = keep & (diff <= hi)
+            s = tl.where(keep, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row with nothing visible yet keeps m = -inf: subtract 0 instead, exp2(-inf) = 0
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_use[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_use = m_new
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+        # -- online softmax update --
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=ld_mask, other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            v = tl.load(v_ptrs, mask=d_ok, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    Hq,
+    Sq,
+    Sk,
+    GROUP,
+    lo,
+    hi,
+    qk_scale,
+    SEQ_BUCKET,  # autotune key only (length bucket)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid: (B * Hq, cdiv(Sq, BLOCK_M)). LSE is (B, Hq, Sq) contiguous float32, natural log."""
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if LONGEST_FIRST:
+        # causal-like bands: later query tiles see more keys; launch them first (fewer stragglers)
+        pid_m = tl.num_programs(1) - 1 - pid_m
+    off_b = pid_bh // Hq
+    off_h = pid_bh % Hq
+    off_kvh = off_h // GROUP
+    Q_bh = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    K_bh = K + off_b.to(tl.int64) * stride_kb + off_kvh.to(tl.int64) * stride_kh
+    V_bh = V + off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh
+    O_bh = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < Sq
+    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q_bh + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    row_last = tl.minimum(start_m + BLOCK_M, Sq) - 1
+    k_lo, full_lo, full_hi, k_end = _tile_ranges(start_m, row_last, Sk, lo, hi, HAS_LO, HAS_HI, BLOCK_N)
+    # -- boundary tiles before the fully visible run --
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        K_bh,
+        V_bh,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        offs_m,
+        offs_d,
+        k_lo,
+        full_lo,
+        Sk,
+        lo,
+        hi,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        True,
+        HAS_LO,
+        HAS_HI,
+        DOT_PRECISION,
+    )
+    # -- fully visible tiles: no mask --
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        K_bh,
+        V_bh,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        offs_m,
+        offs_d,
+        full_lo,
+        full_hi,
+        Sk,
+        lo,
+        hi,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        False,
+        HAS_LO,
+        HAS_HI,
+        DOT_PRECISION,
+    )
+    # -- boundary tiles after it (diagonal, right window edge, ragged end of Sk) --
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        K_bh,
+        V_bh,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        offs_m,
+        offs_d,
+        full_hi,
+        k_end,
+        Sk,
+        lo,
+        hi,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        True,
+        HAS_LO,
+        HAS_HI,
+        DOT_PRECISION,
+    )
+
+    # epilogue: rows that saw no key have l = 0 -> output 0, lse -inf
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    # lse: base 2 inside the kernel (m and l of exp2), natural log in memory: multiply by ln 2 once here
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse, mask=row_ok)
+    o_ptrs = O_bh + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_mask)

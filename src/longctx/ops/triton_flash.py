@@ -1,0 +1,438 @@
+"""The `triton` backend: launchers, torch.library ops with autograd, and the dispatch entry.
+
+Layers, bottom up (the kernels themselves are in `longctx.kernels`):
+
+- `triton_forward(q, k, v, *, scale, band) -> (out, lse)` and
+  `triton_backward(do, q, k, v, out, lse, *, scale, band, deterministic=False) -> (dq, dk, dv)`: the
+  launchers of the contract in `longctx.ops` (lse natural log, float32). Context parallelism calls these.
+- ``torch.ops.longctx.triton_attn_fwd`` / ``triton_attn_bwd``: the same, registered with `torch.library`
+  (fake implementations included) so `torch.compile` traces a model through them without a graph break;
+  autograd is registered on the forward op (the lse output is differentiable too: d lse / d s = P).
+- `TritonBackend`: name "triton", family "flash" (``LONGCTX_FLASH_ATTN=0`` / ``NVTE_FLASH_ATTN=0`` switch it
+  off), first in the auto order on CUDA.
+
+Policies:
+
+- float16 and bfloat16. float32 is refused on CUDA by default: the kernels would compute its products in
+  tf32 (about 1e-3 relative error, far from float32 accuracy). Set ``LONGCTX_TRITON_TF32=1`` to accept that
+  documented tf32 path. Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors) float32 is exact.
+- The backward never uses atomics (dK/dV and dQ are separate kernels), so it is deterministic whatever
+  ``deterministic`` or ``LONGCTX_DETERMINISTIC`` say.
+- Tiles are autotuned per (head dim, band kind, length bucket, dtype) from the short lists in
+  `longctx.kernels.configs`; ``LONGCTX_TRITON_AUTOTUNE=0`` uses the first entry of each list instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import torch
+
+from longctx.dispatch import AttnInputs, Backend, register_backend
+from longctx.masks import Band
+
+__all__ = ["triton_forward", "triton_backward", "triton_attention", "TritonBackend"]
+
+_INT_LIMIT = 1 << 30  # bands wider than any sequence are clamped so they fit the kernels' int32 arithmetic
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _autotune_enabled() -> bool:
+    return not _interpret() and os.environ.get("LONGCTX_TRITON_AUTOTUNE", "1").strip().lower() not in (
+        "0",
+        "false",
+        "off",
+        "no",
+    )
+
+
+def _tf32_allowed() -> bool:
+    return os.environ.get("LONGCTX_TRITON_TF32", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken installation
+        return f"triton is not importable ({type(exc).__name__}: {exc}); install it with `pip install triton`"
+    return None
+
+
+def _seq_bucket(n: int) -> int:
+    """Length bucket of the autotune key: <=1K, <=4K, <=16K, longer."""
+    return 0 if n <= 1024 else 1 if n <= 4096 else 2 if n <= 16384 else 3
+
+
+def _band_args(band: Band) -> tuple[int, int, bool, bool]:
+    lo = 0 if band.lo is None else max(-_INT_LIMIT, min(_INT_LIMIT, int(band.lo)))
+    hi = 0 if band.hi is None else max(-_INT_LIMIT, min(_INT_LIMIT, int(band.hi)))
+    return lo, hi, band.lo is not None, band.hi is not None
+
+
+@functools.lru_cache(maxsize=1)
+def _patch_interpreter_for_numpy2() -> None:
+    """Triton 3.6's interpreter turns a scalar into ``int(ndarray of shape (1,))`` when it is a loop bound,
+    which NumPy >= 2.4 rejects ("only 0-dimensional arrays can be converted to Python scalars"). Make its
+    ``__index__`` read the single element instead. Only ever applied under TRITON_INTERPRET=1."""
+    try:
+        from triton.runtime import interpreter
+    except Exception:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_longctx_patched", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._longctx_patched = True
+    interpreter._patch_lang_tensor = patched
+
+
+@functools.cache
+def _kernel(kind: str, bd: int):
+    """The jit kernel of ``kind``, wrapped in triton.autotune over its config list when autotuning is on."""
+    import triton
+
+    from longctx.kernels import configs, flash_bwd, flash_fwd
+
+    if _interpret():
+        _patch_interpreter_for_numpy2()
+    fn = {"fwd": flash_fwd.attn_fwd_kernel, "dkdv": flash_bwd.bwd_dkdv_kernel, "dq": flash_bwd.bwd_dq_kernel}[kind]
+    if not _autotune_enabled():
+        return fn
+    return triton.autotune(configs.configs(kind, bd), key=["HEAD_DIM", "HAS_LO", "HAS_HI", "SEQ_BUCKET"])(fn)
+
+
+def _launch(kind: str, bd: int, grid_fn, args: list, kwargs: dict) -> None:
+    """Run one kernel: autotuned (BLOCK_M/BLOCK_N/warps/stages from the config) or with a fixed config."""
+    from longctx.kernels import configs
+
+    kernel = _kernel(kind, bd)
+    if _interpret():
+        bm, bn, w, s = configs.INTERPRET
+    elif not _autotune_enabled():
+        bm, bn, w, s = configs.table(kind)[bd][0]
+    else:
+        kernel[lambda meta: grid_fn(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **kwargs)
+        return
+    kernel[grid_fn(bm, bn)](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"expected q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D); got {q.shape}, {k.shape}, {v.shape}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"Hq ({q.shape[1]}) must be a multiple of Hkv ({k.shape[1]})")
+    if q.shape[3] > 256:
+        raise ValueError(f"the triton backend supports head dims up to 256, got {q.shape[3]}")
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp16/bf16 products are exact in the tensor cores either way; float32 takes tf32 on the GPU (documented).
+    return "ieee" if _interpret() else "tf32"
+
+
+def _forward_impl(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, lo: int | None, hi: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(q, k, v)
+    B, Hq, Sq, D = q.shape  # q (B, Hq, Sq, D)
+    Hkv, Sk = k.shape[1], k.shape[2]  # k, v (B, Hkv, Sk, D)
+    out = torch.empty_like(q)  # same memory layout as q: (B, S, H, D) inputs give (B, S, H, D) outputs
+    lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
+    if out.numel() == 0:
+        return out, lse
+    if Sk == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    from longctx.kernels import configs
+
+    bd = configs.block_d(D)
+    lo_i, hi_i, has_lo, has_hi = _band_args(Band(lo, hi))
+    _launch(
+        "fwd",
+        bd,
+        lambda bm, bn: (B * Hq, _cdiv(Sq, bm)),
+        [q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride()],
+        dict(
+            Hq=Hq,
+            Sq=Sq,
+            Sk=Sk,
+            GROUP=Hq // Hkv,
+            lo=lo_i,
+            hi=hi_i,
+            qk_scale=float(scale) * 1.4426950408889634,
+            SEQ_BUCKET=_seq_bucket(max(Sq, Sk)),
+            HEAD_DIM=D,
+            BLOCK_D=bd,
+            HAS_LO=has_lo,
+            HAS_HI=has_hi,
+            LONGEST_FIRST=has_hi and not has_lo,
+            DOT_PRECISION=_dot_precision(q.dtype),
+        ),
+    )
+    return out, lse
+
+
+def _backward_impl(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    scale: float,
+    lo: int | None,
+    hi: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check(q, k, v)
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    from longctx.kernels import configs, flash_bwd
+
+    bd = configs.block_d(D)
+    lo_i, hi_i, has_lo, has_hi = _band_args(Band(lo, hi))
+    lse = lse.float().contiguous()  # (B, Hq, Sq)
+    if dlse is not None:
+        dlse = dlse.float().contiguous()  # (B, Hq, Sq)
+    delta = torch.empty_like(lse)  # (B, Hq, Sq) rowsum(dO * O) - dlse
+    lse2 = torch.empty_like(lse)  # (B, Hq, Sq) lse in base 2, +inf on rows that see no key
+    pre_bm = 16 if _interpret() else 64
+    _kernel("dq", bd)  # applies the interpreter shim if needed
+    flash_bwd.bwd_preprocess_kernel[(_cdiv(Sq, pre_bm), B * Hq)](
+        out,
+        do,
+        lse,
+        lse if dlse is None else dlse,
+        delta,
+        lse2,
+        *out.stride(),
+        *do.stride(),
+        Hq,
+        Sq,
+        HEAD_DIM=D,
+        BLOCK_D=bd,
+        BLOCK_M=pre_bm,
+        HAS_DLSE=dlse is not None,
+        num_warps=4,
+    )
+    common = dict(
+        Sq=Sq,
+        Sk=Sk,
+        GROUP=Hq // Hkv,
+        lo=lo_i,
+        hi=hi_i,
+        qk_scale=float(scale) * 1.4426950408889634,
+        sm_scale=float(scale),
+        SEQ_BUCKET=_seq_bucket(max(Sq, Sk)),
+        HEAD_DIM=D,
+        BLOCK_D=bd,
+        HAS_LO=has_lo,
+        HAS_HI=has_hi,
+        DOT_PRECISION=_dot_precision(q.dtype),
+    )
+    _launch(
+        "dkdv",
+        bd,
+        lambda bm, bn: (B * Hkv, _cdiv(Sk, bn)),
+        [q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride()]
+        + [*dk.stride(), *dv.stride()],
+        dict(Hq=Hq, Hkv=Hkv, **common),
+    )
+    _launch(
+        "dq",
+        bd,
+        lambda bm, bn: (B * Hq, _cdiv(Sq, bm)),
+        [q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride()],
+        dict(Hq=Hq, LONGEST_FIRST=has_hi and not has_lo, **common),
+    )
+    return dq, dk, dv
+
+
+# -- the launchers of the contract (longctx.ops) --
+
+
+def triton_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, band: Band
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward with the Triton kernel; no autograd.
+
+    Args:
+        q: (B, Hq, Sq, D); k, v: (B, Hkv, Sk, D), any strides (the (B, S, H, D) layout needs no copy).
+        scale: multiplies q . k.
+        band: `Band` (lo <= j - i <= hi), any integer bounds, e.g. ``band.shifted(delta)`` from a ring step.
+
+    Returns:
+        out (B, Hq, Sq, D) in q's dtype and memory layout; lse (B, Hq, Sq) float32, natural log, -inf on
+        rows that see no key (their output is 0).
+    """
+    return _forward_impl(q, k, v, float(scale), band.lo, band.hi)
+
+
+def triton_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float,
+    band: Band,
+    deterministic: bool = False,
+    dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention backward with the Triton kernels: ``(dq, dk, dv)`` in the input dtypes and layouts.
+
+    ``lse`` is the forward's (natural log). ``dlse`` (B, Hq, Sq), optional, is a gradient flowing into the
+    lse itself. The kernels use no atomics, so the result is bitwise deterministic whatever
+    ``deterministic`` says.
+    """
+    del deterministic  # always deterministic: no atomics
+    return _backward_impl(do, q, k, v, out, lse, dlse, float(scale), band.lo, band.hi)
+
+
+# -- torch.library registration --
+
+_FWD_SCHEMA = "(Tensor q, Tensor k, Tensor v, float scale, SymInt? lo, SymInt? hi) -> (Tensor, Tensor)"
+_BWD_SCHEMA = (
+    "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float scale, "
+    "SymInt? lo, SymInt? hi) -> (Tensor, Tensor, Tensor)"
+)
+
+
+@torch.library.custom_op("longctx::triton_attn_fwd", mutates_args=(), schema=_FWD_SCHEMA)
+def _attn_fwd_op(q, k, v, scale, lo, hi):
+    return _forward_impl(q, k, v, scale, lo, hi)
+
+
+@_attn_fwd_op.register_fake
+def _(q, k, v, scale, lo, hi):
+    B, Hq, Sq, _ = q.shape
+    return torch.empty_like(q), q.new_empty((B, Hq, Sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("longctx::triton_attn_bwd", mutates_args=(), schema=_BWD_SCHEMA)
+def _attn_bwd_op(do, q, k, v, out, lse, dlse, scale, lo, hi):
+    return _backward_impl(do, q, k, v, out, lse, dlse, scale, lo, hi)
+
+
+@_attn_bwd_op.register_fake
+def _(do, q, k, v, out, lse, dlse, scale, lo, hi):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, scale, lo, hi = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.scale, ctx.lo, ctx.hi = scale, lo, hi
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.longctx.triton_attn_bwd(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.lo, ctx.hi)
+    return dq, dk, dv, None, None, None
+
+
+_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def triton_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, band: Band
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable ``(out, lse)`` through the registered op (traceable by torch.compile)."""
+    return torch.ops.longctx.triton_attn_fwd(q, k, v, float(scale), band.lo, band.hi)
+
+
+# -- dispatch --
+
+
+def _pinned_by_name(name: str) -> bool:
+    """Whether the dispatcher is resolving an explicit request for ``name`` (argument or env pin).
+
+    `AttnInputs` does not say whether a backend was pinned, and the CPU interpreter lane must be reachable
+    through ``longctx.attention(backend="triton")`` while ``backend="auto"`` never picks it on CPU. So, only
+    for CPU tensors, look at the caller `longctx.dispatch.select_backend`'s ``requested``. Any surprise in
+    the stack answers False (the safe side: CPU refused).
+    """
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "select_backend" and frame.f_globals.get("__name__") == "longctx.dispatch":
+            return frame.f_locals.get("requested") == name
+        frame = frame.f_back
+    return False
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    family = "flash"
+    description = "longctx's FlashAttention-2 kernels in Triton (fwd + deterministic bwd, GQA, bands)"
+
+    def available(self) -> tuple[bool, str]:
+        err = _triton_import_error()
+        return (err is None, err or "")
+
+    def not_supported_reasons(self, inp: AttnInputs) -> list[str]:
+        reasons = []
+        if inp.device.type == "cuda":
+            if inp.capability is not None and inp.capability < (8, 0):
+                reasons.append(f"needs compute capability >= 8.0 (Ampere or newer), got {inp.capability}")
+            if inp.dtype == torch.float32 and not _tf32_allowed():
+                reasons.append(
+                    "float32 inputs are refused: the kernels would compute them in tf32 (~1e-3 relative error); "
+                    "cast to bfloat16/float16, or set LONGCTX_TRITON_TF32=1 to accept the tf32 path"
+                )
+        elif inp.device.type == "cpu" and _interpret():
+            if not _pinned_by_name(self.name):
+                reasons.append(
+                    "CPU tensors run only in the Triton interpreter (slow, for tests); pin backend='triton' to use it"
+                )
+        else:
+            reasons.append(
+                f"needs CUDA tensors (got {inp.device.type}); CPU only under TRITON_INTERPRET=1 with backend pinned"
+            )
+        if inp.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            reasons.append(f"dtype {inp.dtype} is not supported; use float16 or bfloat16")
+        if inp.dtype == torch.bfloat16 and inp.device.type == "cpu":
+            reasons.append("the Triton interpreter has no bfloat16; use float16 or float32 on the CPU")
+        if not 1 <= inp.head_dim <= 256:
+            reasons.append(f"head_dim must be in [1, 256], got {inp.head_dim}")
+        if inp.block_mask:
+            reasons.append("block-sparse masks are not supported by the triton backend")
+        if inp.varlen:
+            reasons.append("packed variable-length input (cu_seqlens) is not supported by the triton backend")
+        return reasons
+
+    def run(self, q, k, v, *, scale: float, band: Band, return_lse: bool, deterministic=False, block_mask=None):
+        if block_mask is not None:
+            raise ValueError("the triton backend does not support block_mask; use backend='auto'")
+        out, lse = triton_attention(q, k, v, scale=scale, band=band)
+        return out, (lse if return_lse else None)
+
+
+register_backend(TritonBackend())
