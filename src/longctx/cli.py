@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p_check.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p_check.add_argument("--seed", type=int, default=None)
     p_mem = sub.add_parser("demo-memory", help="memory of tiled vs math attention at growing lengths")
-    p_mem.add_argument("--lengths", default="256,512,1024,2048,4096")
+    p_mem.add_argument("--lengths", default="512,1024,2048,4096")
     p_mem.add_argument("--device", default=None)
     for name, (_, help_) in _DELEGATED.items():
         sub.add_parser(name, help=help_, add_help=False)
