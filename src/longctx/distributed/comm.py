@@ -1,0 +1,112 @@
+"""Communication helpers shared by the context-parallel methods: group facts, ring exchanges, all-gather,
+reduce-scatter and all-to-all along the sequence, with gloo (CPU) and NCCL (GPU) code paths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from longctx.distributed.sharding import global_to_rank_major, reorder_to_global
+
+__all__ = ["GroupInfo", "group_info", "comm_device", "RingComm", "gather_seq", "reduce_scatter_seq", "all_to_all"]
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    group: object
+    rank: int
+    world: int
+    backend: str
+
+    @property
+    def is_nccl(self) -> bool:
+        return "nccl" in self.backend
+
+
+def group_info(group=None) -> GroupInfo:
+    """Rank, size and backend of ``group`` (default: the world). A world of one without torch.distributed."""
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise RuntimeError("a process group was given but torch.distributed is not initialized")
+        return GroupInfo(None, 0, 1, "none")
+    return GroupInfo(group, dist.get_rank(group), dist.get_world_size(group), str(dist.get_backend(group)))
+
+
+def comm_device(info: GroupInfo, hint: object = None) -> torch.device:
+    """The device a small collective of this group must use (CUDA for NCCL, CPU for gloo)."""
+    if "gloo" in info.backend or info.backend == "none":
+        return torch.device("cpu")
+    if isinstance(hint, torch.Tensor) and hint.is_cuda:
+        return hint.device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _global_rank(info: GroupInfo, r: int) -> int:
+    if info.group is None or info.group is dist.group.WORLD:
+        return r
+    return dist.get_global_rank(info.group, r)
+
+
+class RingComm:
+    """Batched point-to-point exchange with the ring neighbours: send to rank+1, receive from rank-1."""
+
+    def __init__(self, info: GroupInfo) -> None:
+        self.info = info
+        self.next = _global_rank(info, (info.rank + 1) % info.world)
+        self.prev = _global_rank(info, (info.rank - 1) % info.world)
+
+    def start(self, tensors: list[torch.Tensor], tag: int = 0) -> tuple[list[torch.Tensor], list]:
+        """Start sending ``tensors`` forward and receiving as many from behind; returns (buffers, requests)."""
+        ops, bufs = [], []
+        for i, t in enumerate(tensors):
+            t = t.contiguous()
+            buf = torch.empty_like(t)
+            bufs.append(buf)
+            # Distinct tags keep gloo's matching unambiguous; NCCL ignores them and matches in issue order.
+            ops.append(dist.P2POp(dist.isend, t, self.next, self.info.group, tag + i))
+            ops.append(dist.P2POp(dist.irecv, buf, self.prev, self.info.group, tag + i))
+        return bufs, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(reqs: list) -> None:
+        for r in reqs:
+            r.wait()
+
+
+def gather_seq(x: torch.Tensor, dim: int, info: GroupInfo, layout: str) -> torch.Tensor:
+    """All-gather the local sequence parts of ``x`` and return the full sequence in global order."""
+    if info.world == 1:
+        return x
+    x = x.contiguous()
+    if info.is_nccl:
+        buf = torch.empty((info.world, *x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(buf, x, group=info.group)
+        parts = list(buf.unbind(0))
+    else:
+        parts = [torch.empty_like(x) for _ in range(info.world)]
+        dist.all_gather(parts, x, group=info.group)
+    return reorder_to_global(parts, dim, layout)
+
+
+def reduce_scatter_seq(x_full: torch.Tensor, dim: int, info: GroupInfo, layout: str) -> torch.Tensor:
+    """Sum a full-sequence tensor over the group and return this rank's local part of the sum."""
+    if info.world == 1:
+        return x_full
+    stacked = global_to_rank_major(x_full, dim, info.world, layout).contiguous()  # (P, ..., S/P, ...)
+    if info.is_nccl:
+        out = torch.empty(stacked.shape[1:], dtype=x_full.dtype, device=x_full.device)
+        dist.reduce_scatter_tensor(out, stacked, group=info.group)
+        return out
+    # gloo has no reduce-scatter: an all-reduce of the rank-major stack, then this rank's slice.
+    dist.all_reduce(stacked, group=info.group)
+    return stacked[info.rank].clone()
+
+
+def all_to_all(x: torch.Tensor, info: GroupInfo) -> torch.Tensor:
+    """``all_to_all_single`` on a (P, ...) tensor: block p goes to rank p; block p of the result came from p."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=info.group)
+    return out

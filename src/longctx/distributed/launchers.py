@@ -1,0 +1,80 @@
+"""The attention launchers context parallelism builds on: ``fwd(q, k, v, scale, band) -> (out, lse)`` and
+``bwd(do, q, k, v, out, lse, scale, band) -> (dq, dk, dv)``.
+
+Context parallelism never calls an autograd.Function of a backend: it calls the launchers block by block and
+merges the partial results with their lse itself (as ring-flash-attention does with flash-attn's launchers).
+
+backend "auto": the Triton launchers (`longctx.ops.triton_flash`) on CUDA for float16/bfloat16 when that module
+imports, else the tiled launchers (plain PyTorch, any device and dtype). "tiled" and "triton" pin one.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from longctx.masks import Band
+
+__all__ = ["Launchers", "resolve_launchers", "BACKENDS"]
+
+BACKENDS = ("auto", "tiled", "triton")
+
+
+@dataclass(frozen=True)
+class Launchers:
+    name: str
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _tiled() -> Launchers:
+    from longctx.reference.tiled import tiled_backward, tiled_forward
+
+    def fwd(q, k, v, *, scale: float, band: Band):
+        return tiled_forward(q, k, v, scale=scale, band=band)
+
+    def bwd(do, q, k, v, out, lse, *, scale: float, band: Band):
+        # float32 (float64) gradients: the per-block results are summed over the ring in that precision.
+        gdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return tiled_backward(do, q, k, v, out, lse, scale=scale, band=band, grad_dtype=gdt)
+
+    return Launchers("tiled", fwd, bwd)
+
+
+def _triton_module():
+    try:
+        return importlib.import_module("longctx.ops.triton_flash"), None
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _triton() -> Launchers:
+    mod, err = _triton_module()
+    if mod is None:
+        raise ValueError(f"backend='triton' was requested but longctx.ops.triton_flash does not import ({err})")
+
+    def fwd(q, k, v, *, scale: float, band: Band):
+        return mod.triton_forward(q, k, v, scale=scale, band=band)
+
+    def bwd(do, q, k, v, out, lse, *, scale: float, band: Band):
+        return mod.triton_backward(do, q, k, v, out, lse, scale=scale, band=band, deterministic=False)
+
+    return Launchers("triton", fwd, bwd)
+
+
+def resolve_launchers(backend: str, device: torch.device, dtype: torch.dtype) -> Launchers:
+    """The launchers for ``backend`` ("auto", "tiled" or "triton") on this device and dtype."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} for context parallelism, got {backend!r}")
+    if backend == "tiled":
+        return _tiled()
+    if backend == "triton":
+        if device.type != "cuda":
+            raise ValueError(f"backend='triton' needs CUDA tensors, got device {device}")
+        return _triton()
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _triton_module()[0] is not None:
+        return _triton()
+    return _tiled()

@@ -1,0 +1,258 @@
+"""Wiring a `longctx.GPT` for context parallelism (what `longctx train --context-parallel N` calls).
+
+Every rank of the context-parallel group holds the whole model and 1/P of every sequence:
+
+    cp = setup_context_parallel(model, method="ring", layout="zigzag")    # core attention -> cp_attention
+    inputs, labels, mask, pos = cp.shard_batch(batch.inputs, batch.labels, batch.loss_mask)
+    logits = model(inputs, position_ids=pos)                               # (B, S/P, V), global RoPE positions
+    loss, loss_value = cp.loss(logits, labels, mask)                       # loss: this rank's share
+    loss.backward()
+    cp.allreduce_gradients(model)                                          # sum the shares: = single process
+    optimizer.step()
+
+The loss of the single-process run is the mean over all counted tokens of the full sequence. Each rank's
+``loss`` is (sum over its tokens) / (count over all ranks), so the shares add up to that mean and the sum
+over ranks of their parameter gradients is the single-process gradient; the attention backward already
+returns exact activation gradients to every rank (dK/dV travel back to their owners). ``loss_value`` is the
+all-reduced mean, identical on every rank, for logging.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from longctx.distributed.attention import METHODS, cp_attention
+from longctx.distributed.comm import comm_device, group_info
+from longctx.distributed.launchers import BACKENDS
+from longctx.distributed.sharding import LAYOUTS, check_divisible, local_positions, shard, unshard
+
+__all__ = [
+    "ContextParallel",
+    "init_distributed",
+    "setup_context_parallel",
+    "shard_batch",
+    "cp_cross_entropy",
+    "allreduce_gradients",
+    "broadcast_parameters",
+]
+
+
+def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device]:
+    """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK).
+
+    NCCL with one GPU per process (cuda:LOCAL_RANK) when CUDA is available, else gloo on the CPU. Returns
+    ``(rank, world_size, device)``. Without torchrun's variables: ``(0, 1, cuda or cpu)``, nothing initialised.
+    """
+    if dist.is_initialized():
+        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return dist.get_rank(), dist.get_world_size(), dev
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size(), dev
+
+
+def _cp_backend(attention_backend: str) -> str:
+    # The model's backend names the single-process kernel; CP runs on launchers (tiled or triton).
+    return attention_backend if attention_backend in BACKENDS else "auto"
+
+
+@dataclass
+class ContextParallel:
+    """The context-parallel settings of a model: the group, the method and the sequence layout."""
+
+    group: object = None
+    method: str = "ring"
+    layout: str = "zigzag"
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"context-parallel method must be one of {METHODS}, got {self.method!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"context-parallel layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"context-parallel backend must be one of {BACKENDS}, got {self.backend!r}")
+        info = group_info(self.group)
+        self.rank, self.world = info.rank, info.world
+
+    # -- the core attention each layer calls --
+    def core_attention(self):
+        """``fn(q, k, v)`` = causal `cp_attention` over this group (for ``GPT.set_core_attention``)."""
+
+        def cp_core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return cp_attention(
+                q, k, v, group=self.group, method=self.method, layout=self.layout, causal=True, backend=self.backend
+            )
+
+        cp_core_attention.unfused = False  # fused launchers: selective recomputation leaves it alone
+        cp_core_attention.context_parallel = self  # type: ignore[attr-defined]
+        return cp_core_attention
+
+    # -- data --
+    def check_seq_len(self, seq_len: int) -> None:
+        check_divisible(seq_len, self.world, self.layout, what="context-parallel sequence length")
+
+    def shard(self, x: torch.Tensor | None, dim: int = 1) -> torch.Tensor | None:
+        """This rank's part of a (B, S, ...) tensor along the sequence (None passes through)."""
+        return None if x is None else shard(x, dim, self.group, self.layout)
+
+    def position_ids(self, seq_len: int, device=None) -> torch.Tensor:
+        """(S/P,) global positions of this rank's tokens: ``model(tokens, position_ids=...)`` for RoPE."""
+        return local_positions(seq_len, self.rank, self.world, self.layout, device=device)
+
+    def shard_batch(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """Shard full (B, S) inputs, labels (inputs shifted by one, made *before* sharding) and loss mask.
+
+        Every rank must pass the same full batch (longctx.data batches are a function of (seed, step)).
+        Returns ``(inputs, labels, loss_mask, position_ids)`` for this rank, each (B, S/P) except the
+        (S/P,) position ids.
+        """
+        S = inputs.shape[1]
+        self.check_seq_len(S)
+        return (
+            self.shard(inputs),
+            self.shard(labels),
+            self.shard(loss_mask),
+            self.position_ids(S, device=inputs.device),
+        )
+
+    def gather(self, x_local: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The full sequence from every rank's part (e.g. predictions for evaluation). Not differentiable."""
+        return unshard(x_local, dim, self.group, self.layout)
+
+    # -- loss and gradients --
+    def loss(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss, loss_value)``: this rank's differentiable share and the global mean (detached).
+
+        logits (B, S/P, V), labels (B, S/P), loss_mask (B, S/P) or None. ``loss`` = sum of this rank's
+        token losses / the number of counted tokens over the whole group, so the shares of all ranks add up
+        to the single-process mean; call `allreduce_gradients` after backward.
+        """
+        per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+        if loss_mask is not None:
+            m = loss_mask.flatten().to(per_token.dtype)
+            local_sum, local_count = (per_token * m).sum(), m.sum()
+        else:
+            local_sum = per_token.sum()
+            local_count = torch.tensor(float(per_token.numel()), device=per_token.device)
+        stats = torch.stack([local_sum.detach(), local_count.detach()]).to(torch.float64)
+        if self.world > 1:
+            info = group_info(self.group)
+            stats = stats.to(comm_device(info, logits))
+            dist.all_reduce(stats, group=self.group)
+        total_sum, total_count = stats[0].to(per_token.device), stats[1].clamp_min(1.0).to(per_token.device)
+        loss = local_sum / total_count.to(local_sum.dtype)
+        return loss, (total_sum / total_count).to(torch.float32)
+
+    def allreduce_gradients(self, model: torch.nn.Module) -> None:
+        """Sum the parameter gradients over the group (each rank holds the gradient of its tokens only)."""
+        if self.world == 1:
+            return
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if not grads:
+            return
+        # One flat buffer per dtype: one all-reduce instead of one per parameter.
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for gs in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in gs])
+            dist.all_reduce(flat, group=self.group)
+            off = 0
+            for g in gs:
+                n = g.numel()
+                g.copy_(flat[off : off + n].view_as(g))
+                off += n
+
+    def broadcast_parameters(self, model: torch.nn.Module) -> None:
+        """Make every rank start from the parameters of the group's first rank."""
+        if self.world == 1:
+            return
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(t.data, src=src, group=self.group)
+
+
+def setup_context_parallel(
+    model,
+    group=None,
+    method: str = "ring",
+    layout: str = "zigzag",
+    backend: str | None = None,
+    broadcast: bool = True,
+) -> ContextParallel:
+    """Configure a `longctx.GPT` for context parallelism over ``group`` and return the `ContextParallel`.
+
+    Installs `cp_attention` (causal) as the core attention of every layer, checks that the model can run
+    under CP, and (``broadcast=True``) copies rank 0's parameters to the other ranks of the group.
+    ``backend`` defaults to the model's ``attention_backend`` when that is "tiled" or "triton", else "auto".
+
+    Raises:
+        ValueError: an unknown method/layout/backend, ``attention_dropout > 0`` (its dense path cannot see
+            the other ranks' keys), or heads Ulysses cannot split.
+    """
+    cfg = getattr(model, "config", None)
+    if backend is None:
+        backend = _cp_backend(getattr(cfg, "attention_backend", "auto"))
+    cp = ContextParallel(group=group, method=method, layout=layout, backend=backend)
+    if cfg is not None:
+        if getattr(cfg, "attention_dropout", 0.0) > 0:
+            raise ValueError(
+                "context parallelism needs attention_dropout == 0: the dropout path is a dense local attention "
+                "that cannot see the keys of the other ranks"
+            )
+        if method == "ulysses":
+            from longctx.distributed.ulysses import kv_replication
+
+            kv_replication(cfg.num_attention_heads, cfg.kv_heads, cp.world)
+    model.set_core_attention(cp.core_attention())
+    if broadcast:
+        cp.broadcast_parameters(model)
+    return cp
+
+
+def shard_batch(cp: ContextParallel, inputs, labels=None, loss_mask=None):
+    """Functional form of `ContextParallel.shard_batch`."""
+    return cp.shard_batch(inputs, labels, loss_mask)
+
+
+def cp_cross_entropy(cp: ContextParallel, logits, labels, loss_mask=None):
+    """Functional form of `ContextParallel.loss`."""
+    return cp.loss(logits, labels, loss_mask)
+
+
+def allreduce_gradients(cp: ContextParallel, model) -> None:
+    """Functional form of `ContextParallel.allreduce_gradients`."""
+    cp.allreduce_gradients(model)
+
+
+def broadcast_parameters(cp: ContextParallel, model) -> None:
+    """Functional form of `ContextParallel.broadcast_parameters`."""
+    cp.broadcast_parameters(model)

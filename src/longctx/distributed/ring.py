@@ -1,0 +1,120 @@
+"""Ring attention: K/V blocks travel around the ring while each rank attends its queries to them.
+
+forward, on rank r of P, with its local q, k, v (in the chunks of the layout):
+
+    step t = 0 .. P-1:   holds K/V of rank src = r - t (mod P)
+        start sending the K/V it holds to r+1 and receiving the next from r-1   (overlaps the compute)
+        for each launcher call the mask leaves (`blocks.plan_calls`, global band shifted per chunk pair):
+            out_b, lse_b = fwd(q[chunk], K[chunk], V[chunk])
+            merge (out_b, lse_b) into the float32 accumulators of those queries (`blocks.merge_into`)
+        wait for the exchange
+
+backward: the final (out, lse) are what each block's backward uses, so Delta = rowsum(dO * O) and the
+recomputed probabilities are the global ones and the per-block gradients simply add up. dQ stays on its rank;
+dK/dV of a block are accumulated by every rank that saw it, travelling around a second ring one step behind
+the K/V: at step t rank r adds its share for the K/V of rank r - t to the partial sum received from r - 1 and
+passes it on, so after P steps the sums arrive back at their owners.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longctx.distributed.blocks import Call, merge_into, plan_calls
+from longctx.distributed.comm import GroupInfo, RingComm
+from longctx.distributed.launchers import Launchers
+from longctx.distributed.sharding import local_chunks
+from longctx.masks import Band
+
+__all__ = ["RingAttention"]
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _step_calls(band: Band, seq_total: int, rank: int, src: int, world: int, layout: str) -> list[Call]:
+    return plan_calls(band, local_chunks(seq_total, rank, world, layout), local_chunks(seq_total, src, world, layout))
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, info: GroupInfo, layout: str, band: Band, scale: float, launchers: Launchers):
+        B, Hq, S_loc, D = q.shape
+        P, r = info.world, info.rank
+        seq_total = S_loc * P
+        adt = _acc_dtype(q.dtype)
+        out_acc = torch.zeros(B, Hq, S_loc, D, device=q.device, dtype=adt)
+        lse_acc = torch.full((B, Hq, S_loc), float("-inf"), device=q.device, dtype=adt)
+        comm = RingComm(info) if P > 1 else None
+        k_cur, v_cur = k.contiguous(), v.contiguous()
+        for t in range(P):
+            src = (r - t) % P
+            reqs = None
+            if t < P - 1:
+                (k_nxt, v_nxt), reqs = comm.start([k_cur, v_cur], tag=0)
+            for c in _step_calls(band, seq_total, r, src, P, layout):
+                o_b, l_b = launchers.forward(
+                    q[:, :, c.q0 : c.q1], k_cur[:, :, c.k0 : c.k1], v_cur[:, :, c.k0 : c.k1], scale=scale, band=c.band
+                )
+                merge_into(out_acc[:, :, c.q0 : c.q1], lse_acc[:, :, c.q0 : c.q1], o_b, l_b)
+            if reqs is not None:
+                RingComm.wait(reqs)
+                k_cur, v_cur = k_nxt, v_nxt
+        out = out_acc.to(q.dtype)
+        lse = lse_acc if q.dtype == torch.float64 else lse_acc.float()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.info, ctx.layout, ctx.band, ctx.scale, ctx.launchers = info, layout, band, scale, launchers
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse = ctx.saved_tensors
+        info, layout, band, scale, launchers = ctx.info, ctx.layout, ctx.band, ctx.scale, ctx.launchers
+        B, Hq, S_loc, D = q.shape
+        Hkv = k.shape[1]
+        P, r = info.world, info.rank
+        seq_total = S_loc * P
+        adt = _acc_dtype(q.dtype)
+        do = do.contiguous()
+        dq_acc = torch.zeros(B, Hq, S_loc, D, device=q.device, dtype=adt)
+        comm = RingComm(info) if P > 1 else None
+        k_cur, v_cur = k.contiguous(), v.contiguous()
+        dkv_bufs, dkv_reqs = None, None
+        for t in range(P):
+            src = (r - t) % P
+            kv_reqs = None
+            if t < P - 1:
+                (k_nxt, v_nxt), kv_reqs = comm.start([k_cur, v_cur], tag=0)
+            dk_blk = torch.zeros(B, Hkv, S_loc, D, device=q.device, dtype=adt)
+            dv_blk = torch.zeros_like(dk_blk)
+            for c in _step_calls(band, seq_total, r, src, P, layout):
+                qs, ks = slice(c.q0, c.q1), slice(c.k0, c.k1)
+                dq_b, dk_b, dv_b = launchers.backward(
+                    do[:, :, qs],
+                    q[:, :, qs],
+                    k_cur[:, :, ks],
+                    v_cur[:, :, ks],
+                    out[:, :, qs],
+                    lse[:, :, qs],
+                    scale=scale,
+                    band=c.band,
+                )
+                dq_acc[:, :, qs] += dq_b
+                dk_blk[:, :, ks] += dk_b
+                dv_blk[:, :, ks] += dv_b
+            if P > 1:
+                if dkv_reqs is not None:  # the partial sums of this K/V block from the ranks before us
+                    RingComm.wait(dkv_reqs)
+                    dk_blk += dkv_bufs[0]
+                    dv_blk += dkv_bufs[1]
+                dkv_bufs, dkv_reqs = comm.start([dk_blk, dv_blk], tag=2)
+            else:
+                dkv_bufs = (dk_blk, dv_blk)
+            if kv_reqs is not None:
+                RingComm.wait(kv_reqs)
+                k_cur, v_cur = k_nxt, v_nxt
+        if dkv_reqs is not None:  # after P hops the sums for our own K/V are back
+            RingComm.wait(dkv_reqs)
+        dk, dv = dkv_bufs
+        return dq_acc.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

@@ -1,0 +1,137 @@
+"""Sequence layouts for context parallelism: which global positions each rank holds, `shard` and `unshard`.
+
+Two layouts of a sequence of S positions over P ranks:
+
+    contiguous (P = 4):  rank 0 | rank 1 | rank 2 | rank 3          rank r holds chunk r of P
+    zigzag     (P = 4):  0 | 1 | 2 | 3 | 3 | 2 | 1 | 0              rank r holds chunks r and 2P-1-r of 2P
+
+Under a causal mask the work of a query chunk grows with its position, so the contiguous layout leaves the
+last rank with P times the work of the first; zigzag pairs an early chunk with a late one so that every rank
+has the same amount of work (Megatron's "load-balanced" CP, ring-flash-attention's zigzag).
+
+A rank's local tensor is its chunks concatenated in the order above (zigzag: chunk r, then chunk 2P-1-r).
+`local_chunks` gives ``(local_start, length, global_start)`` for each of them; every other module works from
+that list, so it is the single definition of the layouts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LAYOUTS", "shard", "unshard", "local_chunks", "chunks_per_rank", "check_divisible", "local_positions"]
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def chunks_per_rank(layout: str) -> int:
+    if layout == "zigzag":
+        return 2
+    if layout == "contiguous":
+        return 1
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def check_divisible(seq_len: int, world: int, layout: str, *, what: str = "sequence length") -> None:
+    """Raise ValueError unless ``seq_len`` splits into the layout's chunks (2P for zigzag, P for contiguous)."""
+    n = chunks_per_rank(layout) * world
+    if seq_len % n != 0:
+        fix = "pad the sequence" + (
+            " or use layout='contiguous'" if layout == "zigzag" and seq_len % world == 0 else ""
+        )
+        raise ValueError(
+            f"{what} {seq_len} is not divisible by {n} (layout={layout!r} cuts it into "
+            f"{chunks_per_rank(layout)} x {world} ranks chunks); {fix}"
+        )
+
+
+def local_chunks(seq_total: int, rank: int, world: int, layout: str) -> list[tuple[int, int, int]]:
+    """``[(local_start, length, global_start), ...]`` of the chunks rank ``rank`` holds, in local order."""
+    check_divisible(seq_total, world, layout)
+    if layout == "contiguous":
+        c = seq_total // world
+        return [(0, c, rank * c)]
+    c = seq_total // (2 * world)
+    return [(0, c, rank * c), (c, c, (2 * world - 1 - rank) * c)]
+
+
+def local_positions(seq_total: int, rank: int, world: int, layout: str, device=None) -> torch.Tensor:
+    """Global positions (int64, shape (S/P,)) of the tokens rank ``rank`` holds: the position ids for RoPE."""
+    parts = [torch.arange(g, g + n, device=device) for _, n, g in local_chunks(seq_total, rank, world, layout)]
+    return torch.cat(parts)
+
+
+def _group_info(group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise RuntimeError("torch.distributed is not initialized but a process group was given")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _dim(x: torch.Tensor, dim: int) -> int:
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim {dim} out of range for a tensor of shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+def shard(x: torch.Tensor, dim: int, group=None, layout: str = "zigzag") -> torch.Tensor:
+    """This rank's part of a full-sequence tensor (a copy; no communication).
+
+    Args:
+        x: a tensor holding the whole sequence along ``dim`` (the same on every rank).
+        dim: the sequence dimension (e.g. 2 for (B, H, S, D), 1 for (B, S) tokens).
+        group: the context-parallel process group (default: the world; without torch.distributed
+            initialized, a world of one).
+        layout: "zigzag" (rank r gets chunks r and 2P-1-r of 2P) or "contiguous" (chunk r of P).
+
+    Returns:
+        (..., S/P, ...) along ``dim``.
+
+    Raises:
+        ValueError: an unknown layout, or S not divisible by 2P (zigzag) / P (contiguous).
+    """
+    rank, world = _group_info(group)
+    dim = _dim(x, dim)
+    chunks = local_chunks(x.shape[dim], rank, world, layout)
+    return torch.cat([x.narrow(dim, g, n) for _, n, g in chunks], dim=dim)
+
+
+def reorder_to_global(parts: list[torch.Tensor], dim: int, layout: str) -> torch.Tensor:
+    """Concatenate per-rank local tensors (index = rank) into the full sequence in global order."""
+    world = len(parts)
+    n_local = parts[0].shape[dim]
+    seq_total = n_local * world
+    pieces: list[tuple[int, torch.Tensor]] = []
+    for r, p in enumerate(parts):
+        for ls, n, g in local_chunks(seq_total, r, world, layout):
+            pieces.append((g, p.narrow(dim, ls, n)))
+    pieces.sort(key=lambda t: t[0])
+    return torch.cat([p for _, p in pieces], dim=dim)
+
+
+def global_to_rank_major(x: torch.Tensor, dim: int, world: int, layout: str) -> torch.Tensor:
+    """The inverse of `reorder_to_global`: (P, ...) stacking of every rank's local part (for reduce-scatter)."""
+    seq_total = x.shape[dim]
+    return torch.stack(
+        [
+            torch.cat([x.narrow(dim, g, n) for _, n, g in local_chunks(seq_total, r, world, layout)], dim=dim)
+            for r in range(world)
+        ]
+    )
+
+
+def unshard(x_local: torch.Tensor, dim: int, group=None, layout: str = "zigzag") -> torch.Tensor:
+    """Gather the local parts of every rank back into the full sequence along ``dim`` (an all-gather).
+
+    Every rank must call it with tensors of the same shape and dtype. Not differentiable.
+    """
+    rank, world = _group_info(group)
+    dim = _dim(x_local, dim)
+    chunks_per_rank(layout)
+    if world == 1:
+        return x_local.clone()
+    x_local = x_local.contiguous()
+    parts = [torch.empty_like(x_local) for _ in range(world)]
+    dist.all_gather(parts, x_local, group=group)
+    return reorder_to_global(parts, dim, layout)

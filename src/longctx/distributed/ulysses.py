@@ -1,0 +1,79 @@
+"""Ulysses (DeepSpeed) attention: all-to-all from sequence-sharded to head-sharded, attention over the whole
+sequence for H/P heads, all-to-all back.
+
+    local (B, H, S/P, D) --all-to-all--> (B, H/P, S, D) in global order --attention(global band)--> back
+
+Rank p gets query heads [p Hq/P, (p+1) Hq/P) and kv heads [p Hkv/P, (p+1) Hkv/P), so the GQA mapping
+(query head h reads kv head h // (Hq/Hkv)) holds inside each rank. It needs Hq % P == 0 and Hkv % P == 0.
+When Hkv < P and P % Hkv == 0 (e.g. MQA), the kv heads are replicated P/Hkv times first (each rank then
+receives exactly the kv head its query heads read), and the gradients of the copies are summed by autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longctx.distributed.comm import GroupInfo, all_to_all
+from longctx.distributed.launchers import Launchers
+from longctx.distributed.sharding import global_to_rank_major, reorder_to_global
+from longctx.masks import Band
+
+__all__ = ["UlyssesAttention", "seq_to_head", "head_to_seq", "kv_replication"]
+
+
+def seq_to_head(x: torch.Tensor, info: GroupInfo, layout: str) -> torch.Tensor:
+    """(B, H, S/P, D) sequence-sharded -> (B, H/P, S, D) head-sharded, sequence in global order."""
+    B, H, S_loc, D = x.shape
+    P = info.world
+    send = x.reshape(B, P, H // P, S_loc, D).transpose(0, 1)  # (P, B, H/P, S/P, D): block p goes to rank p
+    recv = all_to_all(send, info)  # block p: rank p's positions of our heads
+    return reorder_to_global(list(recv.unbind(0)), 2, layout)
+
+
+def head_to_seq(y: torch.Tensor, info: GroupInfo, layout: str) -> torch.Tensor:
+    """(B, H/P, S, D) head-sharded in global order -> (B, H, S/P, D) sequence-sharded (the inverse)."""
+    B, Hp, S, D = y.shape
+    P = info.world
+    send = global_to_rank_major(y, 2, P, layout)  # (P, B, H/P, S/P, D): block p holds rank p's positions
+    recv = all_to_all(send, info)  # block p: our positions of rank p's heads
+    return recv.transpose(0, 1).reshape(B, P * Hp, S // P, D)
+
+
+def kv_replication(hq: int, hkv: int, world: int) -> int:
+    """How many times each kv head is repeated for Ulysses (1 when Hkv % P == 0); raises ValueError if impossible."""
+    if hq % world != 0:
+        raise ValueError(
+            f"method='ulysses' needs the number of query heads ({hq}) divisible by the context-parallel size "
+            f"({world}); use method='ring' or 'allgather', or a group size that divides {hq}"
+        )
+    if hkv % world == 0:
+        return 1
+    if world % hkv == 0:
+        return world // hkv
+    raise ValueError(
+        f"method='ulysses' needs the number of kv heads ({hkv}) divisible by the context-parallel size ({world}) "
+        f"(or dividing it, for kv replication); use method='ring' or 'allgather'"
+    )
+
+
+class UlyssesAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, info: GroupInfo, layout: str, band: Band, scale: float, launchers: Launchers):
+        q_h = seq_to_head(q, info, layout)  # (B, Hq/P, S, D)
+        k_h = seq_to_head(k, info, layout)  # (B, Hkv/P, S, D)
+        v_h = seq_to_head(v, info, layout)
+        out_h, lse_h = launchers.forward(q_h, k_h, v_h, scale=scale, band=band)
+        ctx.save_for_backward(q_h, k_h, v_h, out_h, lse_h)
+        ctx.info, ctx.layout, ctx.band, ctx.scale, ctx.launchers = info, layout, band, scale, launchers
+        return head_to_seq(out_h, info, layout)
+
+    @staticmethod
+    def backward(ctx, do):
+        q_h, k_h, v_h, out_h, lse_h = ctx.saved_tensors
+        info, layout = ctx.info, ctx.layout
+        do_h = seq_to_head(do, info, layout)
+        dq_h, dk_h, dv_h = ctx.launchers.backward(do_h, q_h, k_h, v_h, out_h, lse_h, scale=ctx.scale, band=ctx.band)
+        dq = head_to_seq(dq_h.to(q_h.dtype), info, layout)
+        dk = head_to_seq(dk_h.to(k_h.dtype), info, layout)
+        dv = head_to_seq(dv_h.to(v_h.dtype), info, layout)
+        return dq, dk, dv, None, None, None, None, None
