@@ -91,6 +91,11 @@ class Band:
         return self.lo is None and self.hi is None
 
     @property
+    def is_empty(self) -> bool:
+        """True when no key is visible to any query (lo > hi)."""
+        return self.lo is not None and self.hi is not None and self.lo > self.hi
+
+    @property
     def is_causal_like(self) -> bool:
         """True when the band has an upper bound (the mask removes the top-right part)."""
         return self.hi is not None
@@ -112,7 +117,7 @@ class Band:
         """Classify the tile of queries [q_start, q_end) x keys [k_start, k_end) (both non-empty)."""
         dmin = k_start - (q_end - 1)  # smallest j - i in the tile
         dmax = (k_end - 1) - q_start  # largest j - i in the tile
-        if (self.hi is not None and dmin > self.hi) or (self.lo is not None and dmax < self.lo):
+        if (self.hi is not None and dmin > self.hi) or (self.lo is not None and dmax < self.lo) or self.is_empty:
             return TileKind.EMPTY
         if (self.hi is None or dmax <= self.hi) and (self.lo is None or dmin >= self.lo):
             return TileKind.FULL
