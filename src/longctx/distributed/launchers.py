@@ -11,6 +11,7 @@ imports, else the tiled launchers (plain PyTorch, any device and dtype). "tiled"
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -72,8 +73,8 @@ def resolve_launchers(backend: str, device: torch.device, dtype: torch.dtype) ->
     if backend == "tiled":
         return _tiled()
     if backend == "triton":
-        if device.type != "cuda":
-            raise ValueError(f"backend='triton' needs CUDA tensors, got device {device}")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got device {device}")
         return _triton()
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _triton_module()[0] is not None:
         return _triton()
