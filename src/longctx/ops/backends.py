@@ -8,4 +8,7 @@ from __future__ import annotations
 import longctx.ops.math_backend  # noqa: F401
 import longctx.ops.sdpa  # noqa: F401
 import longctx.ops.tiled_backend  # noqa: F401
-from longctx.ops import triton_flash  # noqa: F401
+from longctx.ops import (
+    triton_flash,  # noqa: F401
+    triton_sparse,  # noqa: F401
+)

@@ -1,0 +1,331 @@
+"""The `triton_sparse` backend: block-sparse masks and packed documents on the Triton kernels.
+
+Layers, bottom up (kernels in `longctx.kernels.flash_sparse`):
+
+- `sparse_forward(q, k, v, *, scale, block_mask) -> (out, lse)` and
+  `sparse_backward(do, q, k, v, out, lse, *, scale, block_mask, dlse=None) -> (dq, dk, dv)`: the launchers
+  (lse natural log, float32, -inf on rows that see nothing). The backward's Delta / base-2 lse come from the
+  `triton` backend's preprocessing kernel (`longctx.kernels.flash_bwd.bwd_preprocess_kernel`).
+- `TritonSparseAttention`: the autograd.Function (saves q, k, v, out, lse; the mask object rides on ctx).
+  It is not a torch.library op (a BlockMask is not a tensor), so torch.compile breaks the graph around it.
+- `TritonSparseBackend`: name "triton_sparse", family "flash" (``LONGCTX_FLASH_ATTN=0`` switches it off),
+  second in the auto order right after "triton". It serves only calls with a block mask (and the packed
+  documents of `longctx.flash_attn_varlen_func`, which are one); dense calls go to "triton".
+
+Tiles: the kernels' BLOCK_M/BLOCK_N come from the `triton` backend's tables (`longctx.kernels.configs`),
+kept only where they divide the mask's block size; autotuned over the first two such entries unless
+``LONGCTX_TRITON_AUTOTUNE=0``. The mask's block size must be a multiple of 16 (tl.dot's minimum); other
+block sizes run on the plain-PyTorch path (`longctx.ops.sparse_support`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from longctx.block_sparse import BlockMask
+from longctx.dispatch import AttnInputs, Backend, register_backend
+from longctx.masks import Band
+from longctx.ops import triton_flash as _tf
+
+__all__ = ["sparse_forward", "sparse_backward", "triton_sparse_attention", "TritonSparseBackend"]
+
+_LOG2E = 1.4426950408889634
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _tile_choices(kind: str, bd: int, mask_bs: int) -> list[tuple[int, int, int, int]]:
+    from longctx.kernels import configs
+
+    if _tf._interpret():
+        bm, bn, w, s = configs.INTERPRET
+        return [(min(bm, mask_bs), min(bn, mask_bs), w, s)]
+    ok = [c for c in configs.table(kind)[bd] if mask_bs % c[0] == 0 and mask_bs % c[1] == 0]
+    if not ok:
+        b = 64 if mask_bs % 64 == 0 else 32 if mask_bs % 32 == 0 else 16
+        ok = [(b, b, 4, 2)]
+    return ok
+
+
+@functools.cache
+def _kernel(kind: str, bd: int, mask_bs: int):
+    import triton
+
+    from longctx.kernels import flash_sparse
+
+    if _tf._interpret():
+        _tf._patch_interpreter_for_numpy2()
+    fn = {
+        "fwd": flash_sparse.sparse_fwd_kernel,
+        "dkdv": flash_sparse.sparse_bwd_dkdv_kernel,
+        "dq": flash_sparse.sparse_bwd_dq_kernel,
+    }[kind]
+    if not _tf._autotune_enabled():
+        return fn
+    cfgs = [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bm, bn, w, s in _tile_choices(kind, bd, mask_bs)[:2]
+    ]
+    return triton.autotune(cfgs, key=["HEAD_DIM", "MASK_KIND", "HAS_DOC", "HAS_GLOBAL", "SEQ_BUCKET"])(fn)
+
+
+def _launch(kind: str, bd: int, mask_bs: int, grid_fn, args: list, kwargs: dict) -> None:
+    kernel = _kernel(kind, bd, mask_bs)
+    if _tf._autotune_enabled():
+        kernel[lambda meta: grid_fn(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **kwargs)
+        return
+    bm, bn, w, s = _tile_choices(kind, bd, mask_bs)[0]
+    kernel[grid_fn(bm, bn)](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+
+
+def _mask_args(bm: BlockMask, B: int, Hq: int, transposed: bool) -> tuple[list, dict]:
+    """Pointer/stride arguments of the mask (lists expanded to (B, Hq, ...) with stride-0 broadcasting)."""
+    dev = bm.device
+    if transposed:
+        num, idx, fnum, fidx = bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices
+    else:
+        num, idx, fnum, fidx = bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
+    num, fnum = num.expand(B, Hq, num.shape[-1]), fnum.expand(B, Hq, fnum.shape[-1])
+    idx, fidx = idx.expand(B, Hq, *idx.shape[-2:]), fidx.expand(B, Hq, *fidx.shape[-2:])
+    assert num.stride() == fnum.stride() and idx.stride() == fidx.stride() and idx.stride(-1) == 1
+    dummy = torch.zeros(1, dtype=torch.int32, device=dev)
+    kw: dict = dict(lo=0, hi=0, kv_global=0, q_global=0, MASK_KIND=0, HAS_DOC=False, HAS_GLOBAL=False)
+    qd = kd = qp = kp = dummy
+    s_qdoc = s_kdoc = 0
+    tiles, tile_ids, ts = dummy, dummy, (0, 0, 0)
+    if bm.analytic is not None:
+        rule = bm.analytic
+        qd, kd, qp, kp = bm.doc_tensors()  # (Bd, S) int32, contiguous
+        s_qdoc = qd.stride(0) if qd.shape[0] > 1 else 0
+        s_kdoc = kd.stride(0) if kd.shape[0] > 1 else 0
+        lo, hi = rule.bounds()
+        kw.update(
+            lo=lo,
+            hi=hi,
+            kv_global=rule.kv_global,
+            q_global=rule.q_global,
+            MASK_KIND=1,
+            HAS_DOC=rule.has_doc,
+            HAS_GLOBAL=bool(rule.kv_global or rule.q_global),
+        )
+    elif bm.tiles is not None:
+        tiles = bm.tiles.contiguous().view(torch.uint8)
+        tid = bm.tile_ids.expand(B, Hq, *bm.tile_ids.shape[-2:])
+        tile_ids, ts = tid, (tid.stride(0), tid.stride(1), tid.stride(2))
+        kw.update(MASK_KIND=2)
+    args = [num, idx, fnum, fidx, num.stride(0), num.stride(1), idx.stride(0), idx.stride(1), idx.stride(2)]
+    args += [qd, kd, qp, kp, s_qdoc, s_kdoc, tiles, tile_ids, *ts]
+    return args, kw
+
+
+def _check(q, k, v, bm: BlockMask) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"expected q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D); got {q.shape}, {k.shape}, {v.shape}")
+    if bm.block_size % 16:
+        raise ValueError(f"the triton_sparse kernels need a block_size that is a multiple of 16, got {bm.block_size}")
+    if q.shape[3] > 256:
+        raise ValueError(f"head dims up to 256 are supported, got {q.shape[3]}")
+    bm.check_compatible(q, k)
+
+
+def sparse_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, block_mask: BlockMask
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse forward: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), any strides -> out (q's layout), lse (B, Hq, Sq)."""
+    bm = block_mask
+    _check(q, k, v, bm)
+    from longctx.kernels import configs
+
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    out = torch.empty_like(q)
+    lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
+    if out.numel() == 0:
+        return out, lse
+    bd = configs.block_d(D)
+    margs, mkw = _mask_args(bm, B, Hq, transposed=False)
+    _launch(
+        "fwd",
+        bd,
+        bm.block_size,
+        lambda bm_, bn_: (B * Hq, _cdiv(Sq, bm_)),
+        [q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *margs],
+        dict(
+            Hq=Hq,
+            Sq=Sq,
+            Sk=Sk,
+            GROUP=Hq // Hkv,
+            qk_scale=float(scale) * _LOG2E,
+            SEQ_BUCKET=_tf._seq_bucket(max(Sq, Sk)),
+            HEAD_DIM=D,
+            BLOCK_D=bd,
+            MASK_BS=bm.block_size,
+            EVEN_SK=Sk % bm.block_size == 0,
+            DOT_PRECISION=_tf._dot_precision(q.dtype),
+            **mkw,
+        ),
+    )
+    return out, lse
+
+
+def sparse_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float,
+    block_mask: BlockMask,
+    dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block-sparse backward (deterministic: no atomics): (dq, dk, dv) in the input dtypes and layouts."""
+    bm = block_mask
+    _check(q, k, v, bm)
+    from longctx.kernels import configs, flash_bwd
+
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    bd = configs.block_d(D)
+    lse = lse.float().contiguous()  # (B, Hq, Sq)
+    if dlse is not None:
+        dlse = dlse.float().contiguous()
+    delta = torch.empty_like(lse)  # (B, Hq, Sq) rowsum(dO * O) - dlse
+    lse2 = torch.empty_like(lse)  # (B, Hq, Sq) base 2, +inf on rows that see nothing
+    pre_bm = 16 if _tf._interpret() else 64
+    if _tf._interpret():
+        _tf._patch_interpreter_for_numpy2()
+    flash_bwd.bwd_preprocess_kernel[(_cdiv(Sq, pre_bm), B * Hq)](
+        out,
+        do,
+        lse,
+        lse if dlse is None else dlse,
+        delta,
+        lse2,
+        *out.stride(),
+        *do.stride(),
+        Hq,
+        Sq,
+        HEAD_DIM=D,
+        BLOCK_D=bd,
+        BLOCK_M=pre_bm,
+        HAS_DLSE=dlse is not None,
+        num_warps=4,
+    )
+    common = dict(
+        Sq=Sq,
+        Sk=Sk,
+        GROUP=Hq // Hkv,
+        qk_scale=float(scale) * _LOG2E,
+        sm_scale=float(scale),
+        SEQ_BUCKET=_tf._seq_bucket(max(Sq, Sk)),
+        HEAD_DIM=D,
+        BLOCK_D=bd,
+        MASK_BS=bm.block_size,
+        DOT_PRECISION=_tf._dot_precision(q.dtype),
+    )
+    targs, tkw = _mask_args(bm, B, Hq, transposed=True)
+    _launch(
+        "dkdv",
+        bd,
+        bm.block_size,
+        lambda bm_, bn_: (B * Hkv, _cdiv(Sk, bn_)),
+        [q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride()]
+        + [*dk.stride(), *dv.stride(), *targs],
+        dict(Hq=Hq, Hkv=Hkv, **common, **tkw),
+    )
+    margs, mkw = _mask_args(bm, B, Hq, transposed=False)
+    _launch(
+        "dq",
+        bd,
+        bm.block_size,
+        lambda bm_, bn_: (B * Hq, _cdiv(Sq, bm_)),
+        [q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *margs],
+        dict(Hq=Hq, EVEN_SK=Sk % bm.block_size == 0, **common, **mkw),
+    )
+    return dq, dk, dv
+
+
+class TritonSparseAttention(torch.autograd.Function):
+    """Saves q, k, v, out, lse; the backward walks the transposed block lists (dK/dV) and the lists (dQ)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float, bm: BlockMask):
+        out, lse = sparse_forward(q, k, v, scale=scale, block_mask=bm)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.bm = scale, bm
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = sparse_backward(dout, q, k, v, out, lse, scale=ctx.scale, block_mask=ctx.bm, dlse=dlse)
+        return dq, dk, dv, None, None
+
+
+def triton_sparse_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, block_mask: BlockMask
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable block-sparse attention on the Triton kernels: ``(out, lse)``."""
+    return TritonSparseAttention.apply(q, k, v, float(scale), block_mask)
+
+
+class TritonSparseBackend(Backend):
+    name = "triton_sparse"
+    family = "flash"
+    description = "block-sparse / packed-document FlashAttention in Triton (walks only the kept blocks)"
+
+    def available(self) -> tuple[bool, str]:
+        err = _tf._triton_import_error()
+        return (err is None, err or "")
+
+    def not_supported_reasons(self, inp: AttnInputs) -> list[str]:
+        reasons = []
+        if not (inp.block_mask or inp.varlen):
+            reasons.append("serves only block-sparse masks and packed documents (dense calls go to 'triton')")
+        if inp.device.type == "cuda":
+            if inp.capability is not None and inp.capability < (8, 0):
+                reasons.append(f"needs compute capability >= 8.0, got {inp.capability}")
+            if inp.dtype == torch.float32 and not _tf._tf32_allowed():
+                reasons.append("float32 would run in tf32; cast to bfloat16/float16 or set LONGCTX_TRITON_TF32=1")
+        elif inp.device.type == "cpu" and _tf._interpret():
+            if not _tf._pinned_by_name(self.name):
+                reasons.append("CPU tensors run only in the Triton interpreter; pin backend='triton_sparse'")
+        else:
+            reasons.append(f"needs CUDA tensors (got {inp.device.type})")
+        if inp.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            reasons.append(f"dtype {inp.dtype} is not supported; use float16 or bfloat16")
+        if inp.dtype == torch.bfloat16 and inp.device.type == "cpu":
+            reasons.append("the Triton interpreter has no bfloat16")
+        if not 1 <= inp.head_dim <= 256:
+            reasons.append(f"head_dim must be in [1, 256], got {inp.head_dim}")
+        if not inp.band.is_dense:
+            reasons.append(
+                "causal=/window= together with block_mask: put them into the mask instead "
+                "(e.g. and_masks(mask_mod, causal_mask)) for triton_sparse"
+            )
+        return reasons
+
+    def run(self, q, k, v, *, scale: float, band: Band, return_lse: bool, deterministic=False, block_mask=None):
+        if block_mask is None:
+            raise ValueError("the triton_sparse backend needs a block_mask; dense attention runs on 'triton'")
+        if block_mask.block_size % 16 or not band.is_dense:
+            # kernels need 16 | block_size; fall back to the plain-PyTorch block-sparse path
+            from longctx.ops import sparse_support
+
+            return sparse_support.tiled_block_sparse(q, k, v, scale=scale, band=band, block_mask=block_mask)
+        out, lse = triton_sparse_attention(q, k, v, scale=scale, block_mask=block_mask)
+        return out, lse
+
+
+register_backend(TritonSparseBackend(), priority=1)
