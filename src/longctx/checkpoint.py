@@ -1,0 +1,108 @@
+"""Training checkpoints: written atomically, read with ``torch.load(weights_only=True)``.
+
+A checkpoint is one file holding plain data only (tensors, numbers, strings, lists, dicts):
+
+    {"format": "longctx-checkpoint", "version": 1, "step": int, "model": state_dict,
+     "optimizer": state_dict, "rng": {...}, "model_config": dict, "train_config": dict, "extra": dict}
+
+Saving writes a temporary file next to the target, flushes it to disk and renames it over the target
+with `os.replace` (atomic on POSIX): a crash mid-save leaves the previous checkpoint intact, never a torn
+one. Loading refuses, with a `CheckpointError` that says why and what to do, a file that is missing,
+truncated or corrupt, not a longctx checkpoint, of another format version, or written for another model
+configuration.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "capture_rng", "restore_rng", "config_diff"]
+
+FORMAT = "longctx-checkpoint"
+VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used (missing, corrupt, foreign, or mismatched)."""
+
+
+def capture_rng() -> dict[str, Any]:
+    """The RNG states that training consumes (dropout): torch CPU, every CUDA device, Python's random."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _to_lists(random.getstate())}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_to_tuples(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _to_lists(x: Any) -> Any:
+    return [_to_lists(i) for i in x] if isinstance(x, tuple) else x
+
+
+def _to_tuples(x: Any) -> Any:
+    return tuple(_to_tuples(i) for i in x) if isinstance(x, list) else x
+
+
+def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> Path:
+    """Write ``payload`` (plus the format header) to ``path`` atomically; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"format": FORMAT, "version": VERSION, **payload}
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: readers see the old file or the new one, never a partial one
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read a checkpoint written by `save_checkpoint` (``weights_only=True``: no code is executed)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {str(path)!r}; train without --resume first, or pass the right path")
+    try:
+        data = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # zip/pickle errors of truncated or foreign files
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is corrupt or not a longctx checkpoint ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); it was left untouched - restore a good copy or "
+            "start a new run in another --save directory"
+        ) from e
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointError(f"{str(path)!r} is not a longctx checkpoint (no {FORMAT!r} header)")
+    if data.get("version") != VERSION:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has format version {data.get('version')!r}; this longctx reads version {VERSION}"
+        )
+    missing = [k for k in ("step", "model", "optimizer", "rng", "model_config") if k not in data]
+    if missing:
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: missing {missing}")
+    return data
+
+
+def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Human-readable differences ``field: saved -> current`` between two config dicts."""
+    keys = sorted(set(saved) | set(current))
+    return [
+        f"{k}: {saved.get(k, '<absent>')!r} -> {current.get(k, '<absent>')!r}"
+        for k in keys
+        if saved.get(k) != current.get(k)
+    ]

@@ -1,0 +1,134 @@
+"""Causal self-attention: one fused qkv projection, RoPE, GQA, and a replaceable core attention.
+
+    x (B, S, h) --linear_qkv--> q (B, Hq, S, D), k, v (B, Hkv, S, D)     Hkv = num_query_groups
+              --RoPE(position_ids)--> q, k
+              --core_attention(q, k, v)--> (B, Hq, S, D)                 longctx.attention(causal=True)
+              --linear_proj--> (B, S, h)
+
+K/V are passed to the core attention *un-repeated*: query head h reads kv head h // (Hq // Hkv), as in
+`longctx.attention`, so GQA never materialises repeated K/V.
+
+The core attention is the seam for context parallelism: `SelfAttention.core_attention` is any callable
+``fn(q, k, v) -> out`` with the shapes above (causal attention over the sequence this rank holds, in
+whatever global order its positions have). `GPT.set_core_attention(fn)` installs it in every layer; the
+default is `default_core_attention`, i.e. ``longctx.attention(q, k, v, causal=True, backend=...)``.
+A replacement is assumed to be fused (memory linear in S, as ring attention over flash launchers is), so
+selective recomputation leaves it alone; set ``fn.unfused = True`` to have it recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import longctx
+from longctx.layers.rotary import apply_rotary
+from longctx.recompute import checkpoint_call, recompute_active
+
+__all__ = ["CoreAttentionFn", "SelfAttention", "default_core_attention", "dense_attention_with_dropout"]
+
+CoreAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def dense_attention_with_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+    """Causal softmax attention with dropout on the probabilities (unfused: memory quadratic in S).
+
+    The fused backends of longctx have no attention dropout, so training with ``attention_dropout > 0``
+    takes this path. q (B, Hq, S, D); k, v (B, Hkv, S, D) -> (B, Hq, S, D).
+    """
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    q5 = q.reshape(B, Hkv, Hq // Hkv, S, D)  # query heads of one group share a kv head (no copy of K/V)
+    s = torch.matmul(q5.float(), k.float().unsqueeze(2).transpose(-1, -2)) * D**-0.5  # (B, Hkv, G, S, S)
+    causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+    probs = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
+    probs = F.dropout(probs, p=p, training=True)
+    out = torch.matmul(probs, v.float().unsqueeze(2))  # (B, Hkv, G, S, D)
+    return out.reshape(B, Hq, S, D).to(q.dtype)
+
+
+def default_core_attention(backend: str = "auto") -> CoreAttentionFn:
+    """``fn(q, k, v) = longctx.attention(q, k, v, causal=True, backend=backend)``."""
+
+    def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return longctx.attention(q, k, v, causal=True, backend=backend)
+
+    core_attention.backend = backend  # type: ignore[attr-defined]
+    return core_attention
+
+
+class SelfAttention(nn.Module):
+    """Multi-head, grouped-query or multi-query causal self-attention.
+
+    Args:
+        hidden_size: model width h.
+        num_attention_heads: query heads Hq.
+        num_query_groups: key/value heads Hkv (a divisor of Hq; Hq for multi-head, 1 for MQA).
+        kv_channels: head dim D.
+        attention_dropout: dropout on the attention probabilities (training only; takes the unfused path).
+        backend: the `longctx.attention` backend of the default core attention.
+        bias: biases on linear_qkv and linear_proj.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        num_query_groups: int,
+        kv_channels: int,
+        attention_dropout: float = 0.0,
+        backend: str = "auto",
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_attention_heads
+        self.num_groups = num_query_groups
+        self.head_dim = kv_channels
+        self.attention_dropout = attention_dropout
+        self.backend = backend
+        qkv_out = (num_attention_heads + 2 * num_query_groups) * kv_channels
+        self.linear_qkv = nn.Linear(hidden_size, qkv_out, bias=bias)
+        self.linear_proj = nn.Linear(num_attention_heads * kv_channels, hidden_size, bias=bias)
+        self.core_attention: CoreAttentionFn = default_core_attention(backend)
+        # Set by the recomputation policy (longctx.recompute): checkpoint the core attention when it is unfused.
+        self.recompute_core_attention = False
+
+    def set_core_attention(self, fn: CoreAttentionFn | None) -> None:
+        """Replace the core attention (None restores ``longctx.attention(causal=True, backend=...)``)."""
+        self.core_attention = default_core_attention(self.backend) if fn is None else fn
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.attention_dropout > 0 and self.training:
+            return dense_attention_with_dropout(q, k, v, self.attention_dropout)
+        return self.core_attention(q, k, v)
+
+    def core_is_unfused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether the core attention keeps O(S^2) activations for backward (so selective recompute pays off)."""
+        if self.attention_dropout > 0 and self.training:
+            return True
+        backend = getattr(self.core_attention, "backend", None)
+        if backend is None:  # a replacement (e.g. context parallelism): fused unless it says otherwise
+            return bool(getattr(self.core_attention, "unfused", False))
+        choice = longctx.explain(q, k, v, causal=True, backend=backend)
+        return choice.backend.family == "reference"
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (B, S, h); cos, sin (S, D) or (B, S, D) from `RotaryEmbedding` -> (B, S, h)."""
+        B, S, _ = x.shape
+        Hq, Hkv, D = self.num_heads, self.num_groups, self.head_dim
+        qkv = self.linear_qkv(x)  # (B, S, (Hq + 2 Hkv) D)
+        q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        q = q.view(B, S, Hq, D).transpose(1, 2)  # (B, Hq, S, D)
+        k = k.view(B, S, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
+        v = v.view(B, S, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        if self.recompute_core_attention and recompute_active(self) and self.core_is_unfused(q, k, v):
+            out = checkpoint_call(self._core, q, k, v)  # selective: only the core attention is recomputed
+        else:
+            out = self._core(q, k, v)  # (B, Hq, S, D)
+        out = out.transpose(1, 2).reshape(B, S, Hq * D)  # (B, S, Hq D)
+        return self.linear_proj(out)

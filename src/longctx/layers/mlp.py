@@ -1,0 +1,30 @@
+"""The SwiGLU feed-forward block of Llama and PaLM (Shazeer, "GLU Variants Improve Transformer", 2020)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SwiGLUMLP(nn.Module):
+    """``linear_fc2(silu(x W_gate) * (x W_up))``.
+
+    Megatron stores the gate and up projections as one ``linear_fc1`` of width ``2 * ffn_hidden_size``
+    (gate first, then up); so do we, so one matmul serves both.
+
+    Args:
+        hidden_size: model width h.
+        ffn_hidden_size: width of the gated intermediate activation.
+        bias: add biases to both linears (Megatron's ``add_bias_linear``).
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(hidden_size, 2 * ffn_hidden_size, bias=bias)
+        self.linear_fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.linear_fc1(x)  # (B, S, 2F)
+        gate, up = gate_up.chunk(2, dim=-1)  # 2 x (B, S, F)
+        return self.linear_fc2(F.silu(gate) * up)  # (B, S, h)

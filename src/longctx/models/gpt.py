@@ -1,0 +1,326 @@
+"""A decoder-only GPT: pre-norm RMSNorm, rotary positions, SwiGLU, GQA, attention through `longctx.attention`.
+
+Reads top to bottom like nanoGPT's model.py: the config, one transformer layer, the model, the loss.
+Field names follow Megatron-LM (``num_layers``, ``hidden_size``, ``num_query_groups``, ``ffn_hidden_size``,
+``recompute_granularity`` ...), so a Megatron or NeMo user can read a config without a glossary.
+
+Seams for context parallelism (longctx.distributed):
+
+* ``model(tokens, position_ids=...)``: RoPE uses the positions given, so a rank holding a (zigzag, hence
+  non-contiguous) shard of the sequence rotates with global positions. position_ids is (S,) or (B, S).
+* ``model.set_core_attention(fn)``: every layer calls ``fn(q, k, v)`` (q (B, Hq, S_local, D); k, v
+  (B, Hkv, S_local, D), un-repeated) instead of ``longctx.attention(q, k, v, causal=True, ...)``; pass
+  None to restore the default.
+* ``lm_loss(logits, labels, loss_mask, reduction="sum")`` returns the summed loss of the local tokens;
+  divide by the all-reduced token count to get the global mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longctx.layers.attention import CoreAttentionFn, SelfAttention
+from longctx.layers.mlp import SwiGLUMLP
+from longctx.layers.norms import RMSNorm
+from longctx.layers.rotary import RotaryEmbedding
+from longctx.recompute import plan_layers, recompute_active, run_layers, validate_recompute
+
+__all__ = ["GPTConfig", "PRESETS", "TransformerLayer", "GPT", "lm_loss"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# configuration
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape and behaviour of a `GPT`; validated on construction (ValueError/TypeError saying what to fix).
+
+    Use a preset and override fields: ``GPTConfig.preset("gpt2-medium", seq_length=8192)``.
+    """
+
+    vocab_size: int = 50304
+    seq_length: int = 1024  # training length; RoPE itself has no maximum
+    num_layers: int = 12
+    hidden_size: int = 768
+    num_attention_heads: int = 12
+    num_query_groups: int | None = None  # None: multi-head; 1: MQA; a divisor of the heads: GQA
+    ffn_hidden_size: int | None = None  # None: SwiGLU's 8/3 h, rounded up to a multiple of 64
+    kv_channels: int | None = None  # head dim; None: hidden_size // num_attention_heads
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    attention_backend: str = "auto"  # any name from longctx.backends(), or "auto"
+    recompute_granularity: str | None = None  # None, "full" or "selective" (see longctx.recompute)
+    recompute_method: str | None = None  # "uniform" or "block" (full only)
+    recompute_num_layers: int | None = None  # 1..num_layers (full only)
+    share_embeddings_and_output_weights: bool = True  # tied input and output embeddings
+    rotary_base: float = 10000.0
+    layernorm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    add_bias_linear: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_length", "num_layers", "hidden_size", "num_attention_heads"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {val!r}")
+        for name in ("ffn_hidden_size", "kv_channels"):
+            val = getattr(self, name)
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+                raise ValueError(f"GPTConfig.{name} must be a positive int or None, got {val!r}")
+        heads = self.num_attention_heads
+        g = self.num_query_groups
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1 or heads % g != 0):
+            raise ValueError(
+                f"GPTConfig.num_query_groups={g!r} is invalid for num_attention_heads={heads}: valid values are "
+                f"None (multi-head attention), 1 (multi-query) or a divisor of {heads} (grouped-query): "
+                f"{_divisors(heads)}"
+            )
+        if self.kv_channels is None and self.hidden_size % heads != 0:
+            raise ValueError(
+                f"GPTConfig.hidden_size={self.hidden_size} is not divisible by num_attention_heads={heads}; "
+                "choose sizes that divide, or set kv_channels (the head dim) explicitly"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"the head dim (kv_channels) must be even for rotary embeddings, got {self.head_dim}")
+        for name in ("attention_dropout", "hidden_dropout"):
+            p = getattr(self, name)
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+                raise ValueError(f"GPTConfig.{name} must be a probability in [0, 1), got {p!r}")
+        if not isinstance(self.attention_backend, str):
+            raise TypeError(f"GPTConfig.attention_backend must be a str, got {type(self.attention_backend).__name__}")
+        if self.attention_backend != "auto":
+            from longctx.dispatch import backend_names
+
+            if self.attention_backend not in backend_names():
+                raise ValueError(
+                    f"GPTConfig.attention_backend={self.attention_backend!r} is not a registered backend; "
+                    f"expected 'auto' or one of {backend_names()}"
+                )
+        validate_recompute(
+            self.recompute_granularity, self.recompute_method, self.recompute_num_layers, self.num_layers
+        )
+        if not (self.layernorm_epsilon > 0 and self.rotary_base > 0 and self.init_method_std > 0):
+            raise ValueError("layernorm_epsilon, rotary_base and init_method_std must be positive")
+
+    # derived sizes
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+
+    def replace(self, **changes) -> GPTConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> GPTConfig:
+        """A named shape (see `PRESETS`), with any field overridden."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown GPT preset {name!r}; expected one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+PRESETS: dict[str, dict] = {
+    # CPU tests: a few hundred thousand parameters; GQA (4 query heads over 2 kv heads).
+    "tiny": dict(
+        vocab_size=128, seq_length=64, num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=128,
+    ),
+    # The CPU default of `longctx train` (the embedded recall task): ~0.8M parameters.
+    "demo": dict(
+        vocab_size=128, seq_length=256, num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=256,
+    ),
+    # GPT-2 small/medium shapes (tied embeddings, multi-head) with SwiGLU sized to GPT-2's MLP parameter count.
+    "gpt2-small": dict(
+        vocab_size=50304, seq_length=1024, num_layers=12, hidden_size=768, num_attention_heads=12,
+        ffn_hidden_size=2048,
+    ),
+    "gpt2-medium": dict(  # ~350M parameters: the recompute benchmark's model
+        vocab_size=50304, seq_length=4096, num_layers=24, hidden_size=1024, num_attention_heads=16,
+        ffn_hidden_size=2752,
+    ),
+    # Llama-like: GQA with 4 kv heads, untied embeddings, 32K vocabulary; ~330M parameters.
+    "llama-350m": dict(
+        vocab_size=32000, seq_length=4096, num_layers=24, hidden_size=1024, num_attention_heads=16,
+        num_query_groups=4, ffn_hidden_size=2816, share_embeddings_and_output_weights=False, rotary_base=500000.0,
+    ),
+    "llama-1b": dict(
+        vocab_size=32000, seq_length=8192, num_layers=16, hidden_size=2048, num_attention_heads=32,
+        num_query_groups=8, ffn_hidden_size=8192, share_embeddings_and_output_weights=False, rotary_base=500000.0,
+    ),
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one transformer layer
+# ---------------------------------------------------------------------------------------------------------
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``. The unit of full recompute."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon)
+        self.self_attention = SelfAttention(
+            c.hidden_size,
+            c.num_attention_heads,
+            c.kv_heads,
+            c.head_dim,
+            attention_dropout=c.attention_dropout,
+            backend=c.attention_backend,
+            bias=c.add_bias_linear,
+        )
+        self.pre_mlp_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon)
+        self.mlp = SwiGLUMLP(c.hidden_size, c.ffn_size, bias=c.add_bias_linear)
+        self.hidden_dropout = nn.Dropout(c.hidden_dropout)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.hidden_dropout(self.self_attention(self.input_layernorm(x), cos, sin))  # (B, S, h)
+        x = x + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(x)))  # (B, S, h)
+        return x
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the model
+# ---------------------------------------------------------------------------------------------------------
+
+
+class GPT(nn.Module):
+    """Decoder-only language model. ``model(tokens)`` with tokens (B, S) int64 -> logits (B, S, vocab_size).
+
+    Args:
+        config: a `GPTConfig`.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"GPT needs a GPTConfig, got {type(config).__name__}")
+        c = self.config = config
+        self.embedding = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embedding_dropout = nn.Dropout(c.hidden_dropout)
+        self.rotary = RotaryEmbedding(c.head_dim, c.rotary_base)
+        self.layers = nn.ModuleList(TransformerLayer(c) for _ in range(c.num_layers))
+        self.final_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon)
+        self.output_layer = (
+            None if c.share_embeddings_and_output_weights else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        )
+        self._init_weights()
+        self._apply_recompute()
+
+    def _init_weights(self) -> None:
+        # Megatron's init: N(0, std) everywhere; the projections that write into the residual stream
+        # (linear_proj, linear_fc2) scaled by 1/sqrt(2 * num_layers).
+        std = self.config.init_method_std
+        out_std = std / math.sqrt(2.0 * self.config.num_layers)
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                if name.endswith("bias"):
+                    nn.init.zeros_(p)
+                continue
+            is_out = name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight")
+            nn.init.normal_(p, mean=0.0, std=out_std if is_out else std)
+
+    def _apply_recompute(self) -> None:
+        c = self.config
+        self._chunks = plan_layers(c.recompute_granularity, c.recompute_method, c.recompute_num_layers, c.num_layers)
+        for layer in self.layers:
+            layer.self_attention.recompute_core_attention = c.recompute_granularity == "selective"
+
+    def set_recompute(
+        self, granularity: str | None = None, method: str | None = None, num_layers: int | None = None
+    ) -> None:
+        """Change the recomputation policy in place (the config is replaced by a validated copy)."""
+        self.config = self.config.replace(
+            recompute_granularity=granularity, recompute_method=method, recompute_num_layers=num_layers
+        )
+        self._apply_recompute()
+
+    def set_core_attention(self, fn: CoreAttentionFn | None) -> None:
+        """Install ``fn(q, k, v) -> out`` as the core attention of every layer (None: the default).
+
+        q (B, Hq, S, D), k and v (B, Hkv, S, D) after RoPE; out (B, Hq, S, D). Context parallelism uses it
+        to put ring/all-gather/Ulysses attention in place of ``longctx.attention(causal=True)``.
+        """
+        for layer in self.layers:
+            layer.self_attention.set_core_attention(fn)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, S) int; position_ids (S,) or (B, S), default arange(S) -> logits (B, S, vocab_size)."""
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
+            got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ValueError(f"tokens must be an integer tensor of shape (batch, seq), got {got}")
+        B, S = tokens.shape
+        if position_ids is None:
+            position_ids = torch.arange(S, device=tokens.device)
+        elif position_ids.shape[-1] != S:
+            raise ValueError(
+                f"position_ids must end with the sequence length {S}, got shape {tuple(position_ids.shape)}"
+            )
+        cos, sin = self.rotary(position_ids)  # (S, D) or (B, S, D), float32
+
+        x = self.embedding_dropout(self.embedding(tokens))  # (B, S, h)
+        x = run_layers(self.layers, x, self._chunks, cos, sin, active=recompute_active(self))
+        x = self.final_layernorm(x)
+        weight = self.embedding.weight if self.output_layer is None else self.output_layer.weight
+        return F.linear(x, weight)  # (B, S, vocab)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the loss
+# ---------------------------------------------------------------------------------------------------------
+
+
+def lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """Cross-entropy of logits (B, S, V) against labels (B, S), in float32.
+
+    loss_mask (B, S) selects the tokens that count (1/True) - e.g. only the answers of the recall task.
+    ``reduction="sum"`` returns the sum over counted tokens (context parallelism: all-reduce it and the
+    count, then divide); ``"mean"`` divides by the local count.
+    """
+    per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")  # (B S,)
+    if loss_mask is not None:
+        m = loss_mask.flatten().to(per_token.dtype)
+        total, count = (per_token * m).sum(), m.sum()
+    else:
+        total, count = per_token.sum(), torch.tensor(float(per_token.numel()), device=per_token.device)
+    if reduction == "sum":
+        return total
+    if reduction != "mean":
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    return total / count.clamp_min(1.0)
