@@ -25,6 +25,14 @@ BWD_DKDV = {
     128: [(64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3)],
     256: [(64, 64, 8, 2), (32, 64, 4, 2)],
 }
+# dK/dV with dQ accumulated by atomics (the fast, non-deterministic path): same shape, more registers.
+BWD_DKDV_ATOMIC = {
+    16: [(64, 128, 8, 3), (32, 64, 4, 3)],
+    32: [(64, 128, 8, 3), (32, 128, 4, 3)],
+    64: [(64, 128, 8, 3), (32, 128, 4, 3)],
+    128: [(64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3)],
+    256: [(64, 64, 8, 2), (32, 64, 4, 2)],
+}
 # dQ: one query tile stays on chip with its fp32 dQ accumulator; K/V tiles stream.
 BWD_DQ = {
     16: [(128, 64, 8, 3), (64, 32, 4, 3)],
@@ -43,11 +51,11 @@ def block_d(head_dim: int) -> int:
 
 
 def table(kind: str) -> dict:
-    return {"fwd": FWD, "dkdv": BWD_DKDV, "dq": BWD_DQ}[kind]
+    return {"fwd": FWD, "dkdv": BWD_DKDV, "dkdv_atomic": BWD_DKDV_ATOMIC, "dq": BWD_DQ}[kind]
 
 
 def configs(kind: str, bd: int) -> list:
-    """triton.Config list for one kernel kind ("fwd", "dkdv", "dq") at padded head dim ``bd``."""
+    """triton.Config list for one kernel kind ("fwd", "dkdv", "dkdv_atomic", "dq") at padded head dim ``bd``."""
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in table(kind)[bd]
     ]

@@ -98,10 +98,12 @@ def _dkdv_inner(
     DO_bh,
     LSE2_bh,
     DELTA_bh,
+    DQA_bh,
     stride_qm,
     stride_qd,
     stride_dom,
     stride_dod,
+    stride_dqam,
     offs_n,
     offs_d,
     start,
@@ -117,10 +119,12 @@ def _dkdv_inner(
     HAS_LO: tl.constexpr,
     HAS_HI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
 ):
     offs_mb = tl.arange(0, BLOCK_M)
     q_tile = offs_mb[:, None] * stride_qm + offs_d[None, :] * stride_qd  # (BLOCK_M, BLOCK_D)
     do_tile = offs_mb[:, None] * stride_dom + offs_d[None, :] * stride_dod
+    dqa_tile = offs_mb[:, None] * stride_dqam + offs_d[None, :]
     d_ok = offs_d[None, :] < HEAD_DIM
     for start_m in range(start, end, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -161,9 +165,19 @@ def _dkdv_inner(
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         # -- dP^T = V dO^T, dS^T = P^T * (dP^T - Delta) --
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        dsT = pT * (dpT - delta[None, :])
+        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
         # -- dK += dS^T Q (scale applied once at the end) --
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
+        if ATOMIC_DQ:
+            # -- fast path: dQ += dS K straight into a float32 accumulator (atomics: not deterministic) --
+            dq_part = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION)
+            dqa_ptrs = DQA_bh + start_m.to(tl.int64) * stride_dqam + dqa_tile
+            if MASKED:
+                tl.atomic_add(dqa_ptrs, dq_part, mask=ld_mask, sem="relaxed")
+            elif BLOCK_D != HEAD_DIM:
+                tl.atomic_add(dqa_ptrs, dq_part, mask=d_ok, sem="relaxed")
+            else:
+                tl.atomic_add(dqa_ptrs, dq_part, sem="relaxed")
     return dk, dv
 
 
@@ -177,6 +191,7 @@ def bwd_dkdv_kernel(
     DELTA,
     DK,
     DV,
+    DQA,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -201,6 +216,9 @@ def bwd_dkdv_kernel(
     stride_dvh,
     stride_dvn,
     stride_dvd,
+    stride_dqab,
+    stride_dqah,
+    stride_dqam,
     Hq,
     Hkv,
     Sq,
@@ -218,8 +236,13 @@ def bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr = False,
 ):
-    """Grid: (B * Hkv, cdiv(Sk, BLOCK_N)). Writes dK and dV of one kv tile, summed over its query heads."""
+    """Grid: (B * Hkv, cdiv(Sk, BLOCK_N)). Writes dK and dV of one kv tile, summed over its query heads.
+
+    With ATOMIC_DQ it also adds dS K into DQA, a (B, Hq, Sq, D) float32 accumulator (unit stride on D), with
+    atomics: 5 matmuls per tile pair instead of 7 over the two kernels, but the summation order varies.
+    """
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)
     off_b = pid_bh // Hkv
@@ -243,6 +266,7 @@ def bwd_dkdv_kernel(
         row0 = (off_b * Hq + off_h).to(tl.int64) * Sq
         Q_bh = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
         DO_bh = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+        DQA_bh = DQA + off_b.to(tl.int64) * stride_dqab + off_h.to(tl.int64) * stride_dqah
         dk, dv = _dkdv_inner(
             dk,
             dv,
@@ -252,10 +276,12 @@ def bwd_dkdv_kernel(
             DO_bh,
             LSE2 + row0,
             DELTA + row0,
+            DQA_bh,
             stride_qm,
             stride_qd,
             stride_dom,
             stride_dod,
+            stride_dqam,
             offs_n,
             offs_d,
             q_lo,
@@ -271,6 +297,7 @@ def bwd_dkdv_kernel(
             HAS_LO,
             HAS_HI,
             DOT_PRECISION,
+            ATOMIC_DQ,
         )
         dk, dv = _dkdv_inner(
             dk,
@@ -281,10 +308,12 @@ def bwd_dkdv_kernel(
             DO_bh,
             LSE2 + row0,
             DELTA + row0,
+            DQA_bh,
             stride_qm,
             stride_qd,
             stride_dom,
             stride_dod,
+            stride_dqam,
             offs_n,
             offs_d,
             full_lo,
@@ -300,6 +329,7 @@ def bwd_dkdv_kernel(
             HAS_LO,
             HAS_HI,
             DOT_PRECISION,
+            ATOMIC_DQ,
         )
         dk, dv = _dkdv_inner(
             dk,
@@ -310,10 +340,12 @@ def bwd_dkdv_kernel(
             DO_bh,
             LSE2 + row0,
             DELTA + row0,
+            DQA_bh,
             stride_qm,
             stride_qd,
             stride_dom,
             stride_dod,
+            stride_dqam,
             offs_n,
             offs_d,
             full_hi,
@@ -329,6 +361,7 @@ def bwd_dkdv_kernel(
             HAS_LO,
             HAS_HI,
             DOT_PRECISION,
+            ATOMIC_DQ,
         )
     # epilogue: dK carries the softmax scale (s = scale * q.k); dV does not
     dk = dk * sm_scale

@@ -71,6 +71,8 @@ def _fwd_inner(
     q,
     K_bh,
     V_bh,
+    desc_k,
+    desc_v,
     stride_kn,
     stride_kd,
     stride_vn,
@@ -90,17 +92,22 @@ def _fwd_inner(
     HAS_LO: tl.constexpr,
     HAS_HI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     k_tile = offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd  # (BLOCK_N, BLOCK_D)
     v_tile = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
     d_ok = offs_d[None, :] < HEAD_DIM
-    for start_n in range(start, end, BLOCK_N):
+    for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k_ptrs = K_bh + start_n.to(tl.int64) * stride_kn + k_tile
         v_ptrs = V_bh + start_n.to(tl.int64) * stride_vn + v_tile
         # -- load K: only boundary tiles can reach past Sk; BLOCK_D > HEAD_DIM pads with zeros --
-        if MASKED:
+        if USE_TMA:
+            # TMA (tensor descriptor): rows past Sk arrive as zeros, the mask below hides them
+            k = desc_k.load([start_n, 0])
+        elif MASKED:
             ld_mask = ((start_n + offs_n)[:, None] < Sk) & d_ok
             k = tl.load(k_ptrs, mask=ld_mask, other=0.0)
         elif BLOCK_D != HEAD_DIM:
@@ -131,7 +138,9 @@ def _fwd_inner(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if MASKED:
+        if USE_TMA:
+            v = desc_v.load([start_n, 0])
+        elif MASKED:
             v = tl.load(v_ptrs, mask=ld_mask, other=0.0)
         elif BLOCK_D != HEAD_DIM:
             v = tl.load(v_ptrs, mask=d_ok, other=0.0)
@@ -181,13 +190,24 @@ def attn_fwd_kernel(
     BLOCK_N: tl.constexpr,
     LONGEST_FIRST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr = False,
+    WARP_SPEC: tl.constexpr = False,
 ):
-    """Grid: (B * Hq, cdiv(Sq, BLOCK_M)). LSE is (B, Hq, Sq) contiguous float32, natural log."""
-    pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    """Grid: (B * Hq, cdiv(Sq, BLOCK_M)) with LONGEST_FIRST, else (cdiv(Sq, BLOCK_M), B * Hq).
+
+    LSE is (B, Hq, Sq) contiguous float32, natural log. USE_TMA loads K/V through tensor descriptors (needs
+    unit stride on D, 16-byte aligned rows, HEAD_DIM == BLOCK_D); WARP_SPEC asks Triton to warp-specialise the
+    unmasked loop.
+    """
     if LONGEST_FIRST:
-        # causal-like bands: later query tiles see more keys; launch them first (fewer stragglers)
-        pid_m = tl.num_programs(1) - 1 - pid_m
+        # causal-like bands: later query tiles see more keys. Heads vary fastest and query tiles run from
+        # the last one down, so the longest programs start first (fewer stragglers in the last wave).
+        pid_bh = tl.program_id(0)
+        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    else:
+        # query tiles vary fastest: the programs in flight share one head's K/V in L2
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
     off_b = pid_bh // Hq
     off_h = pid_bh % Hq
     off_kvh = off_h // GROUP
@@ -195,6 +215,16 @@ def attn_fwd_kernel(
     K_bh = K + off_b.to(tl.int64) * stride_kb + off_kvh.to(tl.int64) * stride_kh
     V_bh = V + off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh
     O_bh = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+    if USE_TMA:
+        desc_k = tl.make_tensor_descriptor(
+            K_bh, shape=[Sk, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D]
+        )
+        desc_v = tl.make_tensor_descriptor(
+            V_bh, shape=[Sk, HEAD_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D]
+        )
+    else:
+        desc_k = K_bh
+        desc_v = V_bh
 
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -217,6 +247,8 @@ def attn_fwd_kernel(
         q,
         K_bh,
         V_bh,
+        desc_k,
+        desc_v,
         stride_kn,
         stride_kd,
         stride_vn,
@@ -236,6 +268,8 @@ def attn_fwd_kernel(
         HAS_LO,
         HAS_HI,
         DOT_PRECISION,
+        USE_TMA,
+        False,
     )
     # -- fully visible tiles: no mask --
     acc, l_i, m_i = _fwd_inner(
@@ -245,6 +279,8 @@ def attn_fwd_kernel(
         q,
         K_bh,
         V_bh,
+        desc_k,
+        desc_v,
         stride_kn,
         stride_kd,
         stride_vn,
@@ -264,6 +300,8 @@ def attn_fwd_kernel(
         HAS_LO,
         HAS_HI,
         DOT_PRECISION,
+        USE_TMA,
+        WARP_SPEC,
     )
     # -- boundary tiles after it (diagonal, right window edge, ragged end of Sk) --
     acc, l_i, m_i = _fwd_inner(
@@ -273,6 +311,8 @@ def attn_fwd_kernel(
         q,
         K_bh,
         V_bh,
+        desc_k,
+        desc_v,
         stride_kn,
         stride_kd,
         stride_vn,
@@ -292,6 +332,8 @@ def attn_fwd_kernel(
         HAS_LO,
         HAS_HI,
         DOT_PRECISION,
+        USE_TMA,
+        False,
     )
 
     # epilogue: rows that saw no key have l = 0 -> output 0, lse -inf

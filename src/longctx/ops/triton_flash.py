@@ -16,8 +16,9 @@ Policies:
 - float16 and bfloat16. float32 is refused on CUDA by default: the kernels would compute its products in
   tf32 (about 1e-3 relative error, far from float32 accuracy). Set ``LONGCTX_TRITON_TF32=1`` to accept that
   documented tf32 path. Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors) float32 is exact.
-- The backward never uses atomics (dK/dV and dQ are separate kernels), so it is deterministic whatever
-  ``deterministic`` or ``LONGCTX_DETERMINISTIC`` say.
+- The fast backward accumulates dQ with float32 atomics inside the dK/dV kernel (FlashAttention-2's way):
+  not bitwise repeatable. ``deterministic=True`` (argument) or ``LONGCTX_DETERMINISTIC=1`` switch to a
+  separate dQ kernel without atomics (each gradient element written once, in a fixed order).
 - Tiles are autotuned per (head dim, band kind, length bucket, dtype) from the short lists in
   `longctx.kernels.configs`; ``LONGCTX_TRITON_AUTOTUNE=0`` uses the first entry of each list instead.
 """
@@ -106,25 +107,65 @@ def _kernel(kind: str, bd: int):
 
     if _interpret():
         _patch_interpreter_for_numpy2()
-    fn = {"fwd": flash_fwd.attn_fwd_kernel, "dkdv": flash_bwd.bwd_dkdv_kernel, "dq": flash_bwd.bwd_dq_kernel}[kind]
+    fn = {
+        "fwd": flash_fwd.attn_fwd_kernel,
+        "dkdv": flash_bwd.bwd_dkdv_kernel,
+        "dkdv_atomic": flash_bwd.bwd_dkdv_kernel,
+        "dq": flash_bwd.bwd_dq_kernel,
+    }[kind]
     if not _autotune_enabled():
         return fn
     return triton.autotune(configs.configs(kind, bd), key=["HEAD_DIM", "HAS_LO", "HAS_HI", "SEQ_BUCKET"])(fn)
+
+
+# For tuning sessions (benchmarks/sweep_triton.py): kind -> (BLOCK_M, BLOCK_N, num_warps, num_stages) forced,
+# and kind -> extra constexpr kwargs (e.g. {"fwd": {"WARP_SPEC": True}}). Empty in normal use.
+FORCE_CONFIG: dict[str, tuple[int, int, int, int]] = {}
+EXTRA_KWARGS: dict[str, dict] = {}
 
 
 def _launch(kind: str, bd: int, grid_fn, args: list, kwargs: dict) -> None:
     """Run one kernel: autotuned (BLOCK_M/BLOCK_N/warps/stages from the config) or with a fixed config."""
     from longctx.kernels import configs
 
-    kernel = _kernel(kind, bd)
-    if _interpret():
-        bm, bn, w, s = configs.INTERPRET
-    elif not _autotune_enabled():
-        bm, bn, w, s = configs.table(kind)[bd][0]
+    kwargs = {**kwargs, **EXTRA_KWARGS.get(kind, {})}
+    if kind in FORCE_CONFIG:
+        kernel = _kernel(kind, bd)
+        kernel = getattr(kernel, "fn", kernel)  # bypass the autotuner
+        bm, bn, w, s = FORCE_CONFIG[kind]
     else:
-        kernel[lambda meta: grid_fn(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **kwargs)
-        return
+        kernel = _kernel(kind, bd)
+        if _interpret():
+            bm, bn, w, s = configs.INTERPRET
+        elif not _autotune_enabled():
+            bm, bn, w, s = configs.table(kind)[bd][0]
+        else:
+            kernel[lambda meta: grid_fn(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **kwargs)
+            return
     kernel[grid_fn(bm, bn)](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+
+
+def _deterministic_env() -> bool:
+    return os.environ.get("LONGCTX_DETERMINISTIC", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+@functools.cache
+def _set_tma_allocator() -> None:
+    import triton
+
+    # device-side tensor descriptors need a small global scratch buffer per launch
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
+
+
+def _tma_ok(t: torch.Tensor, D: int, bd: int) -> bool:
+    """Whether K/V rows can be loaded through TMA descriptors: unit stride on D, 16-byte aligned rows."""
+    if _interpret() or t.device.type != "cuda" or bd != D or t.stride(3) != 1:
+        return False
+    es = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((t.stride(i) * es) % 16 == 0 for i in range(3))
+
+
+_USE_TMA_DEFAULT = os.environ.get("LONGCTX_TRITON_TMA", "1") != "0"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -163,10 +204,14 @@ def _forward_impl(
 
     bd = configs.block_d(D)
     lo_i, hi_i, has_lo, has_hi = _band_args(Band(lo, hi))
+    longest_first = has_hi and not has_lo
+    use_tma = _USE_TMA_DEFAULT and _tma_ok(k, D, bd) and _tma_ok(v, D, bd)
+    if use_tma:
+        _set_tma_allocator()
     _launch(
         "fwd",
         bd,
-        lambda bm, bn: (B * Hq, _cdiv(Sq, bm)),
+        (lambda bm, bn: (B * Hq, _cdiv(Sq, bm))) if longest_first else (lambda bm, bn: (_cdiv(Sq, bm), B * Hq)),
         [q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride()],
         dict(
             Hq=Hq,
@@ -181,8 +226,9 @@ def _forward_impl(
             BLOCK_D=bd,
             HAS_LO=has_lo,
             HAS_HI=has_hi,
-            LONGEST_FIRST=has_hi and not has_lo,
+            LONGEST_FIRST=longest_first,
             DOT_PRECISION=_dot_precision(q.dtype),
+            USE_TMA=use_tma,
         ),
     )
     return out, lse
@@ -199,6 +245,7 @@ def _backward_impl(
     scale: float,
     lo: int | None,
     hi: int | None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check(q, k, v)
     B, Hq, Sq, D = q.shape
@@ -251,14 +298,21 @@ def _backward_impl(
         HAS_HI=has_hi,
         DOT_PRECISION=_dot_precision(q.dtype),
     )
+    # Fast path: dQ accumulated with float32 atomics inside the dK/dV kernel (5 matmuls per tile pair).
+    # Deterministic path: a separate dQ kernel recomputes P and dP (7 matmuls), each element written once.
+    atomic = not (deterministic or _deterministic_env())
+    dqa = torch.zeros((B, Hq, Sq, D), device=q.device, dtype=torch.float32) if atomic else dq  # (B, Hq, Sq, D)
     _launch(
-        "dkdv",
+        "dkdv_atomic" if atomic else "dkdv",
         bd,
         lambda bm, bn: (B * Hkv, _cdiv(Sk, bn)),
-        [q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride()]
-        + [*dk.stride(), *dv.stride()],
-        dict(Hq=Hq, Hkv=Hkv, **common),
+        [q, k, v, do, lse2, delta, dk, dv, dqa, *q.stride(), *k.stride(), *v.stride(), *do.stride()]
+        + [*dk.stride(), *dv.stride(), *dqa.stride()[:3]],
+        dict(Hq=Hq, Hkv=Hkv, ATOMIC_DQ=atomic, **common),
     )
+    if atomic:
+        dq.copy_(dqa.mul_(scale))
+        return dq, dk, dv
     _launch(
         "dq",
         bd,
@@ -305,66 +359,72 @@ def triton_backward(
     """Attention backward with the Triton kernels: ``(dq, dk, dv)`` in the input dtypes and layouts.
 
     ``lse`` is the forward's (natural log). ``dlse`` (B, Hq, Sq), optional, is a gradient flowing into the
-    lse itself. The kernels use no atomics, so the result is bitwise deterministic whatever
-    ``deterministic`` says.
+    lse itself. By default dQ is accumulated with float32 atomics (fast, not bitwise repeatable);
+    ``deterministic=True`` or ``LONGCTX_DETERMINISTIC=1`` use a separate dQ kernel instead, without atomics.
     """
-    del deterministic  # always deterministic: no atomics
-    return _backward_impl(do, q, k, v, out, lse, dlse, float(scale), band.lo, band.hi)
+    return _backward_impl(do, q, k, v, out, lse, dlse, float(scale), band.lo, band.hi, deterministic)
 
 
 # -- torch.library registration --
 
-_FWD_SCHEMA = "(Tensor q, Tensor k, Tensor v, float scale, SymInt? lo, SymInt? hi) -> (Tensor, Tensor)"
+_FWD_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, float scale, SymInt? lo, SymInt? hi, bool deterministic=False) -> (Tensor, Tensor)"
+)
 _BWD_SCHEMA = (
     "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float scale, "
-    "SymInt? lo, SymInt? hi) -> (Tensor, Tensor, Tensor)"
+    "SymInt? lo, SymInt? hi, bool deterministic=False) -> (Tensor, Tensor, Tensor)"
 )
 
 
 @torch.library.custom_op("longctx::triton_attn_fwd", mutates_args=(), schema=_FWD_SCHEMA)
-def _attn_fwd_op(q, k, v, scale, lo, hi):
+def _attn_fwd_op(q, k, v, scale, lo, hi, deterministic=False):
     return _forward_impl(q, k, v, scale, lo, hi)
 
 
 @_attn_fwd_op.register_fake
-def _(q, k, v, scale, lo, hi):
+def _(q, k, v, scale, lo, hi, deterministic=False):
     B, Hq, Sq, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("longctx::triton_attn_bwd", mutates_args=(), schema=_BWD_SCHEMA)
-def _attn_bwd_op(do, q, k, v, out, lse, dlse, scale, lo, hi):
-    return _backward_impl(do, q, k, v, out, lse, dlse, scale, lo, hi)
+def _attn_bwd_op(do, q, k, v, out, lse, dlse, scale, lo, hi, deterministic=False):
+    return _backward_impl(do, q, k, v, out, lse, dlse, scale, lo, hi, deterministic)
 
 
 @_attn_bwd_op.register_fake
-def _(do, q, k, v, out, lse, dlse, scale, lo, hi):
+def _(do, q, k, v, out, lse, dlse, scale, lo, hi, deterministic=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, lo, hi = inputs
+    q, k, v, scale, lo, hi, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.scale, ctx.lo, ctx.hi = scale, lo, hi
+    ctx.scale, ctx.lo, ctx.hi, ctx.deterministic = scale, lo, hi, deterministic
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.longctx.triton_attn_bwd(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.lo, ctx.hi)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = torch.ops.longctx.triton_attn_bwd(
+        dout, q, k, v, out, lse, dlse, ctx.scale, ctx.lo, ctx.hi, ctx.deterministic
+    )
+    return dq, dk, dv, None, None, None, None
 
 
 _attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def triton_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, band: Band
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, band: Band, deterministic: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable ``(out, lse)`` through the registered op (traceable by torch.compile)."""
-    return torch.ops.longctx.triton_attn_fwd(q, k, v, float(scale), band.lo, band.hi)
+    """Differentiable ``(out, lse)`` through the registered op (traceable by torch.compile).
+
+    ``deterministic`` selects the backward without atomics (see `triton_backward`).
+    """
+    return torch.ops.longctx.triton_attn_fwd(q, k, v, float(scale), band.lo, band.hi, bool(deterministic))
 
 
 # -- dispatch --
@@ -391,7 +451,7 @@ def _pinned_by_name(name: str) -> bool:
 class TritonBackend(Backend):
     name = "triton"
     family = "flash"
-    description = "longctx's FlashAttention-2 kernels in Triton (fwd + deterministic bwd, GQA, bands)"
+    description = "longctx's FlashAttention-2 kernels in Triton (GQA, bands; deterministic bwd on request)"
 
     def available(self) -> tuple[bool, str]:
         err = _triton_import_error()
@@ -431,7 +491,7 @@ class TritonBackend(Backend):
     def run(self, q, k, v, *, scale: float, band: Band, return_lse: bool, deterministic=False, block_mask=None):
         if block_mask is not None:
             raise ValueError("the triton backend does not support block_mask; use backend='auto'")
-        out, lse = triton_attention(q, k, v, scale=scale, band=band)
+        out, lse = triton_attention(q, k, v, scale=scale, band=band, deterministic=deterministic)
         return out, (lse if return_lse else None)
 
 

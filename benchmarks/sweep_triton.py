@@ -1,0 +1,130 @@
+"""Tile/variant sweep of the triton backend's kernels on one GPU (a tuning aid; results go to NOTES.md).
+
+Times the forward and backward of ``longctx.ops.triton_flash`` at forced tile configs and kernel variants
+(pointer loads vs TMA descriptors, warp specialisation, atomic vs separate dQ) so one device call compares
+many versions. Each variant is compiled and timed in isolation; a variant that fails to compile is reported
+and skipped.
+
+    PYTHONPATH=src python benchmarks/sweep_triton.py --d 128 --s 8192 --what fwd,bwd
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+import time
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--d", default="64,128,256")
+    ap.add_argument("--s", default="8192")
+    ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--what", default="fwd,bwd")
+    ap.add_argument("--fwd-configs", default="", help="semicolon list of bm,bn,w,s (default: a small grid)")
+    ap.add_argument("--bwd-configs", default="", help="semicolon list of bm,bn,w,s for the dK/dV kernel")
+    ap.add_argument("--variants", default="ptr,tma,tma_ws", help="forward variants")
+    ap.add_argument("--rep", type=int, default=40)
+    args = ap.parse_args(argv)
+
+    import triton
+
+    from longctx.ops import triton_flash as tf
+
+    tf._set_tma_allocator()
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+
+    def cfgs(text, default):
+        if not text:
+            return default
+        return [tuple(int(x) for x in c.split(",")) for c in text.split(";") if c]
+
+    for D, S, causal in itertools.product(
+        [int(x) for x in args.d.split(",")],
+        [int(x) for x in args.s.split(",")],
+        [bool(int(c)) for c in args.causal.split(",")],
+    ):
+        _sweep_case(args, cfgs, D, S, causal)
+        torch.cuda.empty_cache()
+    return 0
+
+
+def _sweep_case(args, cfgs, D: int, S: int, causal: bool) -> None:
+    import triton
+
+    from longctx.masks import Band
+    from longctx.ops import triton_flash as tf
+
+    B, H = max(1, 16384 // S), 2048 // D
+    q = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+    k, v, do = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
+    band = Band.from_args(S, S, causal=causal)
+    flops = 4.0 * B * H * S * S * D * (0.5 if causal else 1.0)
+    tag = f"D={D} S={S} {'causal' if causal else 'full'}"
+    if "fwd" in args.what:
+        default = {
+            64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3)],
+            128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2)],
+            256: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2)],
+        }[D]
+        for cfg in cfgs(args.fwd_configs, default):
+            for var in args.variants.split(","):
+                tf.FORCE_CONFIG.clear()
+                tf.EXTRA_KWARGS.clear()
+                tf.FORCE_CONFIG["fwd"] = cfg
+                tf.EXTRA_KWARGS["fwd"] = {"USE_TMA": var.startswith("tma"), "WARP_SPEC": var.endswith("ws")}
+                t0 = time.time()
+                try:
+                    out, lse = tf._forward_impl(q, k, v, 1 / math.sqrt(D), band.lo, band.hi)
+                    torch.cuda.synchronize()
+                    ms = triton.testing.do_bench(
+                        lambda: tf._forward_impl(q, k, v, 1 / math.sqrt(D), band.lo, band.hi),
+                        warmup=5,
+                        rep=args.rep,
+                        return_mode="median",
+                    )
+                    print(
+                        f"fwd {tag} {cfg} {var:7s} {flops / ms * 1e-9:6.0f} TFLOP/s ({time.time() - t0:.0f}s)",
+                        flush=True,
+                    )
+                except Exception as exc:  # a variant that does not compile on this GPU/triton
+                    print(f"fwd {tag} {cfg} {var:7s} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        tf.FORCE_CONFIG.clear()
+        tf.EXTRA_KWARGS.clear()
+    if "bwd" in args.what:
+        out, lse = tf._forward_impl(q, k, v, 1 / math.sqrt(D), band.lo, band.hi)
+        default = {
+            64: [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 2)],
+            128: [(64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 2)],
+            256: [(64, 64, 8, 2), (32, 64, 4, 2), (32, 128, 8, 2)],
+        }[D]
+        for det in (False, True):
+            for cfg in cfgs(args.bwd_configs, default) if not det else [None]:
+                tf.FORCE_CONFIG.clear()
+                if cfg is not None:
+                    tf.FORCE_CONFIG["dkdv_atomic"] = cfg
+                t0 = time.time()
+
+                def run(det=det):
+                    return tf._backward_impl(do, q, k, v, out, lse, None, 1 / math.sqrt(D), band.lo, band.hi, det)
+
+                try:
+                    run()
+                    torch.cuda.synchronize()
+                    ms = triton.testing.do_bench(run, warmup=5, rep=args.rep, return_mode="median")
+                    name = "separate(autotuned)" if det else f"atomic {cfg}"
+                    print(
+                        f"bwd {tag} {name:24s} {2.5 * flops / ms * 1e-9:6.0f} TFLOP/s ({time.time() - t0:.0f}s)",
+                        flush=True,
+                    )
+                except Exception as exc:
+                    print(f"bwd {tag} {cfg} det={det} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        tf.FORCE_CONFIG.clear()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
