@@ -218,6 +218,14 @@ def _run_gpt_case(name: str, rank: int, world: int) -> None:
         cp.allreduce_gradients(model)
         assert abs(float(loss_value) - float(loss_ref)) < 1e-6 * max(1.0, abs(float(loss_ref))), (
             method, float(loss_value), float(loss_ref))  # fmt: skip
+        with torch.no_grad():
+            logits_ref = ref_model(inputs)
+            loss_sum, count, correct = cp.eval_stats(model(x, position_ids=pos), y, m)
+        mf = mask.to(torch.float64)
+        ref_sum = float((torch.nn.functional.cross_entropy(logits_ref.flatten(0, 1), labels.flatten(), reduction="none")
+                         * mf.flatten()).sum())  # fmt: skip
+        assert abs(loss_sum - ref_sum) < 1e-6 * abs(ref_sum) and count == float(mf.sum()), (loss_sum, ref_sum, count)
+        assert correct == float(((logits_ref.argmax(-1) == labels) & mask).sum()), correct
         for (pn, p), p_ref in zip(model.named_parameters(), ref_model.parameters()):
             err = _rel_err(p.grad, p_ref.grad)
             assert err < 1e-6, f"{method}/{layout}: gradient of {pn} differs, relative error {err:.2e}"

@@ -170,6 +170,24 @@ class ContextParallel:
         loss = local_sum / total_count.to(local_sum.dtype)
         return loss, (total_sum / total_count).to(torch.float32)
 
+    @torch.no_grad()
+    def eval_stats(
+        self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None
+    ) -> tuple[float, float, float]:
+        """``(loss_sum, token_count, correct)`` over the whole group for evaluation (summed over all ranks).
+
+        logits (B, S/P, V), labels and loss_mask (B, S/P); ``correct`` counts argmax hits on counted tokens.
+        """
+        per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+        m = torch.ones_like(per_token) if loss_mask is None else loss_mask.flatten().to(per_token.dtype)
+        hits = (logits.argmax(-1).flatten() == labels.flatten()).to(per_token.dtype) * m
+        stats = torch.stack([(per_token * m).sum(), m.sum(), hits.sum()]).to(torch.float64)
+        if self.world > 1:
+            stats = stats.to(comm_device(group_info(self.group), logits))
+            dist.all_reduce(stats, group=self.group)
+        loss_sum, count, correct = stats.tolist()
+        return loss_sum, count, correct
+
     def allreduce_gradients(self, model: torch.nn.Module) -> None:
         """Sum the parameter gradients over the group (each rank holds the gradient of its tokens only)."""
         if self.world == 1:
