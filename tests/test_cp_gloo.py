@@ -334,3 +334,20 @@ def test_cp_gloo(world: int, name: str) -> None:
     results = run_world(world)[name]
     failed = {r: res for r, res in enumerate(results) if res != "ok"}
     assert not failed, "\n".join(f"rank {r}: {res}" for r, res in failed.items())
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather", "ulysses"])
+def test_cp_attention_without_torch_distributed(method: str) -> None:
+    """A world of one (torch.distributed not initialised): cp_attention is plain attention."""
+    import longctx
+    from longctx.distributed import cp_attention, shard, unshard
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 20, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = cp_attention(q, k, v, causal=True, method=method, backend="tiled")
+    ref = longctx.attention(q, k, v, causal=True, backend="math")
+    assert torch.allclose(out, ref, atol=1e-12)
+    (dq,) = torch.autograd.grad(out.sum(), q)
+    (dq_ref,) = torch.autograd.grad(ref.sum(), q)
+    assert torch.allclose(dq, dq_ref, atol=1e-12)
+    assert torch.equal(unshard(shard(q, 2), 2), q)
