@@ -464,8 +464,8 @@ class BlockMask:
 
     def tile_mask(self, b: int, h: int, qb: int, kb: int) -> torch.Tensor:
         """Element mask (bs, bs) of one block (batch/head indices of the mask, already broadcast)."""
-        t = torch.tensor
-        return self._partial_tiles(t([b]), t([h]), t([qb]), t([kb]))[0]
+        ix = torch.tensor([b, h, qb, kb], device=self.device)
+        return self._partial_tiles(ix[0:1], ix[1:2], ix[2:3], ix[3:4])[0]
 
     def dense_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The whole (Bm, Hm, Sq, Sk) bool mask, True where visible (memory quadratic: for tests/reference)."""

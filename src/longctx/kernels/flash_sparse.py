@@ -229,6 +229,7 @@ def sparse_fwd_kernel(
     kv_global,
     q_global,
     qk_scale,
+    SEQ_BUCKET,  # autotune key only (length bucket)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MASK_BS: tl.constexpr,
@@ -540,6 +541,7 @@ def sparse_bwd_dq_kernel(
     q_global,
     qk_scale,
     sm_scale,
+    SEQ_BUCKET,  # autotune key only (length bucket)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MASK_BS: tl.constexpr,
@@ -861,6 +863,7 @@ def sparse_bwd_dkdv_kernel(
     q_global,
     qk_scale,
     sm_scale,
+    SEQ_BUCKET,  # autotune key only (length bucket)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MASK_BS: tl.constexpr,
