@@ -84,6 +84,10 @@ class TrainConfig:
     resume: str | None = None  # "auto" = <save>/checkpoint.pt, or a path
     halt_after: int | None = None  # stop (saving a checkpoint) after this many steps, as an interruption would
     seed: int = 1234
+    # context parallelism (run under torchrun with --nproc-per-node = context_parallel; see longctx.distributed)
+    context_parallel: int = 1
+    cp_method: str = "ring"  # ring, allgather or ulysses
+    cp_layout: str = "zigzag"  # zigzag or contiguous
     device: str = "auto"  # auto: cuda if available
     bf16: bool | None = None  # autocast to bfloat16; default: on CUDA only
     quiet: bool = False
@@ -226,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("num_keys", int),
         ("num_values", int),
         ("halt_after", int),
+        ("context_parallel", int),
     ]:
         t.add_argument("--" + name.replace("_", "-"), dest=name, type=conv, default=None)
     t.add_argument("--steps", dest="train_iters", type=int, default=None, help="alias of --train-iters")
@@ -234,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--resume", nargs="?", const="auto", default=None, help="resume from <save>/checkpoint.pt, or from PATH"
     )
+    t.add_argument("--cp-method", default=None, help="context-parallel method: ring, allgather or ulysses")
+    t.add_argument("--cp-layout", default=None, help="context-parallel sequence layout: zigzag or contiguous")
     t.add_argument("--device", default=None, help="auto, cpu or cuda")
     t.add_argument("--bf16", type=_bool, default=None, help="bf16 autocast (default: on CUDA)")
     t.add_argument("--quiet", action="store_true", default=None)
@@ -345,16 +352,23 @@ def _optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -
 
 
 @torch.no_grad()
-def evaluate(model: GPT, task, cfg: TrainConfig, device: torch.device, autocast) -> dict[str, float]:
+def evaluate(model: GPT, task, cfg: TrainConfig, device: torch.device, autocast, cp=None) -> dict[str, float]:
     """Mean loss over eval_iters held-out batches; answer accuracy for the recall task."""
     was_training = model.training
     model.eval()
     total_loss, total_tokens, correct = 0.0, 0.0, 0.0
     for i in range(cfg.eval_iters):
         b = task.batch(cfg.micro_batch_size, i, cfg.seed, "eval").to(device)
+        mask = b.loss_mask if b.loss_mask is not None else torch.ones_like(b.labels, dtype=torch.bool)
+        if cp is not None:
+            inputs, labels, mask, pos = cp.shard_batch(b.inputs, b.labels, mask)
+            with autocast():
+                logits = model(inputs, position_ids=pos)
+            loss_sum, count, hits = cp.eval_stats(logits, labels, mask)
+            total_loss, total_tokens, correct = total_loss + loss_sum, total_tokens + count, correct + hits
+            continue
         with autocast():
             logits = model(b.inputs)
-        mask = b.loss_mask if b.loss_mask is not None else torch.ones_like(b.labels, dtype=torch.bool)
         total_loss += float(lm_loss(logits, b.labels, mask, reduction="sum"))
         total_tokens += float(mask.sum())
         correct += float(((logits.argmax(-1) == b.labels) & mask).sum())
@@ -381,7 +395,21 @@ def _chosen_backend(model: GPT, device: torch.device, dtype: torch.dtype) -> str
 
 def run(cfg: TrainConfig) -> TrainResult:
     """Train as configured; returns the losses and final figures. Raises CheckpointError/ValueError on bad input."""
-    device = _device(cfg.device)
+    rank, cp = 0, None
+    if cfg.context_parallel > 1:
+        from longctx.distributed.model import init_distributed
+
+        rank, world, device = init_distributed()
+        if world != cfg.context_parallel:
+            raise ValueError(
+                f"--context-parallel {cfg.context_parallel} needs as many processes, got world size {world}; "
+                f"run: torchrun --nproc-per-node {cfg.context_parallel} -m longctx train --context-parallel "
+                f"{cfg.context_parallel} ..."
+            )
+        if rank != 0:
+            cfg = dataclasses.replace(cfg, quiet=True)
+    else:
+        device = _device(cfg.device)
     use_bf16 = cfg.bf16 if cfg.bf16 is not None else device.type == "cuda"
     torch.manual_seed(cfg.seed)
 
@@ -402,6 +430,12 @@ def run(cfg: TrainConfig) -> TrainResult:
     model = GPT(mcfg).to(device)
     opt = _optimizer(model, cfg, device)
     backend = _chosen_backend(model, device, torch.bfloat16 if use_bf16 else torch.float32)
+    if cfg.context_parallel > 1:
+        from longctx.distributed.model import setup_context_parallel
+
+        cp = setup_context_parallel(model, method=cfg.cp_method, layout=cfg.cp_layout)
+        cp.check_seq_len(mcfg.seq_length)
+        backend = f"context-parallel {cfg.cp_method}/{cfg.cp_layout} over {cfg.context_parallel} ranks ({cp.backend})"
 
     def autocast():
         if use_bf16:
@@ -409,6 +443,7 @@ def run(cfg: TrainConfig) -> TrainResult:
         return contextlib.nullcontext()
 
     ckpt_path = Path(cfg.save) / "checkpoint.pt" if cfg.save else None
+    writer = rank == 0  # under context parallelism only the first rank writes checkpoints and metrics
     start = 0
     if cfg.resume:
         path = ckpt_path if cfg.resume == "auto" else Path(cfg.resume)
@@ -432,7 +467,7 @@ def run(cfg: TrainConfig) -> TrainResult:
             raise ValueError(f"checkpoint is at step {start}, beyond --train-iters {cfg.train_iters}")
 
     def save(step: int, extra: dict[str, Any]) -> None:
-        if ckpt_path is None:
+        if ckpt_path is None or not writer:
             return
         save_checkpoint(
             ckpt_path,
@@ -448,7 +483,7 @@ def run(cfg: TrainConfig) -> TrainResult:
         )
 
     metrics_file = None
-    if cfg.save:
+    if cfg.save and writer:
         Path(cfg.save).mkdir(parents=True, exist_ok=True)
         metrics_file = open(Path(cfg.save) / "metrics.jsonl", "a")  # noqa: SIM115
 
@@ -483,15 +518,23 @@ def run(cfg: TrainConfig) -> TrainResult:
         for gr in opt.param_groups:
             gr["lr"] = lr
         b = task.batch(cfg.micro_batch_size, step, cfg.seed, "train").to(device)
-        with autocast():
-            logits = model(b.inputs)
-        loss = lm_loss(logits, b.labels, b.loss_mask)
-        loss.backward()
+        if cp is not None:  # this rank's shard of every sequence, with its global positions
+            inputs, labels, mask, pos = cp.shard_batch(b.inputs, b.labels, b.loss_mask)
+            with autocast():
+                logits = model(inputs, position_ids=pos)
+            loss, loss_report = cp.loss(logits, labels, mask)
+            loss.backward()
+            cp.allreduce_gradients(model)
+        else:
+            with autocast():
+                logits = model(b.inputs)
+            loss = loss_report = lm_loss(logits, b.labels, b.loss_mask)
+            loss.backward()
         if cfg.clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss_val = loss.item()
+        loss_val = loss_report.item()
         losses.append(loss_val)
         done = step + 1
         elapsed = time.perf_counter() - t0
@@ -499,7 +542,7 @@ def run(cfg: TrainConfig) -> TrainResult:
         record: dict[str, Any] = {"step": done, "loss": loss_val, "lr": lr}
         is_last = done == cfg.train_iters
         if cfg.eval_iters > 0 and ((cfg.eval_interval > 0 and done % cfg.eval_interval == 0) or is_last):
-            last_eval = evaluate(model, task, cfg, device, autocast)
+            last_eval = evaluate(model, task, cfg, device, autocast, cp)
             record.update(last_eval)
         if metrics_file:
             metrics_file.write(json.dumps(record) + "\n")
@@ -516,6 +559,10 @@ def run(cfg: TrainConfig) -> TrainResult:
             save(done, {"last_eval": last_eval})
     if metrics_file:
         metrics_file.close()
+    if cp is not None:
+        import torch.distributed as dist
+
+        dist.barrier()
 
     elapsed = time.perf_counter() - t0
     result = TrainResult(
