@@ -173,9 +173,8 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for r in results:
         none = by_key.get((r["s"], r["backend_label"], "none"))
         if r.get("oom") or r.get("error"):
-            lines.append(
-                f"| {r['s']} | {r['backend_label']} | {r['policy']} | {'OOM' if r.get('oom') else 'error'} | - | - | - | - |"
-            )
+            what = "OOM" if r.get("oom") else "error"
+            lines.append(f"| {r['s']} | {r['backend_label']} | {r['policy']} | {what} | - | - | - | - |")
             continue
         rel = per_layer = "-"
         if none and not none.get("oom") and not none.get("error"):
@@ -300,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                     if rec.get("oom")
                     else rec.get("error")
                     or (
-                        f"{rec['step_ms']:.1f} ms, peak {_gib(rec['peak_bytes'])} GiB, act {_gib(rec['activation_bytes'])} GiB"
+                        f"{rec['step_ms']:.1f} ms, peak {_gib(rec['peak_bytes'])} GiB, "
+                        f"act {_gib(rec['activation_bytes'])} GiB"
                     )
                 )
                 print(f"S={s:6d} {label:12s} {pol:16s} {msg}", flush=True)
