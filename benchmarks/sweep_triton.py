@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--what", default="fwd,bwd")
     ap.add_argument("--fwd-configs", default="", help="semicolon list of bm,bn,w,s (default: a small grid)")
     ap.add_argument("--bwd-configs", default="", help="semicolon list of bm,bn,w,s for the dK/dV kernel")
-    ap.add_argument("--variants", default="ptr,tma,tma_ws", help="forward variants")
+    ap.add_argument("--variants", default="ptr,tma,tma_pipe", help="forward variants (ptr, tma, tma_ws, tma_pipe)")
+    ap.add_argument("--bwd-variants", default="ptr,tma", help="dK/dV load variants (ptr, tma)")
     ap.add_argument("--rep", type=int, default=40)
     args = ap.parse_args(argv)
 
@@ -76,7 +77,11 @@ def _sweep_case(args, cfgs, D: int, S: int, causal: bool) -> None:
                 tf.FORCE_CONFIG.clear()
                 tf.EXTRA_KWARGS.clear()
                 tf.FORCE_CONFIG["fwd"] = cfg
-                tf.EXTRA_KWARGS["fwd"] = {"USE_TMA": var.startswith("tma"), "WARP_SPEC": var.endswith("ws")}
+                tf.EXTRA_KWARGS["fwd"] = {
+                    "USE_TMA": var.startswith("tma"),
+                    "WARP_SPEC": var.endswith("ws"),
+                    "PIPE_QK": var.endswith("pipe"),
+                }
                 t0 = time.time()
                 try:
                     out, lse = tf._forward_impl(q, k, v, 1 / math.sqrt(D), band.lo, band.hi)
@@ -102,27 +107,31 @@ def _sweep_case(args, cfgs, D: int, S: int, causal: bool) -> None:
             128: [(64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 2)],
             256: [(64, 64, 8, 2), (32, 64, 4, 2), (32, 128, 8, 2)],
         }[D]
-        for det in (False, True):
-            for cfg in cfgs(args.bwd_configs, default) if not det else [None]:
-                tf.FORCE_CONFIG.clear()
-                if cfg is not None:
-                    tf.FORCE_CONFIG["dkdv_atomic"] = cfg
-                t0 = time.time()
+        variants = [(False, cfg, bv) for cfg in cfgs(args.bwd_configs, default) for bv in args.bwd_variants.split(",")]
+        variants.append((True, None, "tma"))
+        for det, cfg, bv in variants:
+            tf.FORCE_CONFIG.clear()
+            tf.EXTRA_KWARGS.clear()
+            if cfg is not None:
+                tf.FORCE_CONFIG["dkdv_atomic"] = cfg
+            tf.EXTRA_KWARGS["dkdv_atomic"] = {"USE_TMA": bv == "tma"}
+            t0 = time.time()
 
-                def run(det=det):
-                    return tf._backward_impl(do, q, k, v, out, lse, None, 1 / math.sqrt(D), band.lo, band.hi, det)
+            def run(det=det):
+                return tf._backward_impl(do, q, k, v, out, lse, None, 1 / math.sqrt(D), band.lo, band.hi, det)
 
-                try:
-                    run()
-                    torch.cuda.synchronize()
-                    ms = triton.testing.do_bench(run, warmup=5, rep=args.rep, return_mode="median")
-                    name = "separate(autotuned)" if det else f"atomic {cfg}"
-                    print(
-                        f"bwd {tag} {name:24s} {2.5 * flops / ms * 1e-9:6.0f} TFLOP/s ({time.time() - t0:.0f}s)",
-                        flush=True,
-                    )
-                except Exception as exc:
-                    print(f"bwd {tag} {cfg} det={det} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            try:
+                run()
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench(run, warmup=5, rep=args.rep, return_mode="median")
+                name = "separate(autotuned)" if det else f"atomic {cfg} {bv}"
+                print(
+                    f"bwd {tag} {name:30s} {2.5 * flops / ms * 1e-9:6.0f} TFLOP/s ({time.time() - t0:.0f}s)",
+                    flush=True,
+                )
+            except Exception as exc:
+                print(f"bwd {tag} {cfg} {bv} det={det} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        tf.EXTRA_KWARGS.clear()
         tf.FORCE_CONFIG.clear()
 
 

@@ -26,6 +26,9 @@ Strides are passed for every tensor, so views such as the (B, S, H, D) layout ne
 import triton
 import triton.language as tl
 
+# fmt: off
+# (kernel signatures stay compact: one line per group of related arguments)
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -65,36 +68,14 @@ def _tile_ranges(row_start, row_last, n_cols, lo, hi, HAS_LO: tl.constexpr, HAS_
 
 @triton.jit
 def _fwd_inner(
-    acc,
-    l_i,
-    m_i,
-    q,
-    K_bh,
-    V_bh,
-    desc_k,
-    desc_v,
-    stride_kn,
-    stride_kd,
-    stride_vn,
-    stride_vd,
-    offs_m,
-    offs_d,
-    start,
-    end,
-    Sk,
-    lo,
-    hi,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
+    acc, l_i, m_i, q,
+    K_bh, V_bh, desc_k, desc_v, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_d, start, end, Sk, lo, hi, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
+    """Key tiles [start, end) of one query tile; MASKED applies the band and the ragged end of Sk."""
     offs_n = tl.arange(0, BLOCK_N)
     k_tile = offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd  # (BLOCK_N, BLOCK_D)
     v_tile = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
@@ -103,12 +84,13 @@ def _fwd_inner(
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k_ptrs = K_bh + start_n.to(tl.int64) * stride_kn + k_tile
         v_ptrs = V_bh + start_n.to(tl.int64) * stride_vn + v_tile
+        if MASKED:
+            ld_mask = ((start_n + offs_n)[:, None] < Sk) & d_ok
         # -- load K: only boundary tiles can reach past Sk; BLOCK_D > HEAD_DIM pads with zeros --
         if USE_TMA:
             # TMA (tensor descriptor): rows past Sk arrive as zeros, the mask below hides them
             k = desc_k.load([start_n, 0])
         elif MASKED:
-            ld_mask = ((start_n + offs_n)[:, None] < Sk) & d_ok
             k = tl.load(k_ptrs, mask=ld_mask, other=0.0)
         elif BLOCK_D != HEAD_DIM:
             k = tl.load(k_ptrs, mask=d_ok, other=0.0)
@@ -152,52 +134,61 @@ def _fwd_inner(
 
 
 @triton.jit
+def _fwd_full_pipelined(acc, l_i, m_i, q, desc_k, desc_v, start, end, qk_scale,
+                        BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The unmasked run, software-pipelined by hand: the scores of tile j+1 are issued (async wgmma) before
+    the softmax of tile j, so the tensor cores can work while the exp2 units do (FlashAttention-3's
+    intra-warpgroup overlap, as far as Triton's scheduler follows it). Needs TMA descriptors; [start, end)
+    holds whole tiles."""
+    if start < end:
+        k = desc_k.load([start, 0])
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        for start_n in range(start + BLOCK_N, end, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            k = desc_k.load([start_n, 0])
+            qk_next = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            # -- online softmax of the previous tile while qk_next is in flight --
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = desc_v.load([start_n - BLOCK_N, 0])
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            m_i = m_new
+            qk = qk_next
+        # -- the last tile of the run --
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = desc_v.load([end - BLOCK_N, 0])
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def attn_fwd_kernel(
-    Q,
-    K,
-    V,
-    O,
-    LSE,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_ob,
-    stride_oh,
-    stride_om,
-    stride_od,
-    Hq,
-    Sq,
-    Sk,
-    GROUP,
-    lo,
-    hi,
-    qk_scale,
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    Hq, Sq, Sk, GROUP, lo, hi, qk_scale,
     SEQ_BUCKET,  # autotune key only (length bucket)
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr = False,
-    WARP_SPEC: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False, PIPE_QK: tl.constexpr = False,
 ):
     """Grid: (B * Hq, cdiv(Sq, BLOCK_M)) with LONGEST_FIRST, else (cdiv(Sq, BLOCK_M), B * Hq).
 
     LSE is (B, Hq, Sq) contiguous float32, natural log. USE_TMA loads K/V through tensor descriptors (needs
     unit stride on D, 16-byte aligned rows, HEAD_DIM == BLOCK_D); WARP_SPEC asks Triton to warp-specialise the
-    unmasked loop.
+    unmasked loop; PIPE_QK (with USE_TMA) runs the unmasked loop software-pipelined by hand.
     """
     if LONGEST_FIRST:
         # causal-like bands: later query tiles see more keys. Heads vary fastest and query tiles run from
@@ -216,12 +207,8 @@ def attn_fwd_kernel(
     V_bh = V + off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh
     O_bh = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
     if USE_TMA:
-        desc_k = tl.make_tensor_descriptor(
-            K_bh, shape=[Sk, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D]
-        )
-        desc_v = tl.make_tensor_descriptor(
-            V_bh, shape=[Sk, HEAD_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D]
-        )
+        desc_k = tl.make_tensor_descriptor(K_bh, shape=[Sk, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
+        desc_v = tl.make_tensor_descriptor(V_bh, shape=[Sk, HEAD_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D])
     else:
         desc_k = K_bh
         desc_v = V_bh
@@ -240,101 +227,21 @@ def attn_fwd_kernel(
     row_last = tl.minimum(start_m + BLOCK_M, Sq) - 1
     k_lo, full_lo, full_hi, k_end = _tile_ranges(start_m, row_last, Sk, lo, hi, HAS_LO, HAS_HI, BLOCK_N)
     # -- boundary tiles before the fully visible run --
-    acc, l_i, m_i = _fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        K_bh,
-        V_bh,
-        desc_k,
-        desc_v,
-        stride_kn,
-        stride_kd,
-        stride_vn,
-        stride_vd,
-        offs_m,
-        offs_d,
-        k_lo,
-        full_lo,
-        Sk,
-        lo,
-        hi,
-        qk_scale,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        True,
-        HAS_LO,
-        HAS_HI,
-        DOT_PRECISION,
-        USE_TMA,
-        False,
-    )
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, stride_kn, stride_kd, stride_vn, stride_vd,
+                               offs_m, offs_d, k_lo, full_lo, Sk, lo, hi, qk_scale,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, False)
     # -- fully visible tiles: no mask --
-    acc, l_i, m_i = _fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        K_bh,
-        V_bh,
-        desc_k,
-        desc_v,
-        stride_kn,
-        stride_kd,
-        stride_vn,
-        stride_vd,
-        offs_m,
-        offs_d,
-        full_lo,
-        full_hi,
-        Sk,
-        lo,
-        hi,
-        qk_scale,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        False,
-        HAS_LO,
-        HAS_HI,
-        DOT_PRECISION,
-        USE_TMA,
-        WARP_SPEC,
-    )
+    if PIPE_QK:
+        acc, l_i, m_i = _fwd_full_pipelined(acc, l_i, m_i, q, desc_k, desc_v, full_lo, full_hi, qk_scale,
+                                            BLOCK_N, DOT_PRECISION)
+    else:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_m, offs_d, full_lo, full_hi, Sk, lo, hi, qk_scale,
+                                   HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, WARP_SPEC)
     # -- boundary tiles after it (diagonal, right window edge, ragged end of Sk) --
-    acc, l_i, m_i = _fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        K_bh,
-        V_bh,
-        desc_k,
-        desc_v,
-        stride_kn,
-        stride_kd,
-        stride_vn,
-        stride_vd,
-        offs_m,
-        offs_d,
-        full_hi,
-        k_end,
-        Sk,
-        lo,
-        hi,
-        qk_scale,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        True,
-        HAS_LO,
-        HAS_HI,
-        DOT_PRECISION,
-        USE_TMA,
-        False,
-    )
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, stride_kn, stride_kd, stride_vn, stride_vd,
+                               offs_m, offs_d, full_hi, k_end, Sk, lo, hi, qk_scale,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, False)
 
     # epilogue: rows that saw no key have l = 0 -> output 0, lse -inf
     empty = l_i == 0.0

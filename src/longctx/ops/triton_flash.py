@@ -166,6 +166,7 @@ def _tma_ok(t: torch.Tensor, D: int, bd: int) -> bool:
 
 
 _USE_TMA_DEFAULT = os.environ.get("LONGCTX_TRITON_TMA", "1") != "0"
+_PIPE_QK_DEFAULT = os.environ.get("LONGCTX_TRITON_PIPE_QK", "0") != "0"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -229,6 +230,7 @@ def _forward_impl(
             LONGEST_FIRST=longest_first,
             DOT_PRECISION=_dot_precision(q.dtype),
             USE_TMA=use_tma,
+            PIPE_QK=use_tma and _PIPE_QK_DEFAULT,
         ),
     )
     return out, lse
@@ -301,6 +303,9 @@ def _backward_impl(
     # Fast path: dQ accumulated with float32 atomics inside the dK/dV kernel (5 matmuls per tile pair).
     # Deterministic path: a separate dQ kernel recomputes P and dP (7 matmuls), each element written once.
     atomic = not (deterministic or _deterministic_env())
+    use_tma = _USE_TMA_DEFAULT and _tma_ok(q, D, bd) and _tma_ok(do, D, bd)
+    if use_tma:
+        _set_tma_allocator()
     dqa = torch.zeros((B, Hq, Sq, D), device=q.device, dtype=torch.float32) if atomic else dq  # (B, Hq, Sq, D)
     _launch(
         "dkdv_atomic" if atomic else "dkdv",
@@ -308,7 +313,7 @@ def _backward_impl(
         lambda bm, bn: (B * Hkv, _cdiv(Sk, bn)),
         [q, k, v, do, lse2, delta, dk, dv, dqa, *q.stride(), *k.stride(), *v.stride(), *do.stride()]
         + [*dk.stride(), *dv.stride(), *dqa.stride()[:3]],
-        dict(Hq=Hq, Hkv=Hkv, ATOMIC_DQ=atomic, **common),
+        dict(Hq=Hq, Hkv=Hkv, ATOMIC_DQ=atomic, USE_TMA=use_tma, **common),
     )
     if atomic:
         dq.copy_(dqa.mul_(scale))
