@@ -209,11 +209,27 @@ def _bench_length(args, launcher: str, n_loc: int) -> list[dict]:
     return rows
 
 
-def run_bench(args, launcher: str) -> list[dict]:
+def _gpu_warmup(seconds: float = 2.0) -> None:
+    """Run matmuls for a while so the first timing does not see idle clocks."""
+    if _DEV.type != "cuda":
+        return
+    a = torch.randn(8192, 8192, device=_DEV, dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+    dist.barrier()
+
+
+def run_bench(args, launcher: str, on_row=None) -> list[dict]:
     rows = []
+    _gpu_warmup()
     for n_loc in args.tokens_per_gpu:
         rows += _bench_length(args, launcher, n_loc)
         _empty_cache()
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
@@ -419,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         _log(f"check: {sum(r['ok'] for r in check)}/{len(check)} pass ({time.time() - t0:.0f} s)")
         _write(meta, check, bench, maxseq, args, quiet=True)
     if not args.no_bench:
-        bench = run_bench(args, launcher)
+        bench = run_bench(args, launcher, on_row=lambda rows: _write(meta, check, rows, maxseq, args, quiet=True))
         _log(f"sweep done ({time.time() - t0:.0f} s)")
     if args.max_seq:
         _write(meta, check, bench, maxseq, args, quiet=True)  # what we have so far, in case this part fails

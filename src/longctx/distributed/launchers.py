@@ -11,6 +11,7 @@ imports, else the tiled launchers (plain PyTorch, any device and dtype). "tiled"
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,8 +61,12 @@ def _triton() -> Launchers:
     def fwd(q, k, v, *, scale: float, band: Band):
         return mod.triton_forward(q, k, v, scale=scale, band=band)
 
+    # float32 gradients when the launcher can write them: a block's dK/dV are partial sums that the ring (or the
+    # reduce-scatter) adds up, and rounding each one to bf16 first costs up to ~3x the error of one kernel.
+    extra = {"grad_dtype": torch.float32} if "grad_dtype" in inspect.signature(mod.triton_backward).parameters else {}
+
     def bwd(do, q, k, v, out, lse, *, scale: float, band: Band):
-        return mod.triton_backward(do, q, k, v, out, lse, scale=scale, band=band, deterministic=False)
+        return mod.triton_backward(do, q, k, v, out, lse, scale=scale, band=band, deterministic=False, **extra)
 
     return Launchers("triton", fwd, bwd)
 
