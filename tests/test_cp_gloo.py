@@ -351,3 +351,27 @@ def test_cp_attention_without_torch_distributed(method: str) -> None:
     (dq_ref,) = torch.autograd.grad(ref.sum(), q)
     assert torch.allclose(dq, dq_ref, atol=1e-12)
     assert torch.equal(unshard(shard(q, 2), 2), q)
+
+
+def test_ring_plan_skips_masked_blocks_and_fuses_full_ones() -> None:
+    """Zigzag causal: every remote step is one dense launcher call of half the pairs; contiguous skips whole steps."""
+    from longctx.distributed.blocks import plan_calls
+    from longctx.distributed.sharding import local_chunks
+    from longctx.masks import Band
+
+    P, c = 4, 8
+    S = 2 * P * c
+    band = Band.from_args(S, S, causal=True)
+    for r in range(P):
+        for src in range(P):
+            calls = plan_calls(band, local_chunks(S, r, P, "zigzag"), local_chunks(S, src, P, "zigzag"))
+            work = sum((cl.q1 - cl.q0) * (cl.k1 - cl.k0) for cl in calls)
+            if src == r:  # two causal diagonal blocks and one full block
+                assert len(calls) == 3 and work == 3 * c * c
+            else:  # all queries x the early key chunk, or the late query chunk x all keys
+                assert len(calls) == 1 and calls[0].band == Band() and work == 2 * c * c
+            calls = plan_calls(band, local_chunks(S, r, P, "contiguous"), local_chunks(S, src, P, "contiguous"))
+            assert len(calls) == (0 if src > r else 1)
+    # non-causal: one dense call per step
+    calls = plan_calls(Band(), local_chunks(S, 1, P, "zigzag"), local_chunks(S, 2, P, "zigzag"))
+    assert len(calls) == 1 and (calls[0].q0, calls[0].q1, calls[0].k0, calls[0].k1) == (0, 2 * c, 0, 2 * c)
