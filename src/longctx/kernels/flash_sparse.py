@@ -165,9 +165,14 @@ def _fwd_blocks(
             s = qk * qk_scale
         else:
             s = tl.where(cols[None, :] < Sk, qk * qk_scale, float("-inf"))
-        # -- online softmax update; a row with nothing visible yet keeps m = -inf (subtract 0 instead) --
+        # -- online softmax update --
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if MASKED:
+            # a row with nothing visible yet keeps m = -inf: subtract 0 instead (exp2(-inf) = 0)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            # full blocks run first and their first sub-tile always holds in-range keys: m is finite
+            m_use = m_new
         p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
