@@ -283,6 +283,43 @@ def plot(results: list[Result], providers: list[str], path: str, meta: dict) -> 
     return True
 
 
+def _write(results: list[Result], providers: list[str], meta: dict, out_dir: str, tag: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    gpu = meta["gpu"].replace("NVIDIA ", "").replace(" ", "-")
+    stem = os.path.join(out_dir, f"{meta['date'][:10]}_{gpu}{tag}")
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=1)
+    md = markdown(results, providers, meta)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    plot(results, providers, stem + ".png", meta)
+    return md
+
+
+def _merge(paths: list[str], out_dir: str, tag: str) -> int:
+    """Several partial runs (e.g. FlexAttention measured in a separate device call) in one report."""
+    results: list[Result] = []
+    providers: list[str] = []
+    meta: dict = {}
+    for path in paths:
+        with open(path) as f:
+            payload = json.load(f)
+        meta = meta or payload["meta"]
+        for r in payload["results"]:
+            res = Result(Case(**r.pop("case")), **r)
+            results.append(res)
+            if res.provider not in providers:
+                providers.append(res.provider)
+    providers.sort(key=lambda p: PROVIDERS.index(p) if p in PROVIDERS else len(PROVIDERS))
+    order = {}
+    for r in results:
+        order.setdefault(r.case.label, len(order))
+    results.sort(key=lambda r: (order[r.case.label], providers.index(r.provider)))
+    meta = {**meta, "merged_from": [os.path.basename(p) for p in paths]}
+    print(_write(results, providers, meta, out_dir, tag))
+    return 0
+
+
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
@@ -301,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
     ap.add_argument("--tag", default="", help="suffix for the output file names")
     ap.add_argument("--masks", action="store_true", help="also run longctx.bench.masks if it exists")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="combine the JSON files of earlier runs into one report")
     args = ap.parse_args(argv)
+    if args.merge:
+        return _merge(args.merge, args.out_dir, args.tag)
     if not torch.cuda.is_available():
         print("longctx bench attention: needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -327,17 +367,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"  mem {_fmt(r.peak_extra_mib):>6s} MiB {r.note}",
                 flush=True,
             )
-    os.makedirs(args.out_dir, exist_ok=True)
-    gpu = meta["gpu"].replace("NVIDIA ", "").replace(" ", "-")
-    stem = os.path.join(args.out_dir, f"{_dt.date.today().isoformat()}_{gpu}{args.tag}")
-    payload = {"meta": meta, "results": [asdict(r) for r in results]}
-    with open(stem + ".json", "w") as f:
-        json.dump(payload, f, indent=1)
-    md = markdown(results, providers, meta)
-    with open(stem + ".md", "w") as f:
-        f.write(md)
-    plot(results, providers, stem + ".png", meta)
-    print(md)
+    print(_write(results, providers, meta, args.out_dir, args.tag))
     if args.masks:
         try:
             masks = importlib.import_module("longctx.bench.masks")

@@ -9,31 +9,34 @@ BLOCK_M is always the query tile and BLOCK_N the key tile, in every kernel.
 
 import triton
 
+# Chosen from sweeps on the H100 at S=8192 (benchmarks/NOTES.md, runs 2-3); the first entry of each list is the
+# one used without autotuning, so it must fit every variant (TMA, hand-pipelined QK^T) in shared memory.
+
 # forward: the query tile stays in registers; K/V tiles are pipelined num_stages deep.
 FWD = {
     16: [(128, 64, 4, 3), (64, 64, 4, 3)],
-    32: [(128, 64, 4, 3), (128, 128, 8, 3)],
-    64: [(128, 64, 4, 4), (128, 128, 8, 3)],
-    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)],
+    32: [(128, 64, 4, 3), (64, 64, 4, 3)],
+    64: [(128, 64, 4, 3), (128, 64, 4, 4)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 3)],
     256: [(128, 64, 8, 2), (64, 64, 4, 2)],
 }
-# dK/dV: one kv tile (BLOCK_N) stays on chip with its fp32 dK, dV accumulators; query tiles stream.
+# dK/dV (deterministic path): one kv tile (BLOCK_N) stays on chip with its fp32 dK, dV; query tiles stream.
 BWD_DKDV = {
     16: [(64, 128, 8, 3), (32, 64, 4, 3)],
     32: [(64, 128, 8, 3), (32, 128, 4, 3)],
     64: [(64, 128, 8, 3), (32, 128, 4, 3)],
-    128: [(64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3)],
+    128: [(64, 128, 8, 2), (32, 128, 8, 3)],
     256: [(64, 64, 8, 2), (32, 64, 4, 2)],
 }
-# dK/dV with dQ accumulated by atomics (the fast, non-deterministic path): same shape, more registers.
+# dK/dV with dQ accumulated by atomics (the fast path): same shapes, more registers.
 BWD_DKDV_ATOMIC = {
     16: [(64, 128, 8, 3), (32, 64, 4, 3)],
-    32: [(64, 128, 8, 3), (32, 128, 4, 3)],
-    64: [(64, 128, 8, 3), (32, 128, 4, 3)],
-    128: [(64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3)],
+    32: [(64, 128, 8, 3), (64, 128, 8, 4)],
+    64: [(64, 128, 8, 3), (64, 128, 8, 4)],
+    128: [(64, 128, 8, 4), (64, 128, 8, 3), (32, 128, 8, 3)],
     256: [(64, 64, 8, 2), (32, 64, 4, 2)],
 }
-# dQ: one query tile stays on chip with its fp32 dQ accumulator; K/V tiles stream.
+# dQ (deterministic path): one query tile stays on chip with its fp32 dQ accumulator; K/V tiles stream.
 BWD_DQ = {
     16: [(128, 64, 8, 3), (64, 32, 4, 3)],
     32: [(128, 64, 8, 3), (128, 32, 4, 3)],

@@ -16,9 +16,10 @@ Policies:
 - float16 and bfloat16. float32 is refused on CUDA by default: the kernels would compute its products in
   tf32 (about 1e-3 relative error, far from float32 accuracy). Set ``LONGCTX_TRITON_TF32=1`` to accept that
   documented tf32 path. Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors) float32 is exact.
-- The fast backward accumulates dQ with float32 atomics inside the dK/dV kernel (FlashAttention-2's way):
-  not bitwise repeatable. ``deterministic=True`` (argument) or ``LONGCTX_DETERMINISTIC=1`` switch to a
-  separate dQ kernel without atomics (each gradient element written once, in a fixed order).
+- The fast backward for dense bands and head dims <= 64 accumulates dQ with float32 atomics inside the
+  dK/dV kernel (FlashAttention-2's way): not bitwise repeatable. Elsewhere (where it measured as fast), and
+  always under ``deterministic=True`` or ``LONGCTX_DETERMINISTIC=1``, a separate dQ kernel runs instead,
+  without atomics (each gradient element written once, in a fixed order).
 - Tiles are autotuned per (head dim, band kind, length bucket, dtype) from the short lists in
   `longctx.kernels.configs`; ``LONGCTX_TRITON_AUTOTUNE=0`` uses the first entry of each list instead.
 """
@@ -115,7 +116,7 @@ def _kernel(kind: str, bd: int):
     }[kind]
     if not _autotune_enabled():
         return fn
-    return triton.autotune(configs.configs(kind, bd), key=["HEAD_DIM", "HAS_LO", "HAS_HI", "SEQ_BUCKET"])(fn)
+    return triton.autotune(configs.configs(kind, bd), key=["HEAD_DIM", "HAS_LO", "HAS_HI", "SEQ_BUCKET", "GROUP"])(fn)
 
 
 # For tuning sessions (benchmarks/sweep_triton.py): kind -> (BLOCK_M, BLOCK_N, num_warps, num_stages) forced,
@@ -166,7 +167,10 @@ def _tma_ok(t: torch.Tensor, D: int, bd: int) -> bool:
 
 
 _USE_TMA_DEFAULT = os.environ.get("LONGCTX_TRITON_TMA", "1") != "0"
-_PIPE_QK_DEFAULT = os.environ.get("LONGCTX_TRITON_PIPE_QK", "0") != "0"
+# The hand-pipelined QK^T (PIPE_QK) won at D=128 (+4% full) and lost at D=64 (-20%): on for D=128 only.
+_PIPE_QK_DEFAULT = os.environ.get("LONGCTX_TRITON_PIPE_QK", "1") != "0"
+# TMA for the backward's q/dO tiles measured slower than pointer loads (NOTES.md, run 3): off by default.
+_TMA_BWD_DEFAULT = os.environ.get("LONGCTX_TRITON_TMA_BWD", "0") != "0"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -230,7 +234,7 @@ def _forward_impl(
             LONGEST_FIRST=longest_first,
             DOT_PRECISION=_dot_precision(q.dtype),
             USE_TMA=use_tma,
-            PIPE_QK=use_tma and _PIPE_QK_DEFAULT,
+            PIPE_QK=use_tma and _PIPE_QK_DEFAULT and bd == 128,
         ),
     )
     return out, lse
@@ -302,8 +306,10 @@ def _backward_impl(
     )
     # Fast path: dQ accumulated with float32 atomics inside the dK/dV kernel (5 matmuls per tile pair).
     # Deterministic path: a separate dQ kernel recomputes P and dP (7 matmuls), each element written once.
-    atomic = not (deterministic or _deterministic_env())
-    use_tma = _USE_TMA_DEFAULT and _tma_ok(q, D, bd) and _tma_ok(do, D, bd)
+    # Which path is faster was measured (NOTES.md, runs 2-3): atomics win for dense bands and small head
+    # dims; for causal-like bands at D >= 128 the separate dQ kernel is as fast and deterministic besides.
+    atomic = not (deterministic or _deterministic_env()) and (Band(lo, hi).is_dense or bd <= 64)
+    use_tma = _TMA_BWD_DEFAULT and _tma_ok(q, D, bd) and _tma_ok(do, D, bd)
     if use_tma:
         _set_tma_allocator()
     dqa = torch.zeros((B, Hq, Sq, D), device=q.device, dtype=torch.float32) if atomic else dq  # (B, Hq, Sq, D)
