@@ -74,10 +74,42 @@ def validate(
     return scale, band
 
 
+@torch.compiler.assume_constant_result
+def _select_name_for_compile(
+    requested: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    lo: int | None,
+    hi: int | None,
+    needs_grad: bool,
+    return_lse: bool,
+    deterministic: bool,
+    has_block_mask: bool,
+) -> str:
+    # Run by torch.compile at trace time, outside the graph: the choice (and the environment switches it reads)
+    # is fixed for the compiled graph, so a model calling longctx.attention compiles without a graph break.
+    B, Hq, Sq, D = q_shape
+    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    inp = AttnInputs(
+        device, dtype, B, Hq, k_shape[1], Sq, k_shape[2], D, Band(lo, hi), needs_grad, return_lse, deterministic,
+        has_block_mask, capability=cap,
+    )  # fmt: skip
+    return select_backend(requested, inp).backend.name
+
+
 def _resolve(q, k, v, causal, window, scale, backend, return_lse, deterministic, block_mask):
     scale, band = validate(q, k, v, causal=causal, window=window, scale=scale)
     if block_mask is not None:
         block_mask.check_compatible(q, k)
+    if torch.compiler.is_compiling() and q.numel() > 0 and k.shape[2] > 0:
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        name = _select_name_for_compile(
+            backend, q.device, q.dtype, tuple(int(x) for x in q.shape), tuple(int(x) for x in k.shape),
+            band.lo, band.hi, needs_grad, return_lse, deterministic, block_mask is not None,
+        )  # fmt: skip
+        return scale, band, BackendChoice(get_backend(name), "auto (fixed at compile time)")
     inp = AttnInputs.from_tensors(
         q,
         k,
