@@ -427,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     t0 = time.time()
     check, bench, maxseq = [], [], []
+    ok_max_seq = True
     kv_bench = args.kv_heads
     if args.check:
         args.kv_heads = args.check_kv_heads
@@ -439,9 +440,15 @@ def main(argv: list[str] | None = None) -> int:
         _log(f"sweep done ({time.time() - t0:.0f} s)")
     if args.max_seq:
         _write(meta, check, bench, maxseq, args, quiet=True)  # what we have so far, in case this part fails
-        maxseq = run_max_seq(args)
+        try:
+            maxseq = run_max_seq(args)
+        except Exception:  # noqa: BLE001 - report it plainly (torchrun's "[rankN]:" prefixes are easy to lose)
+            import traceback
+
+            print(f"--max-seq failed on rank {rank}:\n{traceback.format_exc()}", file=sys.stdout, flush=True)
+            ok_max_seq = False
     _write(meta, check, bench, maxseq, args)
-    ok = all(r["ok"] for r in check)
+    ok = all(r["ok"] for r in check) and ok_max_seq
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
