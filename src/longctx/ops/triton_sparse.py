@@ -12,10 +12,11 @@ Layers, bottom up (kernels in `longctx.kernels.flash_sparse`):
   second in the auto order right after "triton". It serves only calls with a block mask (and the packed
   documents of `longctx.flash_attn_varlen_func`, which are one); dense calls go to "triton".
 
-Tiles: the kernels' BLOCK_M/BLOCK_N come from the `triton` backend's tables (`longctx.kernels.configs`),
-kept only where they divide the mask's block size; autotuned over the first two such entries unless
-``LONGCTX_TRITON_AUTOTUNE=0``. The mask's block size must be a multiple of 16 (tl.dot's minimum); other
-block sizes run on the plain-PyTorch path (`longctx.ops.sparse_support`).
+Tiles: the kernels' BLOCK_M/BLOCK_N come from `_SPARSE_TABLES` (measured for D=128) or else the `triton`
+backend's tables (`longctx.kernels.configs`), kept only where they divide the mask's block size; autotuned
+over the first two such entries unless ``LONGCTX_TRITON_AUTOTUNE=0``. The mask's block size must be a
+multiple of 16 (tl.dot's minimum); other block sizes run on the plain-PyTorch path
+(`longctx.ops.sparse_support`).
 """
 
 from __future__ import annotations
@@ -38,13 +39,24 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Measured on an H100 (benchmarks/sweep_sparse_configs.py, documents mask at S=16K, D=128, bf16, 2026-11-20):
+# forward 128x128/8 warps/2 stages 356 TFLOP/s vs 315 for 128x64/8/3; dK/dV 64x128/8/2 and dQ 128x64/8/3 were
+# the best of six each. Other head dims use the `triton` backend's tables.
+_SPARSE_TABLES = {
+    "fwd": {128: [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3)]},
+    "dkdv": {128: [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3)]},
+    "dq": {128: [(128, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 4)]},
+}
+
+
 def _tile_choices(kind: str, bd: int, mask_bs: int) -> list[tuple[int, int, int, int]]:
     from longctx.kernels import configs
 
     if _tf._interpret():
         bm, bn, w, s = configs.INTERPRET
         return [(min(bm, mask_bs), min(bn, mask_bs), w, s)]
-    ok = [c for c in configs.table(kind)[bd] if mask_bs % c[0] == 0 and mask_bs % c[1] == 0]
+    table = _SPARSE_TABLES[kind].get(bd, []) + configs.table(kind)[bd]
+    ok = list(dict.fromkeys(c for c in table if mask_bs % c[0] == 0 and mask_bs % c[1] == 0))
     if not ok:
         b = 64 if mask_bs % 64 == 0 else 32 if mask_bs % 32 == 0 else 16
         ok = [(b, b, 4, 2)]
