@@ -23,7 +23,7 @@ import torch
 pytestmark = pytest.mark.distributed
 
 WORLDS = (2, 4)
-WORLD_TIMEOUT_S = 150
+WORLD_TIMEOUT_S = 200
 
 
 # ---------------------------------------------------------------------------------------------------------
