@@ -62,12 +62,12 @@ class RecallTask:
         num_keys, num_values: sizes of the key and value vocabularies.
     """
 
-    seq_length: int = 256
-    vocab_size: int = 128
-    num_pairs: int = 16
-    num_queries: int = 16
-    num_keys: int = 48
-    num_values: int = 48
+    seq_length: int = 128
+    vocab_size: int = 32
+    num_pairs: int = 4
+    num_queries: int = 4
+    num_keys: int = 8
+    num_values: int = 8
 
     def __post_init__(self) -> None:
         if self.num_keys + self.num_values >= self.vocab_size:
