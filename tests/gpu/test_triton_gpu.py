@@ -75,8 +75,10 @@ def check_against_oracle(q, k, v, do, band, scale=None, *, run=None):
     for name, o, r, p in zip(("out", "lse", "dq", "dk", "dv"), ours, oracle, plain):
         assert o.shape == r.shape, name
         e_ours, e_plain = _err(o, r), _err(p.float(), r)
+        # small floor: relative to the largest oracle value, plus an absolute 1e-5 for gradients that are
+        # exactly 0 in the oracle (one key per row: dS = 0) where ours carries O's rounding (~1e-6)
         floor = 1e-3 * float(r[torch.isfinite(r)].abs().max()) if torch.isfinite(r).any() else 0.0
-        assert e_ours <= 2 * e_plain + floor + 1e-6, f"{name}: ours {e_ours:.3e} vs plain PyTorch {e_plain:.3e}"
+        assert e_ours <= 2 * e_plain + floor + 1e-5, f"{name}: ours {e_ours:.3e} vs plain PyTorch {e_plain:.3e}"
     return ours
 
 

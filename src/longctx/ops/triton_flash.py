@@ -210,7 +210,9 @@ def _forward_impl(
     bd = configs.block_d(D)
     lo_i, hi_i, has_lo, has_hi = _band_args(Band(lo, hi))
     longest_first = has_hi and not has_lo
-    use_tma = _USE_TMA_DEFAULT and _tma_ok(k, D, bd) and _tma_ok(v, D, bd)
+    # Sq or Sk == 1 is specialised by Triton; ptxas crashed (SIGSEGV) on that TMA variant at D=256 (GPU
+    # test run 4), and TMA gains nothing on such tiny inputs: pointer loads there.
+    use_tma = _USE_TMA_DEFAULT and min(Sq, Sk) >= 16 and _tma_ok(k, D, bd) and _tma_ok(v, D, bd)
     if use_tma:
         _set_tma_allocator()
     _launch(
@@ -308,7 +310,8 @@ def _backward_impl(
     # Deterministic path: a separate dQ kernel recomputes P and dP (7 matmuls), each element written once.
     # Which path is faster was measured (NOTES.md, runs 2-3): atomics win for dense bands and small head
     # dims; for causal-like bands at D >= 128 the separate dQ kernel is as fast and deterministic besides.
-    atomic = not (deterministic or _deterministic_env()) and (Band(lo, hi).is_dense or bd <= 64)
+    # At head dims above 128 the atomic variant does not fit shared memory (263 KB needed), so never there.
+    atomic = not (deterministic or _deterministic_env()) and bd <= 128 and (Band(lo, hi).is_dense or bd <= 64)
     use_tma = _TMA_BWD_DEFAULT and _tma_ok(q, D, bd) and _tma_ok(do, D, bd)
     if use_tma:
         _set_tma_allocator()
