@@ -296,6 +296,13 @@ def _write(results: list[Result], providers: list[str], meta: dict, out_dir: str
     return md
 
 
+def _partial(results: list[Result], meta: dict, out_dir: str, tag: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    gpu = meta["gpu"].replace("NVIDIA ", "").replace(" ", "-")
+    with open(os.path.join(out_dir, f"{meta['date'][:10]}_{gpu}{tag}.partial.json"), "w") as f:
+        json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=1)
+
+
 def _merge(paths: list[str], out_dir: str, tag: str) -> int:
     """Several partial runs (e.g. FlexAttention measured in a separate device call) in one report."""
     results: list[Result] = []
@@ -330,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--s", type=_ints, default=[1024, 2048, 4096, 8192, 16384], help="sequence lengths")
     ap.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     ap.add_argument("--no-gqa", action="store_true", help="skip the GQA case (Hq=32, Hkv=8, D=128, causal)")
+    ap.add_argument("--gqa-only", action="store_true", help="only the GQA cases (Hq=32, Hkv=8, D=128, causal)")
     ap.add_argument("--providers", default=",".join(PROVIDERS), help=f"subset of {','.join(PROVIDERS)}")
     ap.add_argument("--no-bwd", action="store_true", help="forward only")
     ap.add_argument("--quick", action="store_true", help="D=128, S in {2K, 8K}, triton/cudnn/fa2, short timing")
@@ -355,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
             providers = ["triton", "cudnn", "fa2"]
     causal = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     cases = build_cases(args.d, args.s, causal, gqa=not args.no_gqa and 128 in args.d)
+    if args.gqa_only:
+        cases = [c for c in build_cases([128], args.s, [True], gqa=True) if c.hq != c.hkv]
     meta = _versions()
     print(f"{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  cuDNN {meta['cudnn']}", flush=True)
     results = []
@@ -367,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"  mem {_fmt(r.peak_extra_mib):>6s} MiB {r.note}",
                 flush=True,
             )
+            _partial(results, meta, args.out_dir, args.tag)  # a run cut short still leaves its numbers
     print(_write(results, providers, meta, args.out_dir, args.tag))
     if args.masks:
         try:
