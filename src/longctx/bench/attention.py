@@ -208,6 +208,12 @@ def markdown(results: list[Result], providers: list[str], meta: dict) -> str:
         "bf16, batch x S = 16384 tokens, heads x D = 2048; forward TFLOP/s / backward TFLOP/s (backward timed alone,",
         "2.5x forward FLOPs, causal halves them); `triton.testing.do_bench` median.",
         "",
+    ]
+    if meta.get("merged_from"):
+        lines += [f"Merged from several runs on this machine kind: {', '.join(meta['merged_from'])}.", ""]
+    if meta.get("note"):
+        lines += [meta["note"], ""]
+    lines += [
         "| case | " + " | ".join(providers) + " | ours/cuDNN fwd | ours/FA2 fwd | ours/FA2 bwd |",
         "|---|" + "---|" * (len(providers) + 3),
     ]
@@ -317,12 +323,18 @@ def _merge(paths: list[str], out_dir: str, tag: str) -> int:
             results.append(res)
             if res.provider not in providers:
                 providers.append(res.provider)
+    # a case measured again in a later file replaces the earlier measurement
+    latest = {(r.case.label, r.provider): r for r in results}
+    results = [r for r in results if latest[(r.case.label, r.provider)] is r]
     providers.sort(key=lambda p: PROVIDERS.index(p) if p in PROVIDERS else len(PROVIDERS))
     order = {}
     for r in results:
         order.setdefault(r.case.label, len(order))
     results.sort(key=lambda r: (order[r.case.label], providers.index(r.provider)))
     meta = {**meta, "merged_from": [os.path.basename(p) for p in paths]}
+    note = os.environ.get("LONGCTX_BENCH_NOTE")
+    if note:
+        meta["note"] = note
     print(_write(results, providers, meta, out_dir, tag))
     return 0
 
