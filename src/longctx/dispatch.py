@@ -125,10 +125,15 @@ class Backend:
 
 
 _REGISTRY: dict[str, Backend] = {}
-# Auto-selection order, best first. Backends not listed here are only used when pinned.
+# Auto-selection order, best first; backends registered without a place are appended. The order follows what
+# was measured side by side on an H100 (benchmarks/results/2026-11-20_H100-80GB-HBM3.md): cuDNN is the fastest
+# kernel wherever it can compute the request (no mask or Sq == Sk causal, no lse, not deterministic), so it
+# comes first; longctx's Triton kernels beat FlashAttention-2 and FlexAttention forward and serve everything
+# cuDNN cannot (bottom-right causal with Sq != Sk, windows, shifted bands, lse, deterministic backward).
 _PRIORITY: list[str] = [
-    "triton",
     "sdpa_cudnn",
+    "triton",
+    "triton_sparse",
     "sdpa_flash",
     "flex",
     "sdpa_efficient",
