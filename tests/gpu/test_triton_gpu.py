@@ -255,10 +255,14 @@ def test_atomic_and_deterministic_paths_agree():
         assert float((a.float() - b.float()).abs().max()) <= 2e-2 * float(b.float().abs().max())
 
 
-def test_auto_prefers_triton_on_cuda():
+def test_auto_picks_triton_where_cudnn_cannot():
+    """cuDNN comes first in the auto order where it can compute the request; everything it cannot
+    (bottom-right causal with Sq != Sk, windows, lse, deterministic backward) goes to the Triton kernels."""
     import longctx
 
-    q, k, v, _ = _inputs(1, 4, 2, 64, 64, 128, torch.bfloat16)
+    q, k, v, _ = _inputs(1, 4, 2, 64, 96, 128, torch.bfloat16)
     assert longctx.explain(q, k, v, causal=True).backend.name == "triton"
+    assert longctx.explain(q, k, v, window=(16, 16)).backend.name == "triton"
+    assert longctx.explain(q, k, v, return_lse=True).backend.name == "triton"
     q32 = q.float()
     assert longctx.explain(q32, k.float(), v.float()).backend.name != "triton"
