@@ -254,13 +254,15 @@ def _backward_impl(
     lo: int | None,
     hi: int | None,
     deterministic: bool = False,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check(q, k, v)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    # The kernels store through the pointers' dtype: float32 gradients come at no extra pass.
+    dq = torch.empty_like(q, dtype=grad_dtype or q.dtype)
+    dk = torch.empty_like(k, dtype=grad_dtype or k.dtype)
+    dv = torch.empty_like(v, dtype=grad_dtype or v.dtype)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     from longctx.kernels import configs, flash_bwd
@@ -369,14 +371,17 @@ def triton_backward(
     band: Band,
     deterministic: bool = False,
     dlse: torch.Tensor | None = None,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward with the Triton kernels: ``(dq, dk, dv)`` in the input dtypes and layouts.
 
     ``lse`` is the forward's (natural log). ``dlse`` (B, Hq, Sq), optional, is a gradient flowing into the
     lse itself. By default dQ is accumulated with float32 atomics (fast, not bitwise repeatable);
     ``deterministic=True`` or ``LONGCTX_DETERMINISTIC=1`` use a separate dQ kernel instead, without atomics.
+    ``grad_dtype`` (e.g. float32) writes the gradients in that dtype instead of the inputs': context
+    parallelism sums per-block gradients and must not round each one to bf16 first.
     """
-    return _backward_impl(do, q, k, v, out, lse, dlse, float(scale), band.lo, band.hi, deterministic)
+    return _backward_impl(do, q, k, v, out, lse, dlse, float(scale), band.lo, band.hi, deterministic, grad_dtype)
 
 
 # -- torch.library registration --
