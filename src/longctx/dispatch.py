@@ -16,6 +16,7 @@ Switches, read at every call:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -54,6 +55,7 @@ class AttnInputs:
     block_mask: bool = False  # a block-sparse mask (longctx.block_mask) is given
     varlen: bool = False  # packed documents (cu_seqlens)
     capability: tuple[int, int] | None = None  # CUDA compute capability, None off CUDA
+    pinned: bool = False  # the backend was asked for by name (argument or LONGCTX_ATTN_BACKEND), not by auto
 
     @classmethod
     def from_tensors(
@@ -232,7 +234,7 @@ def select_backend(requested: str, inp: AttnInputs) -> BackendChoice:
     if requested != "auto":
         backend = get_backend(requested)
         # A pin is an explicit request: switches still apply, so a pinned-but-disabled backend raises.
-        reasons = reasons_for(backend, inp)
+        reasons = reasons_for(backend, dataclasses.replace(inp, pinned=True))
         if reasons:
             raise ValueError(
                 f"attention backend {requested!r} (chosen by {how}) cannot run these inputs: "

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 
 import torch
 
@@ -449,24 +448,6 @@ def triton_attention(
 # -- dispatch --
 
 
-def _pinned_by_name(name: str) -> bool:
-    """Whether the dispatcher is resolving an explicit request for ``name`` (argument or env pin).
-
-    `AttnInputs` does not say whether a backend was pinned, and the CPU interpreter lane must be reachable
-    through ``longctx.attention(backend="triton")`` while ``backend="auto"`` never picks it on CPU. So, only
-    for CPU tensors, look at the caller `longctx.dispatch.select_backend`'s ``requested``. Any surprise in
-    the stack answers False (the safe side: CPU refused).
-    """
-    frame = sys._getframe(1)
-    for _ in range(8):
-        if frame is None:
-            return False
-        if frame.f_code.co_name == "select_backend" and frame.f_globals.get("__name__") == "longctx.dispatch":
-            return frame.f_locals.get("requested") == name
-        frame = frame.f_back
-    return False
-
-
 class TritonBackend(Backend):
     name = "triton"
     family = "flash"
@@ -487,7 +468,7 @@ class TritonBackend(Backend):
                     "cast to bfloat16/float16, or set LONGCTX_TRITON_TF32=1 to accept the tf32 path"
                 )
         elif inp.device.type == "cpu" and _interpret():
-            if not _pinned_by_name(self.name):
+            if not inp.pinned:
                 reasons.append(
                     "CPU tensors run only in the Triton interpreter (slow, for tests); pin backend='triton' to use it"
                 )

@@ -311,7 +311,7 @@ class TritonSparseBackend(Backend):
             if inp.dtype == torch.float32 and not _tf._tf32_allowed():
                 reasons.append("float32 would run in tf32; cast to bfloat16/float16 or set LONGCTX_TRITON_TF32=1")
         elif inp.device.type == "cpu" and _tf._interpret():
-            if not _tf._pinned_by_name(self.name):
+            if not inp.pinned:
                 reasons.append("CPU tensors run only in the Triton interpreter; pin backend='triton_sparse'")
         else:
             reasons.append(f"needs CUDA tensors (got {inp.device.type})")
