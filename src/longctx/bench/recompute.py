@@ -153,8 +153,11 @@ def layer_saved_bytes(model: GPT, s: int, batch: int, device: torch.device, bf16
     return sum(seen.values())
 
 
+_UNIT = {"name": "GiB", "div": 2**30}
+
+
 def _gib(n: float | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f}"
+    return "-" if n is None else f"{n / _UNIT['div']:.2f}"
 
 
 def korthikanti_bytes(s: int, b: int, h: int, a: int) -> tuple[float, float]:
@@ -181,15 +184,24 @@ def env_info(device: torch.device) -> dict[str, Any]:
 def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     cfg = meta["model"]
     L, h, a = cfg["num_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    cuda = meta["env"]["gpu"] != "cpu"
+    peaks = [r["peak_bytes"] for r in results if r.get("peak_bytes")]
+    _UNIT.update({"name": "GiB", "div": 2**30} if peaks and max(peaks) > 4 * 2**30 else {"name": "MiB", "div": 2**20})
+    precision = "bf16 autocast, fp32 parameters and gradients" if cuda else "float32 throughout (CPU)"
+    peak = (
+        "Peak = torch.cuda.max_memory_allocated; activations = peak - parameters - gradients"
+        if cuda
+        else "Peak = the most bytes held by live tensors during the step (longctx.memory.peak_live_bytes, a "
+        "TorchDispatchMode tracker; PyTorch keeps no allocator statistics on the CPU), so peak = activations"
+    )
     lines = [
-        f"# Activation recomputation: {meta['params_m']:.0f}M GPT ({meta['preset']}), batch {meta['batch']}",
+        f"# Activation recomputation: {meta['params_m']:.1f}M GPT ({meta['preset']}), batch {meta['batch']}",
         "",
         f"{meta['env']['gpu']}, torch {meta['env']['torch']}, triton {meta['env']['triton']}, "
-        f"cuDNN {meta['env'].get('cudnn')}; {meta['date']}. bf16 autocast, fp32 parameters and gradients; "
+        f"cuDNN {meta['env'].get('cudnn')}; {meta['date']}. {precision}; "
         f"{L} layers, h={h}, {a} heads (head dim {h // a}), SwiGLU F={cfg['ffn']}, vocab {cfg['vocab_size']}. "
         f"Step = forward + backward (no optimizer), median of {meta['steps']} after {meta['warmup']} warm-up. "
-        "Peak = torch.cuda.max_memory_allocated; activations = peak - parameters - gradients (it includes the "
-        "logits and the loss, the same for every policy).",
+        f"{peak} (it includes the logits and the loss, the same for every policy).",
         "",
     ]
     for note in meta.get("notes", []):
@@ -197,7 +209,8 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     if meta.get("notes"):
         lines.append("")
     lines += [
-        "| S | attention | policy | step ms | vs none | peak GiB | activations GiB | per layer MiB (none - this) / L |",
+        f"| S | attention | policy | step ms | vs none | peak {_UNIT['name']} | activations {_UNIT['name']} | "
+        "per layer MiB (none - this) / L |",
         "|---|---|---|---|---|---|---|---|",
     ]
     by_key = {(r["s"], r["backend_label"], r["policy"]): r for r in results}
@@ -266,6 +279,7 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="longctx bench recompute", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt2-medium")
+    p.add_argument("--override", default="", help="GPTConfig fields, e.g. num_layers=4,hidden_size=256")
     p.add_argument("--seq-lengths", default="4096,8192,16384")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--backends", default="triton,math", help="attention backends to compare")
@@ -275,10 +289,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, S = 64, 128")
+    p.add_argument("--from-json", help="only rewrite the Markdown report of an earlier run's JSON")
     p.add_argument(
         "--skip-math-above", type=int, default=0, help="skip math above this S (0: try all; OOM is recorded)"
     )
     args = p.parse_args(argv)
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        md = Path(args.from_json).with_suffix(".md")
+        md.write_text(report(data["results"], data["meta"]))
+        print(f"wrote {md}")
+        return 0
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.quick:
@@ -291,7 +312,11 @@ def main(argv: list[str] | None = None) -> int:
         if pol not in POLICIES:
             raise SystemExit(f"unknown policy {pol!r}; expected some of {POLICIES}")
     backends = [x for x in args.backends.split(",") if x]
-    cfg = GPTConfig.preset(args.preset, seq_length=max(seqs))
+    overrides: dict[str, Any] = {}
+    for item in filter(None, args.override.split(",")):
+        k, _, v = item.partition("=")
+        overrides[k.strip()] = int(v) if v.strip().lstrip("-").isdigit() else v.strip()
+    cfg = GPTConfig.preset(args.preset, **{"seq_length": max(seqs), **overrides})
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the GPU: seconds instead of a minute for 350M parameters
         model = GPT(cfg)
@@ -302,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"recompute_{date}_{gpu_tag}"
     meta: dict[str, Any] = {
-        "preset": args.preset,
+        "preset": args.preset + (f" with {args.override}" if args.override else ""),
         "params_m": model.num_parameters() / 1e6,
         "batch": args.batch,
         "steps": args.steps,
@@ -316,7 +341,12 @@ def main(argv: list[str] | None = None) -> int:
             "ffn": cfg.ffn_size,
             "vocab_size": cfg.vocab_size,
         },
-        "notes": [],
+        "notes": []
+        if bf16
+        else [
+            "The paper's formula counts 16-bit activations (and 1-byte dropout masks; this model has no dropout); "
+            "in float32 expect about twice its figure per s*b*h."
+        ],
     }
     print(f"recompute bench: {meta['params_m']:.0f}M params, {env['gpu']}, torch {env['torch']}", flush=True)
     results: list[dict[str, Any]] = []
