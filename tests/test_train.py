@@ -172,6 +172,9 @@ def test_mismatched_checkpoint_names_the_fields(tmp_path, capsys):
     assert main(TINY + ["--train-iters", "1", "--save", str(save)]) == 0
     assert main(TINY + ["--train-iters", "2", "--save", str(save), "--resume", "--hidden-size", "32"]) == 2
     assert "hidden_size: 64 -> 32" in capsys.readouterr().err
+    # how the model is computed may change: recomputation and the attention backend
+    argv = ["--recompute-granularity", "selective", "--attention-backend", "math"]
+    assert main(TINY + ["--train-iters", "2", "--save", str(save), "--resume", *argv]) == 0
 
 
 def test_a_failed_save_never_overwrites_the_last_good_checkpoint(tmp_path, monkeypatch):

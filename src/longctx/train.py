@@ -450,7 +450,10 @@ def run(cfg: TrainConfig) -> TrainResult:
         if path is None:
             raise ValueError("--resume without a path needs --save DIR (the checkpoint is DIR/checkpoint.pt)")
         state = load_checkpoint(path)
-        diff = config_diff(state["model_config"], mcfg.to_dict())
+        # How the model is computed (attention backend, recomputation) may change on resume; what it is may not.
+        how = ("attention_backend", "recompute_granularity", "recompute_method", "recompute_num_layers")
+        saved_cfg = {k: v for k, v in state["model_config"].items() if k not in how}
+        diff = config_diff(saved_cfg, {k: v for k, v in mcfg.to_dict().items() if k not in how})
         if diff:
             raise CheckpointError(
                 f"checkpoint {str(path)!r} was written for another model configuration ({'; '.join(diff)}); "
