@@ -197,3 +197,21 @@ def test_cli_reaches_train(tmp_path):
     from longctx.cli import main as cli_main
 
     assert cli_main(["train", *TINY, "--train-iters", "1", "--save", "none"]) == 0
+
+
+@pytest.mark.distributed
+def test_context_parallel_training_matches_one_process(tmp_path):
+    # torchrun --nproc-per-node 2 -m longctx train --context-parallel 2: gloo on the CPU, ring attention over the
+    # tiled launchers, zigzag shards; the logged losses equal the single-process run's.
+    import os
+    import subprocess
+    import sys
+
+    argv = TINY + ["--train-iters", "3", "--attention-backend", "tiled"]
+    run(parse_config(argv + ["--save", str(tmp_path / "one")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "longctx", "train"]
+    cmd += argv + ["--context-parallel", "2", "--save", str(tmp_path / "cp")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    torch.testing.assert_close(losses(tmp_path / "cp"), losses(tmp_path / "one"), rtol=1e-5, atol=1e-6)
