@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/longctx check
-	$(VENV)/bin/longctx demo-memory
+	$(VENV)/bin/longctx demo-memory --lengths 512,1024,2048
+	$(VENV)/bin/longctx train
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
