@@ -241,6 +241,42 @@ def _forward_impl(
     return out, lse
 
 
+def bwd_preprocess(
+    out: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, block_d: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward's first pass, shared with the block-sparse kernels: ``(delta, lse2)``, each (B, Hq, Sq).
+
+    delta = rowsum(dO * O) - dlse; lse2 = lse in base 2, +inf on rows that see no key (so P recomputes as 0).
+    """
+    from longctx.kernels import flash_bwd
+
+    B, Hq, Sq, D = out.shape
+    lse = lse.float().contiguous()  # (B, Hq, Sq)
+    if dlse is not None:
+        dlse = dlse.float().contiguous()  # (B, Hq, Sq)
+    delta = torch.empty_like(lse)
+    lse2 = torch.empty_like(lse)
+    pre_bm = 16 if _interpret() else 64
+    flash_bwd.bwd_preprocess_kernel[(_cdiv(Sq, pre_bm), B * Hq)](
+        out,
+        do,
+        lse,
+        lse if dlse is None else dlse,
+        delta,
+        lse2,
+        *out.stride(),
+        *do.stride(),
+        Hq,
+        Sq,
+        HEAD_DIM=D,
+        BLOCK_D=block_d,
+        BLOCK_M=pre_bm,
+        HAS_DLSE=dlse is not None,
+        num_warps=4,
+    )
+    return delta, lse2
+
+
 def _backward_impl(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -264,34 +300,12 @@ def _backward_impl(
     dv = torch.empty_like(v, dtype=grad_dtype or v.dtype)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    from longctx.kernels import configs, flash_bwd
+    from longctx.kernels import configs
 
     bd = configs.block_d(D)
     lo_i, hi_i, has_lo, has_hi = _band_args(Band(lo, hi))
-    lse = lse.float().contiguous()  # (B, Hq, Sq)
-    if dlse is not None:
-        dlse = dlse.float().contiguous()  # (B, Hq, Sq)
-    delta = torch.empty_like(lse)  # (B, Hq, Sq) rowsum(dO * O) - dlse
-    lse2 = torch.empty_like(lse)  # (B, Hq, Sq) lse in base 2, +inf on rows that see no key
-    pre_bm = 16 if _interpret() else 64
     _kernel("dq", bd)  # applies the interpreter shim if needed
-    flash_bwd.bwd_preprocess_kernel[(_cdiv(Sq, pre_bm), B * Hq)](
-        out,
-        do,
-        lse,
-        lse if dlse is None else dlse,
-        delta,
-        lse2,
-        *out.stride(),
-        *do.stride(),
-        Hq,
-        Sq,
-        HEAD_DIM=D,
-        BLOCK_D=bd,
-        BLOCK_M=pre_bm,
-        HAS_DLSE=dlse is not None,
-        num_warps=4,
-    )
+    delta, lse2 = bwd_preprocess(out, do, lse, dlse, bd)
     common = dict(
         Sq=Sq,
         Sk=Sk,

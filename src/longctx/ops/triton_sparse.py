@@ -199,7 +199,7 @@ def sparse_backward(
     """Block-sparse backward (deterministic: no atomics): (dq, dk, dv) in the input dtypes and layouts."""
     bm = block_mask
     _check(q, k, v, bm)
-    from longctx.kernels import configs, flash_bwd
+    from longctx.kernels import configs
 
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -207,31 +207,9 @@ def sparse_backward(
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     bd = configs.block_d(D)
-    lse = lse.float().contiguous()  # (B, Hq, Sq)
-    if dlse is not None:
-        dlse = dlse.float().contiguous()
-    delta = torch.empty_like(lse)  # (B, Hq, Sq) rowsum(dO * O) - dlse
-    lse2 = torch.empty_like(lse)  # (B, Hq, Sq) base 2, +inf on rows that see nothing
-    pre_bm = 16 if _tf._interpret() else 64
     if _tf._interpret():
         _tf._patch_interpreter_for_numpy2()
-    flash_bwd.bwd_preprocess_kernel[(_cdiv(Sq, pre_bm), B * Hq)](
-        out,
-        do,
-        lse,
-        lse if dlse is None else dlse,
-        delta,
-        lse2,
-        *out.stride(),
-        *do.stride(),
-        Hq,
-        Sq,
-        HEAD_DIM=D,
-        BLOCK_D=bd,
-        BLOCK_M=pre_bm,
-        HAS_DLSE=dlse is not None,
-        num_warps=4,
-    )
+    delta, lse2 = _tf.bwd_preprocess(out, do, lse, dlse, bd)  # (B, Hq, Sq) each
     common = dict(
         Sq=Sq,
         Sk=Sk,
