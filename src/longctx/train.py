@@ -61,10 +61,10 @@ class TrainConfig:
     model: dict[str, Any] = field(default_factory=dict)  # GPTConfig overrides (Megatron names)
     # data
     data: str | None = None  # a text file for byte-level LM; None = the embedded recall task
-    num_pairs: int = 4
-    num_queries: int = 4
-    num_keys: int = 8
-    num_values: int = 8
+    num_pairs: int = RecallTask.num_pairs  # the task's own defaults, stated once in longctx.data
+    num_queries: int = RecallTask.num_queries
+    num_keys: int = RecallTask.num_keys
+    num_values: int = RecallTask.num_values
     # optimisation
     train_iters: int = 1500
     micro_batch_size: int = 32
