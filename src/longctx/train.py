@@ -381,6 +381,24 @@ def evaluate(model: GPT, task, cfg: TrainConfig, device: torch.device, autocast,
     return out
 
 
+def _default_backend(mcfg: GPTConfig, device: torch.device, use_bf16: bool) -> str:
+    """The attention backend when none was configured: our Triton kernels on a GPU where they run the model's
+    attention (the point of this command), else ``auto``. ``--attention-backend auto`` restores the measured
+    fastest choice (cuDNN through SDPA on the H100, for plain causal attention)."""
+    if device.type != "cuda":
+        return "auto"
+    import longctx
+
+    dtype = torch.bfloat16 if use_bf16 else torch.float32
+    q = torch.empty(1, mcfg.num_attention_heads, mcfg.seq_length, mcfg.head_dim, device=device, dtype=dtype)
+    kv = torch.empty(1, mcfg.kv_heads, mcfg.seq_length, mcfg.head_dim, device=device, dtype=dtype)
+    try:
+        longctx.explain(q, kv, kv, causal=True, backend="triton")
+    except ValueError:
+        return "auto"
+    return "triton"
+
+
 def _chosen_backend(model: GPT, device: torch.device, dtype: torch.dtype) -> str:
     import longctx
 
@@ -427,6 +445,8 @@ def run(cfg: TrainConfig) -> TrainResult:
             num_keys=cfg.num_keys,
             num_values=cfg.num_values,
         )
+    if cfg.model.get("attention_backend") is None:
+        mcfg = dataclasses.replace(mcfg, attention_backend=_default_backend(mcfg, device, use_bf16))
     model = GPT(mcfg).to(device)
     opt = _optimizer(model, cfg, device)
     backend = _chosen_backend(model, device, torch.bfloat16 if use_bf16 else torch.float32)
