@@ -154,3 +154,26 @@ def test_fully_masked_rows_case_has_masked_rows(interpreter_results):
 
 def test_auto_never_picks_triton_on_cpu(interpreter_results):
     assert interpreter_results["__auto__"]["choice"] != "triton"
+
+
+def test_tma_allocator_is_installed_in_every_thread():
+    """Triton keeps its scratch allocator per thread (a ContextVar). The autograd engine runs backward, and
+    the recomputed forward of activation checkpointing, in its own threads: the launcher must install the
+    allocator there too, not once per process (the H100 run of bench_recompute failed on exactly this)."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    from longctx.ops import triton_flash as tf
+
+    tf._set_tma_allocator()
+    seen = {}
+
+    def worker():
+        tf._set_tma_allocator()
+        seen["after"] = _allocation._allocator.get()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen["after"] is tf._tma_scratch or not isinstance(seen["after"], _allocation.NullAllocator)

@@ -202,6 +202,30 @@ def test_deterministic_backward_bitwise():
             assert torch.equal(a, b)
 
 
+def test_forward_recomputed_in_the_backward_thread():
+    """Activation checkpointing reruns the forward inside the autograd engine's thread, where Triton's
+    per-thread scratch allocator (for the TMA descriptors) was never set: the H100 run of bench_recompute
+    failed there before the launcher installed it per thread."""
+    from torch.utils.checkpoint import checkpoint
+
+    import longctx
+
+    q, k, v, do = _inputs(1, 4, 4, 512, 512, 128, torch.bfloat16)
+
+    def f(q, k, v):
+        return longctx.attention(q, k, v, causal=True, backend="triton")
+
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = checkpoint(f, qg, kg, vg, use_reentrant=False)
+    grads = torch.autograd.grad(out, (qg, kg, vg), do)
+    qe, ke, ve = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ref = f(qe, ke, ve)
+    ref_grads = torch.autograd.grad(ref, (qe, ke, ve), do)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
 def test_torch_compile_fullgraph():
     from longctx.masks import Band
     from longctx.ops.triton_flash import triton_attention

@@ -149,12 +149,28 @@ def _deterministic_env() -> bool:
     return os.environ.get("LONGCTX_DETERMINISTIC", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-@functools.cache
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    # device-side tensor descriptors need a small global scratch buffer per launch (current CUDA device)
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
 def _set_tma_allocator() -> None:
+    """Install the scratch allocator of device-side tensor descriptors for the calling thread.
+
+    Triton keeps its allocator in a ContextVar, i.e. per thread: setting it once is not enough, because the
+    autograd engine runs backward (and with activation checkpointing, the recomputed forward) in its own
+    threads. So this runs before every launch that needs it; it keeps an allocator the caller installed.
+    """
     import triton
 
-    # device-side tensor descriptors need a small global scratch buffer per launch
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except ImportError:  # another Triton layout: set it unconditionally
+        pass
+    triton.set_allocator(_tma_scratch)
 
 
 def _tma_ok(t: torch.Tensor, D: int, bd: int) -> bool:
