@@ -308,6 +308,9 @@ class BlockMask:
         q_num_blocks, q_indices, full_q_num_blocks, full_q_indices: transposed, per kv block (for dK/dV).
         analytic: the `DocBand` rule of partial tiles, or None.
         tiles, tile_ids: stored partial tiles (n, bs, bs) bool and (Bm, Hm, nQ, nK) int32 (-1: none), or None.
+
+    The kernels (and the ``torch.ops.longctx.triton_sparse_*`` ops, which cannot take this object) read it as
+    `kernel_tensors` and `kernel_meta`: a fixed list of tensors and a list of ints.
     """
 
     def __init__(
@@ -322,6 +325,7 @@ class BlockMask:
         tile_ids: torch.Tensor | None = None,
         mask_mod: Callable | None = None,
         source: str = "",
+        doc_tensors: tuple[torch.Tensor, ...] | None = None,
     ):
         assert block_kind.dim() == 4 and block_kind.dtype == torch.int8
         self.block_kind = block_kind
@@ -333,7 +337,7 @@ class BlockMask:
         self.tile_ids = tile_ids
         self.mask_mod = mask_mod
         self.source = source
-        self._doc_tensors = None
+        self._doc_tensors = doc_tensors
         self._cpu_cache = None
         full = block_kind == FULL
         part = block_kind == PARTIAL
@@ -341,6 +345,8 @@ class BlockMask:
         self.kv_num_blocks, self.kv_indices = _lists(part)
         self.full_q_num_blocks, self.full_q_indices = _lists(full.transpose(-1, -2))
         self.q_num_blocks, self.q_indices = _lists(part.transpose(-1, -2))
+        # built here, not on first use, so that torch.compile only reads them (no side effect to trace)
+        self._kernel_tensors = self._make_kernel_tensors()
 
     # -- construction --
 
@@ -437,6 +443,48 @@ class BlockMask:
             for r in self.block_kind[0, 0].tolist():
                 lines.append("  " + " ".join(glyph[x] for x in r))
         return "\n".join(lines)
+
+    # -- what the kernels read --
+
+    def _make_kernel_tensors(self) -> tuple[torch.Tensor, ...]:
+        dev = self.device
+        i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=dev)  # noqa: E731
+        docs = self.doc_tensors() if self.analytic is not None else (i32(1, 1),) * 4
+        if self.tiles is not None:
+            tiles, tile_ids = self.tiles.contiguous().view(torch.uint8), self.tile_ids
+        else:
+            tiles, tile_ids = torch.zeros(1, dtype=torch.uint8, device=dev), i32(1, 1, 1, 1)
+        return (
+            self.kv_num_blocks,
+            self.kv_indices,
+            self.full_kv_num_blocks,
+            self.full_kv_indices,
+            self.q_num_blocks,
+            self.q_indices,
+            self.full_q_num_blocks,
+            self.full_q_indices,
+            *docs,
+            tiles,
+            tile_ids,
+        )
+
+    def kernel_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The 14 tensors the Triton kernels read, in this order: ``kv_num_blocks, kv_indices,
+        full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks, full_q_indices``, the
+        analytic rule's ``q_doc, k_doc, q_pos, k_pos`` (int32 (Bd, S); (1, 1) zeros without a rule), the stored
+        partial tiles as uint8 (n, bs, bs) and ``tile_ids`` (zeros without stored tiles)."""
+        return self._kernel_tensors
+
+    def kernel_meta(self) -> list[int]:
+        """The ints that go with `kernel_tensors`: ``[block_size, seq_len_q, seq_len_kv, mask_kind, lo, hi,
+        kv_global, q_global, has_doc]``; mask_kind 0 layout (full blocks only), 1 analytic rule, 2 stored tiles."""
+        kind, lo, hi, kvg, qg, has_doc = 0, 0, 0, 0, 0, 0
+        if self.analytic is not None:
+            rule = self.analytic
+            kind, (lo, hi), kvg, qg, has_doc = 1, rule.bounds(), rule.kv_global, rule.q_global, int(rule.has_doc)
+        elif self.tiles is not None:
+            kind = 2
+        return [self.block_size, self.seq_len_q, self.seq_len_kv, kind, lo, hi, kvg, qg, has_doc]
 
     # -- element masks --
 
@@ -630,8 +678,8 @@ def _build_analytic(rule: DocBand, sq: int, sk: int, bs: int, device, mask_mod, 
         analytic=rule,
         mask_mod=mask_mod,
         source=name,
+        doc_tensors=(qd, kd, qp, kp),
     )
-    bm._doc_tensors = (qd, kd, qp, kp)
     return bm
 
 

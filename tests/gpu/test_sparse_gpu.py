@@ -197,3 +197,23 @@ def test_mask_build_64k_is_fast():
     torch.cuda.synchronize()
     assert time.perf_counter() - t0 < 0.5
     assert 0.0 < bm.kept_fraction() < 0.1
+
+
+@pytest.mark.parametrize("name", ["docs_causal", "general"])
+def test_fullgraph_compile_block_mask(name):
+    """torch.compile(fullgraph=True) (inductor) traces longctx.attention(block_mask=...) through the ops."""
+    torch._dynamo.reset()
+    S = 700
+    bm = longctx.block_mask(MASKS[name](S), None, None, S, S, block_size=128, device="cuda")
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 4, 2, S, S, 64, torch.bfloat16, seed=6))
+
+    @torch.compile(fullgraph=True)
+    def f(q, k, v):
+        return longctx.attention(q, k, v, block_mask=bm) * 2.0
+
+    res = []
+    for fn in (f, lambda a, b, c: longctx.attention(a, b, c, block_mask=bm, backend="triton_sparse") * 2.0):
+        out = fn(q, k, v)
+        res.append((out.float(), *(g.float() for g in torch.autograd.grad(out.float().square().sum(), (q, k, v)))))
+    for n, a, b in zip(("out", "dq", "dk", "dv"), *res):
+        assert (a - b).abs().max().item() <= 1e-2 * max(1.0, b.abs().max().item()), n

@@ -6,8 +6,10 @@ Layers, bottom up (kernels in `longctx.kernels.flash_sparse`):
   `sparse_backward(do, q, k, v, out, lse, *, scale, block_mask, dlse=None) -> (dq, dk, dv)`: the launchers
   (lse natural log, float32, -inf on rows that see nothing). The backward's Delta / base-2 lse come from the
   `triton` backend's preprocessing kernel (`longctx.kernels.flash_bwd.bwd_preprocess_kernel`).
-- `TritonSparseAttention`: the autograd.Function (saves q, k, v, out, lse; the mask object rides on ctx).
-  It is not a torch.library op (a BlockMask is not a tensor), so torch.compile breaks the graph around it.
+- ``torch.ops.longctx.triton_sparse_fwd`` / ``triton_sparse_bwd``: the same, registered with `torch.library`
+  (fake implementations and autograd included) so `torch.compile` traces a model through them without a graph
+  break. A BlockMask is not a valid op argument: the ops take its `BlockMask.kernel_tensors` (``Tensor[]``)
+  and `BlockMask.kernel_meta` (``int[]``); `triton_sparse_attention` unpacks the mask and calls the op.
 - `TritonSparseBackend`: name "triton_sparse", family "flash" (``LONGCTX_FLASH_ATTN=0`` switches it off),
   second in the auto order right after "triton". It serves only calls with a block mask (and the packed
   documents of `longctx.flash_attn_varlen_func`, which are one); dense calls go to "triton".
@@ -94,76 +96,70 @@ def _launch(kind: str, bd: int, mask_bs: int, grid_fn, args: list, kwargs: dict)
     kernel[grid_fn(bm, bn)](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
 
 
-def _mask_args(bm: BlockMask, B: int, Hq: int, transposed: bool) -> tuple[list, dict]:
-    """Pointer/stride arguments of the mask (lists expanded to (B, Hq, ...) with stride-0 broadcasting)."""
-    dev = bm.device
-    if transposed:
-        num, idx, fnum, fidx = bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices
-    else:
-        num, idx, fnum, fidx = bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
+def _mask_args(mt: tuple, meta: list, B: int, Hq: int, transposed: bool) -> tuple[list, dict]:
+    """Pointer/stride arguments of the mask (``BlockMask.kernel_tensors`` / ``kernel_meta``); the lists are
+    expanded to (B, Hq, ...) with stride-0 broadcasting."""
+    kvn, kvi, fkvn, fkvi, qn, qi, fqn, fqi, qd, kd, qp, kp, tiles, tile_ids = mt
+    _, _, _, kind, lo, hi, kv_global, q_global, has_doc = meta
+    num, idx, fnum, fidx = (qn, qi, fqn, fqi) if transposed else (kvn, kvi, fkvn, fkvi)
     num, fnum = num.expand(B, Hq, num.shape[-1]), fnum.expand(B, Hq, fnum.shape[-1])
     idx, fidx = idx.expand(B, Hq, *idx.shape[-2:]), fidx.expand(B, Hq, *fidx.shape[-2:])
     assert num.stride() == fnum.stride() and idx.stride() == fidx.stride() and idx.stride(-1) == 1
-    dummy = torch.zeros(1, dtype=torch.int32, device=dev)
     kw: dict = dict(lo=0, hi=0, kv_global=0, q_global=0, MASK_KIND=0, HAS_DOC=False, HAS_GLOBAL=False)
-    qd = kd = qp = kp = dummy
     s_qdoc = s_kdoc = 0
-    tiles, tile_ids, ts = dummy, dummy, (0, 0, 0)
-    if bm.analytic is not None:
-        rule = bm.analytic
-        qd, kd, qp, kp = bm.doc_tensors()  # (Bd, S) int32, contiguous
+    ts = (0, 0, 0)
+    if kind == 1:
+        # (Bd, S) int32, contiguous; Bd == 1 broadcasts over the batch
         s_qdoc = qd.stride(0) if qd.shape[0] > 1 else 0
         s_kdoc = kd.stride(0) if kd.shape[0] > 1 else 0
-        lo, hi = rule.bounds()
         kw.update(
             lo=lo,
             hi=hi,
-            kv_global=rule.kv_global,
-            q_global=rule.q_global,
+            kv_global=kv_global,
+            q_global=q_global,
             MASK_KIND=1,
-            HAS_DOC=rule.has_doc,
-            HAS_GLOBAL=bool(rule.kv_global or rule.q_global),
+            HAS_DOC=bool(has_doc),
+            HAS_GLOBAL=bool(kv_global or q_global),
         )
-    elif bm.tiles is not None:
-        tiles = bm.tiles.contiguous().view(torch.uint8)
-        tid = bm.tile_ids.expand(B, Hq, *bm.tile_ids.shape[-2:])
-        tile_ids, ts = tid, (tid.stride(0), tid.stride(1), tid.stride(2))
+    elif kind == 2:
+        tile_ids = tile_ids.expand(B, Hq, *tile_ids.shape[-2:])
+        ts = (tile_ids.stride(0), tile_ids.stride(1), tile_ids.stride(2))
         kw.update(MASK_KIND=2)
     args = [num, idx, fnum, fidx, num.stride(0), num.stride(1), idx.stride(0), idx.stride(1), idx.stride(2)]
     args += [qd, kd, qp, kp, s_qdoc, s_kdoc, tiles, tile_ids, *ts]
     return args, kw
 
 
-def _check(q, k, v, bm: BlockMask) -> None:
+def _check(q, k, v, meta: list) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"expected q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D); got {q.shape}, {k.shape}, {v.shape}")
-    if bm.block_size % 16:
-        raise ValueError(f"the triton_sparse kernels need a block_size that is a multiple of 16, got {bm.block_size}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"Hq ({q.shape[1]}) must be a multiple of Hkv ({k.shape[1]})")
+    if meta[0] % 16:
+        raise ValueError(f"the triton_sparse kernels need a block_size that is a multiple of 16, got {meta[0]}")
     if q.shape[3] > 256:
         raise ValueError(f"head dims up to 256 are supported, got {q.shape[3]}")
-    bm.check_compatible(q, k)
+    if (q.shape[2], k.shape[2]) != (meta[1], meta[2]):
+        raise ValueError(f"the mask was built for Sq={meta[1]}, Sk={meta[2]}; got Sq={q.shape[2]}, Sk={k.shape[2]}")
 
 
-def sparse_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, block_mask: BlockMask
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-sparse forward: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), any strides -> out (q's layout), lse (B, Hq, Sq)."""
-    bm = block_mask
-    _check(q, k, v, bm)
+def _forward_impl(q, k, v, scale: float, mt: tuple, meta: list) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(q, k, v, meta)
     from longctx.kernels import configs
 
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
+    mask_bs = meta[0]
     out = torch.empty_like(q)
     lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
     bd = configs.block_d(D)
-    margs, mkw = _mask_args(bm, B, Hq, transposed=False)
+    margs, mkw = _mask_args(mt, meta, B, Hq, transposed=False)
     _launch(
         "fwd",
         bd,
-        bm.block_size,
+        mask_bs,
         lambda bm_, bn_: (B * Hq, _cdiv(Sq, bm_)),
         [q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *margs],
         dict(
@@ -175,8 +171,8 @@ def sparse_forward(
             SEQ_BUCKET=_tf._seq_bucket(max(Sq, Sk)),
             HEAD_DIM=D,
             BLOCK_D=bd,
-            MASK_BS=bm.block_size,
-            EVEN_SK=Sk % bm.block_size == 0,
+            MASK_BS=mask_bs,
+            EVEN_SK=Sk % mask_bs == 0,
             DOT_PRECISION=_tf._dot_precision(q.dtype),
             **mkw,
         ),
@@ -184,25 +180,13 @@ def sparse_forward(
     return out, lse
 
 
-def sparse_backward(
-    do: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    scale: float,
-    block_mask: BlockMask,
-    dlse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block-sparse backward (deterministic: no atomics): (dq, dk, dv) in the input dtypes and layouts."""
-    bm = block_mask
-    _check(q, k, v, bm)
+def _backward_impl(do, q, k, v, out, lse, dlse, scale: float, mt: tuple, meta: list):
+    _check(q, k, v, meta)
     from longctx.kernels import configs
 
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
+    mask_bs = meta[0]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
@@ -219,55 +203,113 @@ def sparse_backward(
         SEQ_BUCKET=_tf._seq_bucket(max(Sq, Sk)),
         HEAD_DIM=D,
         BLOCK_D=bd,
-        MASK_BS=bm.block_size,
+        MASK_BS=mask_bs,
         DOT_PRECISION=_tf._dot_precision(q.dtype),
     )
-    targs, tkw = _mask_args(bm, B, Hq, transposed=True)
+    targs, tkw = _mask_args(mt, meta, B, Hq, transposed=True)
     _launch(
         "dkdv",
         bd,
-        bm.block_size,
+        mask_bs,
         lambda bm_, bn_: (B * Hkv, _cdiv(Sk, bn_)),
         [q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride()]
         + [*dk.stride(), *dv.stride(), *targs],
         dict(Hq=Hq, Hkv=Hkv, **common, **tkw),
     )
-    margs, mkw = _mask_args(bm, B, Hq, transposed=False)
+    margs, mkw = _mask_args(mt, meta, B, Hq, transposed=False)
     _launch(
         "dq",
         bd,
-        bm.block_size,
+        mask_bs,
         lambda bm_, bn_: (B * Hq, _cdiv(Sq, bm_)),
         [q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *margs],
-        dict(Hq=Hq, EVEN_SK=Sk % bm.block_size == 0, **common, **mkw),
+        dict(Hq=Hq, EVEN_SK=Sk % mask_bs == 0, **common, **mkw),
     )
     return dq, dk, dv
 
 
-class TritonSparseAttention(torch.autograd.Function):
-    """Saves q, k, v, out, lse; the backward walks the transposed block lists (dK/dV) and the lists (dQ)."""
+def sparse_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, block_mask: BlockMask
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse forward: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), any strides -> out (q's layout), lse (B, Hq, Sq)."""
+    block_mask.check_compatible(q, k)
+    return _forward_impl(q, k, v, float(scale), block_mask.kernel_tensors(), block_mask.kernel_meta())
 
-    @staticmethod
-    def forward(ctx, q, k, v, scale: float, bm: BlockMask):
-        out, lse = sparse_forward(q, k, v, scale=scale, block_mask=bm)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.bm = scale, bm
-        return out, lse
 
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = sparse_backward(dout, q, k, v, out, lse, scale=ctx.scale, block_mask=ctx.bm, dlse=dlse)
-        return dq, dk, dv, None, None
+def sparse_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float,
+    block_mask: BlockMask,
+    dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block-sparse backward (deterministic: no atomics): (dq, dk, dv) in the input dtypes and layouts."""
+    block_mask.check_compatible(q, k)
+    mt, meta = block_mask.kernel_tensors(), block_mask.kernel_meta()
+    return _backward_impl(do, q, k, v, out, lse, dlse, float(scale), mt, meta)
+
+
+# -- torch.library registration: the mask travels as its tensors and ints (a BlockMask is not an op argument) --
+
+_FWD_SCHEMA = "(Tensor q, Tensor k, Tensor v, float scale, Tensor[] mask, int[] meta) -> (Tensor, Tensor)"
+_BWD_SCHEMA = (
+    "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float scale, Tensor[] mask, "
+    "int[] meta) -> (Tensor, Tensor, Tensor)"
+)
+
+
+@torch.library.custom_op("longctx::triton_sparse_fwd", mutates_args=(), schema=_FWD_SCHEMA)
+def _sparse_fwd_op(q, k, v, scale, mask, meta):
+    return _forward_impl(q, k, v, scale, tuple(mask), list(meta))
+
+
+@_sparse_fwd_op.register_fake
+def _(q, k, v, scale, mask, meta):
+    B, Hq, Sq, _ = q.shape
+    return torch.empty_like(q), q.new_empty((B, Hq, Sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("longctx::triton_sparse_bwd", mutates_args=(), schema=_BWD_SCHEMA)
+def _sparse_bwd_op(do, q, k, v, out, lse, dlse, scale, mask, meta):
+    return _backward_impl(do, q, k, v, out, lse, dlse, scale, tuple(mask), list(meta))
+
+
+@_sparse_bwd_op.register_fake
+def _(do, q, k, v, out, lse, dlse, scale, mask, meta):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, scale, mask, meta = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *mask)
+    ctx.scale, ctx.meta = scale, meta
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, *mask = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.longctx.triton_sparse_bwd(dout, q, k, v, out, lse, dlse, ctx.scale, mask, ctx.meta)
+    return dq, dk, dv, None, [None] * len(mask), None
+
+
+_sparse_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def triton_sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, block_mask: BlockMask
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable block-sparse attention on the Triton kernels: ``(out, lse)``."""
-    return TritonSparseAttention.apply(q, k, v, float(scale), block_mask)
+    """Differentiable block-sparse attention on the Triton kernels: ``(out, lse)``, through the registered op
+    ``torch.ops.longctx.triton_sparse_fwd`` (traceable by torch.compile, no graph break)."""
+    block_mask.check_compatible(q, k)
+    mt, meta = block_mask.kernel_tensors(), block_mask.kernel_meta()
+    return torch.ops.longctx.triton_sparse_fwd(q, k, v, float(scale), list(mt), meta)
 
 
 class TritonSparseBackend(Backend):
