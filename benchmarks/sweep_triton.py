@@ -28,7 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fwd-configs", default="", help="semicolon list of bm,bn,w,s (default: a small grid)")
     ap.add_argument("--bwd-configs", default="", help="semicolon list of bm,bn,w,s for the dK/dV kernel")
     ap.add_argument("--variants", default="ptr,tma,tma_pipe", help="forward variants (ptr, tma, tma_ws, tma_pipe)")
-    ap.add_argument("--bwd-variants", default="ptr,tma", help="dK/dV load variants (ptr, tma)")
+    ap.add_argument(
+        "--bwd-variants",
+        default="ptr,dqtma",
+        help="atomic-dQ dK/dV variants: ptr (pointer loads, scalar atomics), tma (TMA q/dO loads), "
+        "dqtma (dQ added by TMA reduce), tma+dqtma",
+    )
     ap.add_argument("--rep", type=int, default=40)
     args = ap.parse_args(argv)
 
@@ -112,9 +117,12 @@ def _sweep_case(args, cfgs, D: int, S: int, causal: bool) -> None:
         for det, cfg, bv in variants:
             tf.FORCE_CONFIG.clear()
             tf.EXTRA_KWARGS.clear()
+            # atomic variants run the atomic-dQ kernel for every band (the launcher's rule would send causal
+            # bands at D=128 to the separate path); "separate" is the deterministic path, autotuned
+            tf.FORCE_ATOMIC = None if det else True
             if cfg is not None:
                 tf.FORCE_CONFIG["dkdv_atomic"] = cfg
-            tf.EXTRA_KWARGS["dkdv_atomic"] = {"USE_TMA": bv == "tma"}
+            tf.EXTRA_KWARGS["dkdv_atomic"] = {"USE_TMA": "tma" in bv.split("+"), "DQ_TMA": "dqtma" in bv.split("+")}
             t0 = time.time()
 
             def run(det=det):
@@ -133,6 +141,7 @@ def _sweep_case(args, cfgs, D: int, S: int, causal: bool) -> None:
                 print(f"bwd {tag} {cfg} {bv} det={det} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
         tf.EXTRA_KWARGS.clear()
         tf.FORCE_CONFIG.clear()
+        tf.FORCE_ATOMIC = None
 
 
 if __name__ == "__main__":

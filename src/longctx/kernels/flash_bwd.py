@@ -66,12 +66,12 @@ def bwd_preprocess_kernel(
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v,
-    Q_bh, DO_bh, LSE2_bh, DELTA_bh, DQA_bh, desc_q, desc_do,
+    Q_bh, DO_bh, LSE2_bh, DELTA_bh, DQA_bh, desc_q, desc_do, desc_dqa,
     stride_qm, stride_qd, stride_dom, stride_dod, stride_dqam,
     offs_n, offs_d, start, end, Sq, lo, hi, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
     """Query tiles [start, end) against one kv tile; MASKED applies the band and the ragged end of Sq."""
     offs_mb = tl.arange(0, BLOCK_M)
@@ -131,7 +131,11 @@ def _dkdv_inner(
             # -- fast path: dQ += dS K straight into the float32 accumulator (atomics: not deterministic) --
             dq_part = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION)
             dqa_ptrs = DQA_bh + start_m.to(tl.int64) * stride_dqam + dqa_tile
-            if MASKED:
+            if DQ_TMA:
+                # one bulk reduction of the whole tile by the copy engine (rows past Sq are clipped by the
+                # descriptor) instead of BLOCK_M x BLOCK_D scalar red.global.add from the warps
+                desc_dqa.atomic_add([start_m, 0], dq_part)
+            elif MASKED:
                 tl.atomic_add(dqa_ptrs, dq_part, mask=ld_mask, sem="relaxed")
             elif BLOCK_D != HEAD_DIM:
                 tl.atomic_add(dqa_ptrs, dq_part, mask=d_ok, sem="relaxed")
@@ -155,12 +159,13 @@ def bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr = False, USE_TMA: tl.constexpr = False,
+    ATOMIC_DQ: tl.constexpr = False, USE_TMA: tl.constexpr = False, DQ_TMA: tl.constexpr = False,
 ):
     """Grid: (B * Hkv, cdiv(Sk, BLOCK_N)). Writes dK and dV of one kv tile, summed over its query heads.
 
-    With ATOMIC_DQ it also adds dS K into DQA, a (B, Hq, Sq, D) float32 accumulator (unit stride on D).
-    USE_TMA loads the streamed q and dO tiles through tensor descriptors (unit stride on D, aligned rows).
+    With ATOMIC_DQ it also adds dS K into DQA, a (B, Hq, Sq, D) float32 accumulator (unit stride on D);
+    DQ_TMA (with ATOMIC_DQ) does each tile's addition as one TMA reduce (cp.reduce.async.bulk.tensor) through
+    a tensor descriptor. USE_TMA loads the streamed q and dO tiles through tensor descriptors.
     """
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -192,19 +197,23 @@ def bwd_dkdv_kernel(
         else:
             desc_q = Q_bh
             desc_do = DO_bh
+        if DQ_TMA:
+            desc_dqa = tl.make_tensor_descriptor(DQA_bh, shape=[Sq, HEAD_DIM], strides=[stride_dqam, 1], block_shape=[BLOCK_M, BLOCK_D])
+        else:
+            desc_dqa = DQA_bh
         # -- boundary query tiles, fully visible ones (no mask), boundary ones --
-        dk, dv = _dkdv_inner(dk, dv, k, v, Q_bh, DO_bh, LSE2 + row0, DELTA + row0, DQA_bh, desc_q, desc_do,
+        dk, dv = _dkdv_inner(dk, dv, k, v, Q_bh, DO_bh, LSE2 + row0, DELTA + row0, DQA_bh, desc_q, desc_do, desc_dqa,
                              stride_qm, stride_qd, stride_dom, stride_dod, stride_dqam,
                              offs_n, offs_d, q_lo, full_lo, Sq, lo, hi, qk_scale,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LO, HAS_HI, DOT_PRECISION, ATOMIC_DQ, USE_TMA)
-        dk, dv = _dkdv_inner(dk, dv, k, v, Q_bh, DO_bh, LSE2 + row0, DELTA + row0, DQA_bh, desc_q, desc_do,
+                             HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LO, HAS_HI, DOT_PRECISION, ATOMIC_DQ, USE_TMA, DQ_TMA)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Q_bh, DO_bh, LSE2 + row0, DELTA + row0, DQA_bh, desc_q, desc_do, desc_dqa,
                              stride_qm, stride_qd, stride_dom, stride_dod, stride_dqam,
                              offs_n, offs_d, full_lo, full_hi, Sq, lo, hi, qk_scale,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LO, HAS_HI, DOT_PRECISION, ATOMIC_DQ, USE_TMA)
-        dk, dv = _dkdv_inner(dk, dv, k, v, Q_bh, DO_bh, LSE2 + row0, DELTA + row0, DQA_bh, desc_q, desc_do,
+                             HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LO, HAS_HI, DOT_PRECISION, ATOMIC_DQ, USE_TMA, DQ_TMA)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Q_bh, DO_bh, LSE2 + row0, DELTA + row0, DQA_bh, desc_q, desc_do, desc_dqa,
                              stride_qm, stride_qd, stride_dom, stride_dod, stride_dqam,
                              offs_n, offs_d, full_hi, q_end, Sq, lo, hi, qk_scale,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LO, HAS_HI, DOT_PRECISION, ATOMIC_DQ, USE_TMA)
+                             HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LO, HAS_HI, DOT_PRECISION, ATOMIC_DQ, USE_TMA, DQ_TMA)
     # epilogue: dK carries the softmax scale (s = scale * q.k); dV does not
     dk = dk * sm_scale
     DK_bh = DK + off_b.to(tl.int64) * stride_dkb + off_kvh.to(tl.int64) * stride_dkh

@@ -186,6 +186,10 @@ _USE_TMA_DEFAULT = os.environ.get("LONGCTX_TRITON_TMA", "1") != "0"
 _PIPE_QK_DEFAULT = os.environ.get("LONGCTX_TRITON_PIPE_QK", "1") != "0"
 # TMA for the backward's q/dO tiles measured slower than pointer loads (NOTES.md, run 3): off by default.
 _TMA_BWD_DEFAULT = os.environ.get("LONGCTX_TRITON_TMA_BWD", "0") != "0"
+# dQ tiles added by one TMA reduce each instead of scalar float32 atomics (NOTES.md, run 7).
+_DQ_TMA_DEFAULT = os.environ.get("LONGCTX_TRITON_DQ_TMA", "0") != "0"
+# For tuning sessions: force the atomic-dQ (True) or the separate-dQ (False) backward; None follows the rules.
+FORCE_ATOMIC: bool | None = None
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -343,8 +347,13 @@ def _backward_impl(
     # dims; for causal-like bands at D >= 128 the separate dQ kernel is as fast and deterministic besides.
     # At head dims above 128 the atomic variant does not fit shared memory (263 KB needed), so never there.
     atomic = not (deterministic or _deterministic_env()) and bd <= 128 and (Band(lo, hi).is_dense or bd <= 64)
+    if FORCE_ATOMIC is not None and not (deterministic or _deterministic_env()):
+        atomic = FORCE_ATOMIC
     use_tma = _TMA_BWD_DEFAULT and _tma_ok(q, D, bd) and _tma_ok(do, D, bd)
-    if use_tma:
+    # the float32 accumulator is ours (contiguous): TMA needs only a CUDA tensor, D == BLOCK_D (rows of 4*D
+    # bytes, a multiple of 16) and, like the forward, no degenerate tiny extent
+    dq_tma = atomic and _DQ_TMA_DEFAULT and not _interpret() and q.is_cuda and bd == D and Sq >= 16
+    if use_tma or dq_tma:
         _set_tma_allocator()
     dqa = torch.zeros((B, Hq, Sq, D), device=q.device, dtype=torch.float32) if atomic else dq  # (B, Hq, Sq, D)
     _launch(
@@ -353,7 +362,7 @@ def _backward_impl(
         lambda bm, bn: (B * Hkv, _cdiv(Sk, bn)),
         [q, k, v, do, lse2, delta, dk, dv, dqa, *q.stride(), *k.stride(), *v.stride(), *do.stride()]
         + [*dk.stride(), *dv.stride(), *dqa.stride()[:3]],
-        dict(Hq=Hq, Hkv=Hkv, ATOMIC_DQ=atomic, USE_TMA=use_tma, **common),
+        dict(Hq=Hq, Hkv=Hkv, ATOMIC_DQ=atomic, USE_TMA=use_tma, DQ_TMA=dq_tma, **common),
     )
     if atomic:
         dq.copy_(dqa.mul_(scale))
