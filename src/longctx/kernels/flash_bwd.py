@@ -68,7 +68,7 @@ def _dkdv_inner(
     dk, dv, k, v,
     Q_bh, DO_bh, LSE2_bh, DELTA_bh, DQA_bh, desc_q, desc_do, desc_dqa,
     stride_qm, stride_qd, stride_dom, stride_dod, stride_dqam,
-    offs_n, offs_d, start, end, Sq, lo, hi, qk_scale,
+    offs_n, offs_d, start, end, Sq, lo, hi, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr, DQ_TMA: tl.constexpr,
@@ -129,7 +129,8 @@ def _dkdv_inner(
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
         if ATOMIC_DQ:
             # -- fast path: dQ += dS K straight into the float32 accumulator (atomics: not deterministic) --
-            dq_part = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION)
+            # (with the softmax scale here, the accumulator needs no extra pass afterwards)
+            dq_part = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * sm_scale
             dqa_ptrs = DQA_bh + start_m.to(tl.int64) * stride_dqam + dqa_tile
             if DQ_TMA:
                 # one bulk reduction of the whole tile by the copy engine (rows past Sq are clipped by the
@@ -163,7 +164,7 @@ def bwd_dkdv_kernel(
 ):
     """Grid: (B * Hkv, cdiv(Sk, BLOCK_N)). Writes dK and dV of one kv tile, summed over its query heads.
 
-    With ATOMIC_DQ it also adds dS K into DQA, a (B, Hq, Sq, D) float32 accumulator (unit stride on D);
+    With ATOMIC_DQ it also adds scale dS K into DQA, a (B, Hq, Sq, D) float32 accumulator (unit stride on D);
     DQ_TMA (with ATOMIC_DQ) does each tile's addition as one TMA reduce (cp.reduce.async.bulk.tensor) through
     a tensor descriptor. USE_TMA loads the streamed q and dO tiles through tensor descriptors.
     """
@@ -204,15 +205,15 @@ def bwd_dkdv_kernel(
         # -- boundary query tiles, fully visible ones (no mask), boundary ones --
         dk, dv = _dkdv_inner(dk, dv, k, v, Q_bh, DO_bh, LSE2 + row0, DELTA + row0, DQA_bh, desc_q, desc_do, desc_dqa,
                              stride_qm, stride_qd, stride_dom, stride_dod, stride_dqam,
-                             offs_n, offs_d, q_lo, full_lo, Sq, lo, hi, qk_scale,
+                             offs_n, offs_d, q_lo, full_lo, Sq, lo, hi, qk_scale, sm_scale,
                              HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LO, HAS_HI, DOT_PRECISION, ATOMIC_DQ, USE_TMA, DQ_TMA)
         dk, dv = _dkdv_inner(dk, dv, k, v, Q_bh, DO_bh, LSE2 + row0, DELTA + row0, DQA_bh, desc_q, desc_do, desc_dqa,
                              stride_qm, stride_qd, stride_dom, stride_dod, stride_dqam,
-                             offs_n, offs_d, full_lo, full_hi, Sq, lo, hi, qk_scale,
+                             offs_n, offs_d, full_lo, full_hi, Sq, lo, hi, qk_scale, sm_scale,
                              HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LO, HAS_HI, DOT_PRECISION, ATOMIC_DQ, USE_TMA, DQ_TMA)
         dk, dv = _dkdv_inner(dk, dv, k, v, Q_bh, DO_bh, LSE2 + row0, DELTA + row0, DQA_bh, desc_q, desc_do, desc_dqa,
                              stride_qm, stride_qd, stride_dom, stride_dod, stride_dqam,
-                             offs_n, offs_d, full_hi, q_end, Sq, lo, hi, qk_scale,
+                             offs_n, offs_d, full_hi, q_end, Sq, lo, hi, qk_scale, sm_scale,
                              HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LO, HAS_HI, DOT_PRECISION, ATOMIC_DQ, USE_TMA, DQ_TMA)
     # epilogue: dK carries the softmax scale (s = scale * q.k); dV does not
     dk = dk * sm_scale

@@ -16,10 +16,12 @@ Policies:
 - float16 and bfloat16. float32 is refused on CUDA by default: the kernels would compute its products in
   tf32 (about 1e-3 relative error, far from float32 accuracy). Set ``LONGCTX_TRITON_TF32=1`` to accept that
   documented tf32 path. Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors) float32 is exact.
-- The fast backward for dense bands and head dims <= 64 accumulates dQ with float32 atomics inside the
-  dK/dV kernel (FlashAttention-2's way): not bitwise repeatable. Elsewhere (where it measured as fast), and
-  always under ``deterministic=True`` or ``LONGCTX_DETERMINISTIC=1``, a separate dQ kernel runs instead,
-  without atomics (each gradient element written once, in a fixed order).
+- The fast backward (Sq > 2048, head dims <= 128) accumulates dQ in float32 inside the dK/dV kernel: at
+  D=128 each tile by one TMA bulk reduction (``LONGCTX_TRITON_DQ_TMA=0`` falls back to scalar atomics), at
+  smaller head dims by scalar atomics. The order of the additions varies, so it is not bitwise repeatable.
+  Elsewhere (where it measured as fast), and always under ``deterministic=True`` or
+  ``LONGCTX_DETERMINISTIC=1``, a separate dQ kernel runs instead, without atomics (each gradient element
+  written once, in a fixed order).
 - Tiles are autotuned per (head dim, band kind, length bucket, dtype) from the short lists in
   `longctx.kernels.configs`; ``LONGCTX_TRITON_AUTOTUNE=0`` uses the first entry of each list instead.
 """
@@ -187,7 +189,7 @@ _PIPE_QK_DEFAULT = os.environ.get("LONGCTX_TRITON_PIPE_QK", "1") != "0"
 # TMA for the backward's q/dO tiles measured slower than pointer loads (NOTES.md, run 3): off by default.
 _TMA_BWD_DEFAULT = os.environ.get("LONGCTX_TRITON_TMA_BWD", "0") != "0"
 # dQ tiles added by one TMA reduce each instead of scalar float32 atomics (NOTES.md, run 7).
-_DQ_TMA_DEFAULT = os.environ.get("LONGCTX_TRITON_DQ_TMA", "0") != "0"
+_DQ_TMA_DEFAULT = os.environ.get("LONGCTX_TRITON_DQ_TMA", "1") != "0"
 # For tuning sessions: force the atomic-dQ (True) or the separate-dQ (False) backward; None follows the rules.
 FORCE_ATOMIC: bool | None = None
 
@@ -231,7 +233,12 @@ def _forward_impl(
     longest_first = has_hi and not has_lo
     # Sq or Sk == 1 is specialised by Triton; ptxas crashed (SIGSEGV) on that TMA variant at D=256 (GPU
     # test run 4), and TMA gains nothing on such tiny inputs: pointer loads there.
-    use_tma = _USE_TMA_DEFAULT and min(Sq, Sk) >= 16 and _tma_ok(k, D, bd) and _tma_ok(v, D, bd)
+    # Short causal-like inputs: pointer loads measured faster than TMA (NOTES.md, run 7: D=128 causal 2K
+    # 280 vs 273, 1K 216 vs 209); from 4K on TMA wins (401 vs 368).
+    short_causal = longest_first and max(Sq, Sk) <= 2048
+    use_tma = (
+        _USE_TMA_DEFAULT and not short_causal and min(Sq, Sk) >= 16 and _tma_ok(k, D, bd) and _tma_ok(v, D, bd)
+    )
     if use_tma:
         _set_tma_allocator()
     _launch(
@@ -346,13 +353,17 @@ def _backward_impl(
     # Which path is faster was measured (NOTES.md, runs 2-3): atomics win for dense bands and small head
     # dims; for causal-like bands at D >= 128 the separate dQ kernel is as fast and deterministic besides.
     # At head dims above 128 the atomic variant does not fit shared memory (263 KB needed), so never there.
-    atomic = not (deterministic or _deterministic_env()) and bd <= 128 and (Band(lo, hi).is_dense or bd <= 64)
+    # Measured (NOTES.md, run 7): with dQ added by TMA reduce, the atomic path wins from Sq = 4K up at
+    # D=128 for dense and causal bands alike (370 vs 293 TFLOP/s full, 332 vs 294 causal at 8K); at 2K the
+    # separate kernels win (260 vs 232). At D <= 64 scalar atomics beat the TMA reduce and the separate path
+    # only slightly (297 vs 291 at 8K) and lose at 2K (237 vs 255).
+    atomic = not (deterministic or _deterministic_env()) and bd <= 128 and Sq > 2048
     if FORCE_ATOMIC is not None and not (deterministic or _deterministic_env()):
         atomic = FORCE_ATOMIC
     use_tma = _TMA_BWD_DEFAULT and _tma_ok(q, D, bd) and _tma_ok(do, D, bd)
     # the float32 accumulator is ours (contiguous): TMA needs only a CUDA tensor, D == BLOCK_D (rows of 4*D
     # bytes, a multiple of 16) and, like the forward, no degenerate tiny extent
-    dq_tma = atomic and _DQ_TMA_DEFAULT and not _interpret() and q.is_cuda and bd == D and Sq >= 16
+    dq_tma = atomic and _DQ_TMA_DEFAULT and bd == 128 and not _interpret() and q.is_cuda and bd == D
     if use_tma or dq_tma:
         _set_tma_allocator()
     dqa = torch.zeros((B, Hq, Sq, D), device=q.device, dtype=torch.float32) if atomic else dq  # (B, Hq, Sq, D)
@@ -365,7 +376,7 @@ def _backward_impl(
         dict(Hq=Hq, Hkv=Hkv, ATOMIC_DQ=atomic, USE_TMA=use_tma, DQ_TMA=dq_tma, **common),
     )
     if atomic:
-        dq.copy_(dqa.mul_(scale))
+        dq.copy_(dqa)  # the kernel already applied the scale
         return dq, dk, dv
     _launch(
         "dq",
