@@ -226,6 +226,20 @@ def test_forward_recomputed_in_the_backward_thread():
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
+def test_autotune_cache_is_per_kernel_variant():
+    """2K and 4K causal share a length bucket, but 2K runs pointer loads and 4K TMA with the pipelined QK^T
+    (and a different backward): a config tuned at 2K must not be reused at 4K (the H100 benchmark run 11 hit
+    'out of resource: shared memory' there before the variants joined the autotune key)."""
+    import longctx
+
+    for S in (2048, 4096):
+        q, k, v, do = _inputs(1, 2, 2, S, S, 128, torch.bfloat16)
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = longctx.attention(qg, kg, vg, causal=True, backend="triton")
+        torch.autograd.grad(out, (qg, kg, vg), do)
+        torch.cuda.synchronize()
+
+
 def test_torch_compile_fullgraph():
     from longctx.masks import Band
     from longctx.ops.triton_flash import triton_attention

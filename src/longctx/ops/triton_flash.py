@@ -117,7 +117,12 @@ def _kernel(kind: str, bd: int):
     }[kind]
     if not _autotune_enabled():
         return fn
-    return triton.autotune(configs.configs(kind, bd), key=["HEAD_DIM", "HAS_LO", "HAS_HI", "SEQ_BUCKET", "GROUP"])(fn)
+    # The key holds every argument that changes which configs fit or win: the kernel variants (TMA loads, the
+    # hand-pipelined QK^T, the TMA-reduce dQ) included, or a config tuned for one variant would be reused for
+    # another (a 128x128 forward tile chosen with pointer loads does not fit shared memory with PIPE_QK).
+    variants = {"fwd": ["USE_TMA", "PIPE_QK"], "dkdv": ["USE_TMA"], "dkdv_atomic": ["USE_TMA", "DQ_TMA"], "dq": []}
+    key = ["HEAD_DIM", "HAS_LO", "HAS_HI", "SEQ_BUCKET", "GROUP", *variants[kind]]
+    return triton.autotune(configs.configs(kind, bd), key=key)(fn)
 
 
 # For tuning sessions (benchmarks/sweep_triton.py): kind -> (BLOCK_M, BLOCK_N, num_warps, num_stages) forced,
