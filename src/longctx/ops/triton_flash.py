@@ -241,9 +241,7 @@ def _forward_impl(
     # Short causal-like inputs: pointer loads measured faster than TMA (NOTES.md, run 7: D=128 causal 2K
     # 280 vs 273, 1K 216 vs 209); from 4K on TMA wins (401 vs 368).
     short_causal = longest_first and max(Sq, Sk) <= 2048
-    use_tma = (
-        _USE_TMA_DEFAULT and not short_causal and min(Sq, Sk) >= 16 and _tma_ok(k, D, bd) and _tma_ok(v, D, bd)
-    )
+    use_tma = _USE_TMA_DEFAULT and not short_causal and min(Sq, Sk) >= 16 and _tma_ok(k, D, bd) and _tma_ok(v, D, bd)
     if use_tma:
         _set_tma_allocator()
     _launch(
