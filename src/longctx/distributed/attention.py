@@ -6,7 +6,7 @@ import torch
 
 from longctx.api import validate
 from longctx.distributed.allgather import AllGatherAttention
-from longctx.distributed.comm import GroupInfo, comm_device, group_info
+from longctx.distributed.comm import GroupInfo, comm_device, cpu_group, group_info
 from longctx.distributed.launchers import BACKENDS, resolve_launchers
 from longctx.distributed.ring import RingAttention
 from longctx.distributed.sharding import LAYOUTS, chunks_per_rank
@@ -136,13 +136,22 @@ def _collective_check(q, k, v, *, info: GroupInfo, method, layout, causal, windo
         backend=backend,
         err=int(err is not None),
     )
-    dev = comm_device(info, q)
-    mine = torch.tensor(row, dtype=torch.int64, device=dev)
-    rows = torch.empty(info.world, len(row), dtype=torch.int64, device=dev)
-    if info.is_nccl:
-        dist.all_gather_into_tensor(rows, mine, group=info.group)
+    # Every call, on every rank (a per-shape cache would skip the exchange on the ranks whose shapes it has seen
+    # and hang the others). On the CPU through gloo (the group itself, or its gloo twin for NCCL), so the check
+    # never waits for the GPU; the NCCL group itself only where no gloo twin can be made.
+    cg = cpu_group(info)
+    if cg is not None:
+        mine = torch.tensor(row, dtype=torch.int64)
+        rows = torch.empty(info.world, len(row), dtype=torch.int64)
+        dist.all_gather(list(rows.unbind(0)), mine, group=cg)
     else:
-        dist.all_gather(list(rows.unbind(0)), mine, group=info.group)
+        dev = comm_device(info, q)
+        mine = torch.tensor(row, dtype=torch.int64, device=dev)
+        rows = torch.empty(info.world, len(row), dtype=torch.int64, device=dev)
+        if info.is_nccl:
+            dist.all_gather_into_tensor(rows, mine, group=info.group)
+        else:
+            dist.all_gather(list(rows.unbind(0)), mine, group=info.group)
     rows_l = rows.cpu().tolist()
     bad = [r for r, rw in enumerate(rows_l) if rw[0]]
     if bad:
@@ -212,8 +221,5 @@ def cp_attention(
         return RingAttention.apply(q, k, v, info, layout, band, scale, launchers)
     if method == "allgather":
         return AllGatherAttention.apply(q, k, v, info, layout, band, scale, launchers)
-    rep = kv_replication(q.shape[1], k.shape[1], info.world)
-    if rep > 1:  # Hkv < P: repeat kv heads so that every rank receives the one its query heads read
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    return UlyssesAttention.apply(q, k, v, info, layout, band, scale, launchers)
+    rep = kv_replication(q.shape[1], k.shape[1], info.world)  # > 1 where Hkv < P: kv heads are repeated
+    return UlyssesAttention.apply(q, k, v, info, layout, band, scale, launchers, rep)

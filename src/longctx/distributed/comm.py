@@ -10,7 +10,16 @@ import torch.distributed as dist
 
 from longctx.distributed.sharding import global_to_rank_major, reorder_to_global
 
-__all__ = ["GroupInfo", "group_info", "comm_device", "RingComm", "gather_seq", "reduce_scatter_seq", "all_to_all"]
+__all__ = [
+    "GroupInfo",
+    "group_info",
+    "comm_device",
+    "cpu_group",
+    "RingComm",
+    "gather_seq",
+    "reduce_scatter_seq",
+    "all_to_all",
+]
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,39 @@ def comm_device(info: GroupInfo, hint: object = None) -> torch.device:
     if isinstance(hint, torch.Tensor) and hint.is_cuda:
         return hint.device
     return torch.device("cuda", torch.cuda.current_device())
+
+
+# id(group) -> (group, its gloo twin or None). The group is kept alive with its twin, so its id is never reused.
+_CPU_GROUPS: dict[int, tuple[object, object]] = {}
+
+
+def cpu_group(info: GroupInfo, *, reuse_gloo: bool = True):
+    """A gloo group over the ranks of ``info.group``, for small host-side collectives (shape checks, flags).
+
+    On NCCL every collective is a GPU operation: reading its result back (``.tolist()``) waits for the GPU
+    to finish everything queued before it. A CPU tensor through a gloo group never touches the GPU. The
+    group itself when it is already gloo (``reuse_gloo``); otherwise a gloo twin created on first use and
+    cached for the life of the process. Only the members of the group take part in creating the twin
+    (``use_local_synchronization``), so disjoint context-parallel groups may each create theirs at the same
+    time. None when torch.distributed is not initialised, or the twin cannot be made (gloo missing, or a
+    group of the same ranks was already created with local synchronisation and took the name): callers
+    then use the group's own device. The outcome is the same on every member, so all take the same path.
+    """
+    if info.backend == "none":
+        return None
+    if reuse_gloo and "gloo" in info.backend:
+        return info.group
+    group = dist.group.WORLD if info.group is None else info.group
+    hit = _CPU_GROUPS.get(id(group))
+    if hit is not None:
+        return hit[1]
+    try:
+        ranks = dist.get_process_group_ranks(group)
+        twin = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    except (RuntimeError, ValueError):
+        twin = None
+    _CPU_GROUPS[id(group)] = (group, twin)
+    return twin
 
 
 def _global_rank(info: GroupInfo, r: int) -> int:

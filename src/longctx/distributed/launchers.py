@@ -10,6 +10,7 @@ imports, else the tiled launchers (plain PyTorch, any device and dtype). "tiled"
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -32,6 +33,7 @@ class Launchers:
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
+@functools.cache  # built once: cp_attention resolves its launchers on every call
 def _tiled() -> Launchers:
     from longctx.reference.tiled import tiled_backward, tiled_forward
 
@@ -46,6 +48,7 @@ def _tiled() -> Launchers:
     return Launchers("tiled", fwd, bwd)
 
 
+@functools.cache
 def _triton_module():
     try:
         return importlib.import_module("longctx.ops.triton_flash"), None
@@ -53,6 +56,7 @@ def _triton_module():
         return None, f"{type(e).__name__}: {e}"
 
 
+@functools.cache  # only a successful build is cached; a failed import raises again on the next call
 def _triton() -> Launchers:
     mod, err = _triton_module()
     if mod is None:

@@ -6,7 +6,8 @@ sequence for H/P heads, all-to-all back.
 Rank p gets query heads [p Hq/P, (p+1) Hq/P) and kv heads [p Hkv/P, (p+1) Hkv/P), so the GQA mapping
 (query head h reads kv head h // (Hq/Hkv)) holds inside each rank. It needs Hq % P == 0 and Hkv % P == 0.
 When Hkv < P and P % Hkv == 0 (e.g. MQA), the kv heads are replicated P/Hkv times first (each rank then
-receives exactly the kv head its query heads read), and the gradients of the copies are summed by autograd.
+receives exactly the kv head its query heads read); the gradients of the copies are summed in float32 before
+they are rounded to the input dtype (summing bf16 copies would round twice: up to 2x the single-GPU error).
 """
 
 from __future__ import annotations
@@ -58,13 +59,19 @@ def kv_replication(hq: int, hkv: int, world: int) -> int:
 
 class UlyssesAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, info: GroupInfo, layout: str, band: Band, scale: float, launchers: Launchers):
+    def forward(
+        ctx, q, k, v, info: GroupInfo, layout: str, band: Band, scale: float, launchers: Launchers, rep: int = 1
+    ):
+        if rep > 1:  # Hkv < P: every rank must receive the kv head its query heads read
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
         q_h = seq_to_head(q, info, layout)  # (B, Hq/P, S, D)
         k_h = seq_to_head(k, info, layout)  # (B, Hkv/P, S, D)
         v_h = seq_to_head(v, info, layout)
         out_h, lse_h = launchers.forward(q_h, k_h, v_h, scale=scale, band=band)
         ctx.save_for_backward(q_h, k_h, v_h, out_h, lse_h)
         ctx.info, ctx.layout, ctx.band, ctx.scale, ctx.launchers = info, layout, band, scale, launchers
+        ctx.rep = rep
         return head_to_seq(out_h, info, layout)
 
     @staticmethod
@@ -74,6 +81,11 @@ class UlyssesAttention(torch.autograd.Function):
         do_h = seq_to_head(do, info, layout)
         dq_h, dk_h, dv_h = ctx.launchers.backward(do_h, q_h, k_h, v_h, out_h, lse_h, scale=ctx.scale, band=ctx.band)
         dq = head_to_seq(dq_h.to(q_h.dtype), info, layout)
-        dk = head_to_seq(dk_h.to(k_h.dtype), info, layout)
-        dv = head_to_seq(dv_h.to(v_h.dtype), info, layout)
-        return dq, dk, dv, None, None, None, None, None
+        rep = ctx.rep
+        if rep == 1:
+            dk = head_to_seq(dk_h.to(k_h.dtype), info, layout)
+            dv = head_to_seq(dv_h.to(v_h.dtype), info, layout)
+        else:  # the copies' gradients travel in the launchers' float32 and are summed before rounding
+            dk, dv = (head_to_seq(g, info, layout) for g in (dk_h, dv_h))  # (B, Hkv rep, S/P, D)
+            dk, dv = (g.unflatten(1, (g.shape[1] // rep, rep)).sum(2).to(k_h.dtype) for g in (dk, dv))
+        return dq, dk, dv, None, None, None, None, None, None
