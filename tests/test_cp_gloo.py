@@ -66,11 +66,21 @@ BAD_CASES = [
     "bad-not-4d-on-one-rank",
     "bad-unknown-method",
 ]
-OTHER_CASES = ["shard-unshard-roundtrip", "merge-two-calls-batch1", "gpt-loss-and-grads", "gpt-full-recompute"]
+OTHER_CASES = [
+    "shard-unshard-roundtrip",
+    "merge-two-calls-batch1",
+    "gpt-loss-and-grads",
+    "gpt-full-recompute",
+    "check-through-gloo-twin",
+    "ulysses-kv-replication-bf16",
+]
 
 
 def case_names(world: int) -> list[str]:
-    extra = ["triton-interpreter-ring"] if world == 2 else []  # the Triton launchers under TRITON_INTERPRET=1
+    if world == 2:
+        extra = ["triton-interpreter-ring"]  # the Triton launchers under TRITON_INTERPRET=1
+    else:
+        extra = ["subgroups-ring", "bench-max-seq"]  # two context-parallel groups of 2 side by side; bench cp
     return _attention_cases(world) + BAD_CASES + OTHER_CASES + extra
 
 
@@ -199,8 +209,121 @@ def _run_other_case(name: str, rank: int, world: int) -> None:
             assert _rel_err(a.grad, shard(r.grad, 2)) < 1e-5
     elif name in ("gpt-loss-and-grads", "gpt-full-recompute"):
         _run_gpt_case(name, rank, world)
+    elif name == "check-through-gloo-twin":
+        _run_twin_case(rank, world)
+    elif name == "ulysses-kv-replication-bf16":
+        _run_ulysses_bf16_case(rank, world)
+    elif name == "subgroups-ring":
+        _run_subgroups_case(rank, world)
+    elif name == "bench-max-seq":
+        _run_bench_max_seq_case(rank, world)
     else:
         raise KeyError(name)
+
+
+def _run_ulysses_bf16_case(rank: int, world: int) -> None:
+    """MQA under Ulysses (one kv head, replicated P times) in bf16: the replicas' dK/dV are summed in float32
+    and rounded once, as the single-process kernel does, so the errors against the float64 oracle match the
+    kernel's (RMS over the whole sequence within 1%; rounding each replica first measured 0.98x-1.28x)."""
+    import torch.distributed as dist
+
+    import longctx
+    from longctx.distributed import cp_attention, shard
+
+    S = 2 * world * 16
+    g = torch.Generator().manual_seed(21)
+    q, do = (torch.randn(1, 4, S, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 1, S, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    longctx.attention(*ref, causal=True, backend="math").backward(do)
+    one = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    longctx.attention(*one, causal=True, backend="tiled").backward(do.bfloat16())
+    loc = [shard(t.bfloat16(), 2).requires_grad_() for t in (q, k, v)]
+    cp_attention(*loc, causal=True, method="ulysses", backend="tiled").backward(shard(do.bfloat16(), 2))
+    for name, a, s1, r in zip("qkv", loc, one, ref):
+        r_loc = shard(r.grad, 2)
+        sq = torch.stack([(a.grad.double() - r_loc).pow(2).sum(), (shard(s1.grad, 2).double() - r_loc).pow(2).sum()])
+        dist.all_reduce(sq)
+        ratio = float((sq[0] / sq[1]).sqrt())
+        assert abs(ratio - 1) < 0.01, f"d{name}: RMS error {ratio:.3f}x the single-process bf16 kernel's"
+
+
+def _run_twin_case(rank: int, world: int) -> None:
+    """The shape check through a gloo twin of the group (what an NCCL group uses): created once, cached, and
+    still run on every call (a bad input on one rank raises on all)."""
+    import longctx
+    import longctx.distributed.attention as cp_attn
+    from longctx.distributed import comm, cp_attention, shard
+
+    info = comm.group_info(None)
+    assert comm.cpu_group(info) is None or comm.cpu_group(info) is info.group  # gloo: the group itself
+    twin = comm.cpu_group(info, reuse_gloo=False)
+    assert twin is not None and twin is not info.group and comm.cpu_group(info, reuse_gloo=False) is twin
+    saved = cp_attn.cpu_group
+    cp_attn.cpu_group = lambda i: comm.cpu_group(i, reuse_gloo=False)
+    try:
+        S = 2 * world * 4
+        g = torch.Generator().manual_seed(11)
+        q, k, v = (torch.randn(1, 2, S, 8, generator=g, dtype=torch.float64) for _ in range(3))
+        ref = longctx.attention(q, k, v, causal=True, backend="math")
+        out = cp_attention(*(shard(t, 2) for t in (q, k, v)), causal=True, backend="tiled")
+        assert _rel_err(out, shard(ref, 2)) < 1e-10
+        s = 4 if rank == 0 else 6
+        bad = [torch.randn(1, 2, s, 8) for _ in range(3)]
+        _expect_error(lambda: cp_attention(*bad, causal=True), ValueError, "different shapes")
+    finally:
+        cp_attn.cpu_group = saved
+
+
+def _run_subgroups_case(rank: int, world: int) -> None:
+    """Two context-parallel groups side by side ({0, 1} and {2, 3}), each with its own sequence; the shape check
+    of each goes through its own gloo twin, created by the two pairs at the same time."""
+    import torch.distributed as dist
+
+    import longctx
+    from longctx.distributed import comm, cp_attention, shard, unshard
+
+    group, _ = dist.new_subgroups(group_size=2)
+    info = comm.group_info(group)
+    assert info.world == 2 and comm.cpu_group(info, reuse_gloo=False) is not None
+    pair = rank // 2
+    S = 2 * 2 * 6
+    g = torch.Generator().manual_seed(100 + pair)  # a different sequence in each group
+    q = torch.randn(1, 4, S, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, S, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    ref = longctx.attention(q, k, v, causal=True, backend="math")
+    for method in ("ring", "allgather", "ulysses"):
+        loc = [shard(t, 2, group=group) for t in (q, k, v)]
+        out = cp_attention(*loc, group=group, causal=True, method=method, backend="tiled")
+        assert _rel_err(unshard(out, 2, group=group), ref) < 1e-10, method
+
+
+def _run_bench_max_seq_case(rank: int, world: int) -> None:
+    """`bench cp --max-seq` on the CPU: a made-up footprint of 1 KiB per token per process that appears in the
+    backward, against a cap of 0.6 MiB, so every search must end at 512 tokens per GPU (over at 768), each
+    over-cap try stopping on every rank together in the middle of the backward (1, 2 and 4 processes)."""
+    import longctx.bench.cp as bench
+
+    bench._DEV = torch.device("cpu")
+    args = bench.parser().parse_args(
+        ["--device", "cpu", "--max-seq", "--gpt-preset", "tiny", "--gpt-override", "attention_backend=tiled"]
+        + ["--max-seq-gpus", "1,2,4", "--mem-cap-gib", str(0.6 / 1024), "--fake-kib-per-token", "1"]
+        + ["--max-seq-start", "512", "--max-seq-warmup-tokens", "256", "--loss-chunk", "200"]
+    )
+    rows = bench.run_max_seq(args)
+    assert [r["gpus"] for r in rows] == [1, 2, 4]
+    for r in rows:
+        assert r["error"] is None, r["error"]
+        assert (r["best_tokens_per_gpu"], r["over_tokens_per_gpu"]) == (512, 768), r
+        assert r["max_seq"] == 512 * r["gpus"] and r["stop"] == "resolution", r
+        over = [t for t in r["tries"] if t["status"] == "over"]
+        assert over and all(t["where"].startswith("backward") for t in over), r["tries"]
+    for r in rows:  # the warm-up step (256 tokens/GPU) is a point of the line: 512 fits, 768 is predicted over
+        assert [(t["n"], t["status"], bool(t["known"])) for t in r["tries"]] == [
+            (256, "ok", True), (512, "ok", False), (768, "over", False)], r["tries"]  # fmt: skip
+        assert abs(r["gib_per_1k_tokens_per_gpu"] - 1 / 1024) < 1e-9 and abs(r["fixed_gib"]) < 1e-9, r
+    md = "\n".join(bench._max_seq_markdown(rows, args))
+    assert "| 4 | 2.0K (0.5K) | 3.0K |" in md, md
 
 
 def _run_gpt_case(name: str, rank: int, world: int) -> None:
@@ -375,3 +498,81 @@ def test_ring_plan_skips_masked_blocks_and_fuses_full_ones() -> None:
     # non-causal: one dense call per step
     calls = plan_calls(Band(), local_chunks(S, 1, P, "zigzag"), local_chunks(S, 2, P, "zigzag"))
     assert len(calls) == 1 and (calls[0].q0, calls[0].q1, calls[0].k0, calls[0].k1) == (0, 2 * c, 0, 2 * c)
+
+
+def _linear_try(a: float, b: float, cap: float, calls: list):
+    def try_fn(n):
+        calls.append(n)
+        peak = a + b * n
+        return dict(status="ok" if peak <= cap else "over", peak=peak, secs=1.0)
+
+    return try_fn
+
+
+@pytest.mark.parametrize("truth", [700, 5000, 61_000, 250_000])
+def test_search_longest_brackets_the_crossing(truth: int) -> None:
+    """Doubling, then bisection with the linear prediction: the bracket holds the true crossing, within the
+    resolution, in a handful of tries; and started from an earlier result with its line, in two or three."""
+    from longctx.bench.cp import QUANTUM, search_longest
+
+    a, b = 6e9, 170e3  # fixed bytes, bytes per token
+    cap = a + b * (truth + 0.5)
+    calls: list[int] = []
+    r = search_longest(_linear_try(a, b, cap, calls), start=8192, cap=cap, res=0.08)
+    best, over = r["best"], r["over"]
+    expect = truth // QUANTUM * QUANTUM
+    if expect < QUANTUM:
+        assert best is None and r["stop"] == "nothing fits"
+        return
+    assert best is not None and over is not None and best <= truth < over, r
+    assert best % QUANTUM == 0 and over - best <= max(QUANTUM, 0.08 * best), r
+    assert r["stop"] == "resolution" and len(calls) <= 9, calls
+    calls2: list[int] = []
+    r2 = search_longest(_linear_try(a, b, cap, calls2), start=best, cap=cap, res=0.08, prior=(a, b))
+    assert (r2["best"], len(calls2) <= 3) == (best, True), (r2, calls2)
+
+
+def test_search_longest_stops_on_errors_budget_and_limit() -> None:
+    from longctx.bench.cp import search_longest
+
+    r = search_longest(lambda n: dict(status="error", peak=0.0, secs=1.0), start=1024, cap=1.0)
+    assert r["best"] is None and r["stop"] == "error" and len(r["tries"]) == 1
+    t = [0.0]
+
+    def slow(n):
+        t[0] += n / 1000.0  # seconds grow with n
+        return dict(status="ok", peak=0.0, secs=n / 1000.0)
+
+    r = search_longest(slow, start=1024, cap=1.0, budget_s=20.0, clock=lambda: t[0])
+    assert r["stop"].startswith("time budget") and r["best"] == 4096 and r["over"] is None, r  # 7 s + 16 s > 20
+    r = search_longest(lambda n: dict(status="ok", peak=0.0, secs=0.0), start=1024, cap=1.0, limit=5000)
+    assert r["stop"] == "limit" and r["best"] == 4864, r
+
+
+def test_bench_hidden_states_and_chunked_loss_match_the_gpt() -> None:
+    """bench cp --max-seq takes the loss from the final hidden states in chunks: the same loss and gradients as
+    the GPT's own logits (the mirror of GPT.forward must not drift from it)."""
+    import torch.nn.functional as F
+
+    from longctx.bench.cp import _final_hidden, _output_weight, chunked_lm_loss_sum
+    from longctx.models.gpt import GPT, GPTConfig
+
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    for shared in (True, False):
+        cfg = GPTConfig.preset(
+            "tiny", attention_backend="math", share_embeddings_and_output_weights=shared, **recompute
+        )
+        torch.manual_seed(0)
+        model = GPT(cfg).double()
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, cfg.vocab_size, (2, 41), generator=g)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        pos = torch.arange(40)
+        ref = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")
+        grads_ref = torch.autograd.grad(ref, list(model.parameters()))
+        loss = chunked_lm_loss_sum(_final_hidden(model, x, pos), _output_weight(model), y, chunk=16)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        # the chunks take their cross-entropy in float32 (as under bf16 autocast): float32 agreement
+        assert abs(float(loss) - float(ref)) < 1e-6 * abs(float(ref))
+        for gr, g0 in zip(grads, grads_ref):
+            assert _rel_err(gr, g0) < 1e-5
