@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Context parallelism on 4 GPUs in one device call (nvidia-h200-x4): three independent torchrun stages, each
+# under its own time limit, so that a failure or a hang in one still lets the next run.
+#
+#   (a) check   NCCL bf16 correctness, Triton launchers, S = 8192, Hkv = 4: cp_attention against a float64
+#               oracle next to the single-GPU kernel, 3 masks x 3 methods x 2 layouts     (estimate   70-120 s)
+#   (b) sweep   per-GPU TFLOP/s of forward+backward at 8K, 16K, 32K, 64K tokens per GPU (S up to 256K),
+#               ring/allgather/ulysses x zigzag/contiguous against the single-GPU kernel (estimate   60-110 s)
+#   (c) max-seq longest S that trains the 350M GPT (full recomputation, bf16, AdamW) on 1, 2 and 4 GPUs
+#               under a 16 GiB cap per GPU: doubling then bisection, budget 130 s      (estimate  150-175 s)
+#
+# Estimates: no timings of last session's 2-GPU stages were kept, so they are worked out from its throughput
+# table (64K tokens/GPU: ~0.2 s per single-GPU fwd+bwd, P x that per CP call) plus ~20 s per torchrun start
+# and the Triton compilations (autotuning off). Limits below: 130 + 130 + 195 s, so 455 s at the very worst.
+#
+#   bash scripts/cp_suite.sh                      # writes under ${OUT:-cp_suite_out}
+#   SMOKE=1 NPROC=2 bash scripts/cp_suite.sh      # the same stages on the CPU (gloo, tiny sizes): checks this script
+#
+# What comes back from $OUT (at most 8 files on the device machine): suite.log (everything printed, with the
+# time of each stage) and the Markdown + JSON of each stage, cp_<date>_H200x4_{check,sweep,maxseq}.{md,json}.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-cp_suite_out}
+mkdir -p "$OUT"
+LOG="$OUT/suite.log"
+: >"$LOG"
+# NVLink multicast stays off on the shared hosts (KINDS.md); autotuning off: first config of each kernel, for
+# compile time within the budget (CP and the single-GPU baseline use the same kernels: like-for-like ratios).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export LONGCTX_TRITON_AUTOTUNE=0 PYTHONUNBUFFERED=1
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+NPROC=${NPROC:-4}
+PY=${PYTHON:-python3}
+RUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" benchmarks/bench_cp.py --out-dir "$OUT")
+T0=$SECONDS
+# the sizes of each stage (SMOKE=1: CPU, gloo, a tiny GPT and made-up memory; for checking this script only)
+if [ "${SMOKE:-0}" = 1 ]; then
+    CHECK=(--device cpu --check-seqlen 64 --heads 2 --check-kv-heads 2 --head-dim 16 --backend tiled)
+    SWEEP=(--device cpu --tokens-per-gpu 64,128 --heads 2 --kv-heads 2 --head-dim 16 --backend tiled)
+    MAXSEQ=(--device cpu --gpt-preset tiny --max-seq-start 512 --max-seq-warmup-tokens 256 --mem-cap-gib 0.001
+        --fake-kib-per-token 1 --max-seq-budget-s 60)
+else
+    CHECK=(--backend triton --check-seqlen 8192)
+    SWEEP=(--backend triton --tokens-per-gpu 8192,16384,32768,65536)
+    MAXSEQ=(--mem-cap-gib 16 --max-seq-budget-s 130)
+fi
+
+say() { echo "$*" | tee -a "$LOG"; }
+
+stage() {  # stage NAME LIMIT_S ARGS...: one torchrun, killed at LIMIT_S; its exit status and time logged
+    local name=$1 limit=$2
+    shift 2
+    local t=$SECONDS
+    say "=== stage $name (limit ${limit} s), start at +$((t - T0)) s: ${RUN[*]} $*"
+    timeout -k 15 "$limit" "${RUN[@]}" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    say "=== stage $name: exit $rc$([ "$rc" = 124 ] && echo ' (time limit)'), $((SECONDS - t)) s (total +$((SECONDS - T0)) s)"
+}
+
+{
+    nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader || true
+    "$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda,
+              "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+} 2>&1 | tee -a "$LOG"
+
+stage check 130 --check --no-bench "${CHECK[@]}" --tag _check
+
+stage sweep 130 "${SWEEP[@]}" --warmup 1 --iters 2 --tag _sweep
+
+# expandable segments: the memory the allocator reserves follows what is allocated (what the cap is checked on)
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+stage maxseq 195 --no-bench --max-seq --max-seq-gpus "1,2,$NPROC" "${MAXSEQ[@]}" --tag _maxseq
+unset PYTORCH_CUDA_ALLOC_CONF
+
+say "=== suite done in $((SECONDS - T0)) s; files in $OUT:"
+ls -l "$OUT" | tee -a "$LOG"
