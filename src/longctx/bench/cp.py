@@ -6,8 +6,8 @@
 Throughput: per-GPU TFLOP/s of forward+backward of `cp_attention` for every method and layout, at total
 lengths S = P x tokens-per-GPU, against the single-GPU kernel (`longctx.attention` with the same launcher
 backend) on tokens-per-GPU tokens. FLOPs: forward ``4 B Hq S^2 D`` (halved for causal), backward 2.5x
-forward; per-GPU figures divide by P. Times: CUDA events over a fixed number of iterations (the same on every
-rank: collectives), the slowest rank's mean.
+forward; per-GPU figures divide by P. Times: wall clock between device syncs over a fixed number of calls
+(the same on every rank: collectives), the slowest rank's mean.
 
 ``--check``: the same `cp_attention` in bf16 against a float64 oracle (`longctx.attention(backend="math")` on
 the whole sequence, float64) next to the single-GPU bf16 kernel on the whole sequence, for out, dq, dk, dv:
@@ -22,7 +22,8 @@ tokens per GPU (a line through the peaks of the tries that fit), and that line e
 labelled as such. The cap is enforced by all ranks together at layer boundaries (`_CapWatch`), so a try over
 it stops on every rank at once and no rank is left waiting in a ring exchange.
 
-Writes ``benchmarks/results/cp_<date>_<gpu>.md`` and ``.json`` (rank 0).
+Writes ``benchmarks/results/cp_<date>_<gpu>x<P><tag>.md`` and ``.json`` (rank 0; ``--out-dir``, ``--tag``).
+All stages on 4 GPUs in one go: ``bash scripts/cp_suite.sh``.
 """
 
 from __future__ import annotations
