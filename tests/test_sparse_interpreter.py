@@ -3,6 +3,7 @@ interpreter flag is set before triton is imported."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ pytest.importorskip("triton")
 
 pytestmark = pytest.mark.interpreter
 
-SCRIPT = textwrap.dedent(
+COMMON = textwrap.dedent(
     r"""
     import os
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -54,6 +55,11 @@ SCRIPT = textwrap.dedent(
         return (torch.randn(B, Hq, Sq, D, generator=g).to(dtype), torch.randn(B, Hkv, Sk, D, generator=g).to(dtype),
                 torch.randn(B, Hkv, Sk, D, generator=g).to(dtype))
 
+    """
+)
+
+SCRIPT = COMMON + textwrap.dedent(
+    r"""
     # ready-made analytic masks (docs with a length-1 document, globals), ragged S, GQA
     S = 75
     docs = torch.tensor([0] * 1 + [1] * 40 + [2] * 34)
@@ -100,10 +106,50 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_sparse_kernels_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", LONGCTX_TRITON_AUTOTUNE="0")
+# The kernel variants of longctx.ops.triton_sparse.VARIANT (tensor descriptors run in the interpreter here; its
+# TMA reduce does not, so atomic_dq="tma" runs the pointer atomics). Block 32 with the interpreter's 16x16 tiles:
+# two sub-tiles per mask block.
+VARIANT_SCRIPT = COMMON + textwrap.dedent(
+    r"""
+    import json
+    from longctx.ops import triton_sparse as ts
+    ts.VARIANT.update(json.loads(os.environ["SPARSE_VARIANT"]))
+    ts.TMA_IN_INTERPRETER = True
+    S = 75
+    docs = torch.tensor([0] * 1 + [1] * 40 + [2] * 34)
+    q, k, v = inputs(1, 4, 2, S, S, 16, torch.float32, 0)
+    mm = bsm.document_mask(docs) & bsm.causal_mask
+    check(q, k, v, longctx.block_mask(mm, None, None, S, S, block_size=32, device="cpu"), "docs ragged GQA")
+    mm = lambda b, h, q, kv: ((q + kv + h + b) % 3 == 0) & (q % 7 != 2)
+    q, k, v = inputs(2, 2, 1, 40, 70, 16, torch.float16, 7)
+    check(q, k, v, longctx.block_mask(mm, 2, 2, 40, 70, block_size=32, device="cpu"), "general per-head fp16")
+    lay = torch.rand(2, 3, 4, generator=torch.Generator().manual_seed(1)) < 0.6
+    q, k, v = inputs(1, 2, 2, 96, 128, 16, torch.float32, 3)
+    check(q, k, v, longctx.BlockMask.from_layout(lay, 32, 96, 128), "layout")
+    """
+)
+
+
+def _run(script: str, extra_env: dict | None = None) -> str:
+    env = dict(os.environ, TRITON_INTERPRET="1", LONGCTX_TRITON_AUTOTUNE="0", **(extra_env or {}))
     src = os.path.join(os.path.dirname(__file__), "..", "src")
     env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert proc.stdout.count("ok") == 7
+    return proc.stdout
+
+
+def test_sparse_kernels_in_interpreter():
+    assert _run(SCRIPT).count("ok") == 7
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"grid_swap": True, "prefetch_idx": True, "tma": True, "tma_dq": True, "pipe_qk": True, "atomic_dq": "ptr"},
+        {"pipe_qk": True, "atomic_dq": "tma"},
+    ],
+    ids=["all", "pipe_qk+atomic"],
+)
+def test_sparse_kernel_variants_in_interpreter(variant):
+    assert _run(VARIANT_SCRIPT, {"SPARSE_VARIANT": json.dumps(variant)}).count("ok") == 3

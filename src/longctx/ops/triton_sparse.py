@@ -24,6 +24,7 @@ multiple of 16 (tl.dot's minimum); other block sizes run on the plain-PyTorch pa
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -65,19 +66,47 @@ def _tile_choices(kind: str, bd: int, mask_bs: int) -> list[tuple[int, int, int,
     return ok
 
 
-@functools.cache
-def _kernel(kind: str, bd: int, mask_bs: int):
-    import triton
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "on", "yes")
 
+
+# Kernel variants (`longctx.kernels.flash_sparse` describes each), read once from the environment. All off by
+# default: the measured baseline. benchmarks/sweep_sparse_configs.py sets them directly to compare them.
+VARIANT: dict = {
+    "grid_swap": _flag("LONGCTX_SPARSE_GRID_SWAP"),  # tile index fastest in every grid (K/V or q/dO shared in L2)
+    "prefetch_idx": _flag("LONGCTX_SPARSE_PREFETCH_IDX"),  # block-list entries read one iteration ahead
+    "tma": _flag("LONGCTX_SPARSE_TMA"),  # forward: K/V through tensor descriptors (CUDA only)
+    "tma_dq": _flag("LONGCTX_SPARSE_TMA_DQ"),  # dQ kernel: K/V through tensor descriptors (CUDA only)
+    "pipe_qk": _flag("LONGCTX_SPARSE_PIPE_QK"),  # forward, full blocks: next QK^T issued before the softmax
+    # "0": separate dQ kernel (deterministic); "ptr": dQ by float32 atomics in the dK/dV kernel; "tma": the same
+    # through a TMA reduce (CUDA only; "ptr" elsewhere). Never under deterministic=True / LONGCTX_DETERMINISTIC=1.
+    "atomic_dq": os.environ.get("LONGCTX_SPARSE_ATOMIC_DQ", "0").strip().lower(),
+}
+# For tuning sessions: kind ("fwd", "dkdv", "dq") -> (BLOCK_M, BLOCK_N, num_warps, num_stages) forced, no
+# autotuning. Empty in normal use.
+FORCE_CONFIG: dict[str, tuple[int, int, int, int]] = {}
+# Tensor descriptor loads also run in the Triton interpreter (not its TMA reduce); tests of the TMA variants set
+# this to run them there. Off: under the interpreter the pointer path runs.
+TMA_IN_INTERPRETER = False
+
+
+def _kernel_fn(kind: str):
     from longctx.kernels import flash_sparse
 
     if _tf._interpret():
         _tf._patch_interpreter_for_numpy2()
-    fn = {
+    return {
         "fwd": flash_sparse.sparse_fwd_kernel,
         "dkdv": flash_sparse.sparse_bwd_dkdv_kernel,
         "dq": flash_sparse.sparse_bwd_dq_kernel,
     }[kind]
+
+
+@functools.cache
+def _kernel(kind: str, bd: int, mask_bs: int):
+    import triton
+
+    fn = _kernel_fn(kind)
     if not _tf._autotune_enabled():
         return fn
     cfgs = [
@@ -88,12 +117,46 @@ def _kernel(kind: str, bd: int, mask_bs: int):
 
 
 def _launch(kind: str, bd: int, mask_bs: int, grid_fn, args: list, kwargs: dict) -> None:
+    if kind in FORCE_CONFIG:
+        bm, bn, w, s = FORCE_CONFIG[kind]
+        _kernel_fn(kind)[grid_fn(bm, bn)](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+        return
     kernel = _kernel(kind, bd, mask_bs)
     if _tf._autotune_enabled():
         kernel[lambda meta: grid_fn(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **kwargs)
         return
     bm, bn, w, s = _tile_choices(kind, bd, mask_bs)[0]
     kernel[grid_fn(bm, bn)](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+
+
+def _grid(n_heads: int, n_tiles, swap: bool):
+    """Grid function of (BLOCK_M, BLOCK_N): (heads, tiles), or (tiles, heads) with the tile index fastest."""
+    if swap:
+        return lambda bm_, bn_: (n_tiles(bm_, bn_), n_heads)
+    return lambda bm_, bn_: (n_heads, n_tiles(bm_, bn_))
+
+
+def _tma_ok(t: torch.Tensor, D: int, bd: int) -> bool:
+    """Whether rows of t (B, H, S, D) can be read through tensor descriptors (see triton_flash._tma_ok)."""
+    if _tf._interpret():
+        es = t.element_size()
+        return (
+            TMA_IN_INTERPRETER
+            and bd == D
+            and t.stride(3) == 1
+            and all((t.stride(i) * es) % 16 == 0 for i in range(3))
+            and t.data_ptr() % 16 == 0
+        )
+    return _tf._tma_ok(t, D, bd)
+
+
+def _set_tma_allocator() -> None:
+    if _tf._interpret():
+        import triton
+
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+    else:
+        _tf._set_tma_allocator()
 
 
 def _mask_args(mt: tuple, meta: list, B: int, Hq: int, transposed: bool) -> tuple[list, dict]:
@@ -156,13 +219,21 @@ def _forward_impl(q, k, v, scale: float, mt: tuple, meta: list) -> tuple[torch.T
         return out, lse
     bd = configs.block_d(D)
     margs, mkw = _mask_args(mt, meta, B, Hq, transposed=False)
+    # Sq or Sk below 16: no TMA (the dense launcher's ptxas crash at D=256; nothing to gain on such inputs)
+    use_tma = VARIANT["tma"] and min(Sq, Sk) >= 16 and _tma_ok(k, D, bd) and _tma_ok(v, D, bd)
+    if use_tma:
+        _set_tma_allocator()
     _launch(
         "fwd",
         bd,
         mask_bs,
-        lambda bm_, bn_: (B * Hq, _cdiv(Sq, bm_)),
+        _grid(B * Hq, lambda bm_, bn_: _cdiv(Sq, bm_), VARIANT["grid_swap"]),
         [q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *margs],
         dict(
+            GRID_SWAP=VARIANT["grid_swap"],
+            USE_TMA=use_tma,
+            PIPE_QK=VARIANT["pipe_qk"],
+            PREFETCH_IDX=VARIANT["prefetch_idx"],
             Hq=Hq,
             Sq=Sq,
             Sk=Sk,
@@ -180,7 +251,7 @@ def _forward_impl(q, k, v, scale: float, mt: tuple, meta: list) -> tuple[torch.T
     return out, lse
 
 
-def _backward_impl(do, q, k, v, out, lse, dlse, scale: float, mt: tuple, meta: list):
+def _backward_impl(do, q, k, v, out, lse, dlse, scale: float, mt: tuple, meta: list, deterministic: bool = False):
     _check(q, k, v, meta)
     from longctx.kernels import configs
 
@@ -194,6 +265,7 @@ def _backward_impl(do, q, k, v, out, lse, dlse, scale: float, mt: tuple, meta: l
     if _tf._interpret():
         _tf._patch_interpreter_for_numpy2()
     delta, lse2 = _tf.bwd_preprocess(out, do, lse, dlse, bd)  # (B, Hq, Sq) each
+    swap = VARIANT["grid_swap"]
     common = dict(
         Sq=Sq,
         Sk=Sk,
@@ -205,25 +277,41 @@ def _backward_impl(do, q, k, v, out, lse, dlse, scale: float, mt: tuple, meta: l
         BLOCK_D=bd,
         MASK_BS=mask_bs,
         DOT_PRECISION=_tf._dot_precision(q.dtype),
+        GRID_SWAP=swap,
+        PREFETCH_IDX=VARIANT["prefetch_idx"],
     )
+    # dQ by atomics inside the dK/dV kernel (a variant, off by default): 5 matmuls per tile pair instead of 7,
+    # but not bitwise repeatable; at head dims above 128 the kernel would not fit shared memory.
+    atomic = 0
+    if VARIANT["atomic_dq"] in ("ptr", "tma") and not (deterministic or _tf._deterministic_env()) and bd <= 128:
+        atomic = 2 if VARIANT["atomic_dq"] == "tma" and not _tf._interpret() and _tma_ok(q, D, bd) else 1
+    dqa = torch.zeros((B, Hq, Sq, D), device=q.device, dtype=torch.float32) if atomic else dq  # (B, Hq, Sq, D)
+    if atomic == 2:
+        _set_tma_allocator()
     targs, tkw = _mask_args(mt, meta, B, Hq, transposed=True)
     _launch(
         "dkdv",
         bd,
         mask_bs,
-        lambda bm_, bn_: (B * Hkv, _cdiv(Sk, bn_)),
-        [q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride()]
-        + [*dk.stride(), *dv.stride(), *targs],
-        dict(Hq=Hq, Hkv=Hkv, **common, **tkw),
+        _grid(B * Hkv, lambda bm_, bn_: _cdiv(Sk, bn_), swap),
+        [q, k, v, do, lse2, delta, dk, dv, dqa, *q.stride(), *k.stride(), *v.stride(), *do.stride()]
+        + [*dk.stride(), *dv.stride(), *dqa.stride()[:3], *targs],
+        dict(Hq=Hq, Hkv=Hkv, ATOMIC_DQ=atomic, **common, **tkw),
     )
+    if atomic:
+        dq.copy_(dqa.mul_(scale))
+        return dq, dk, dv
+    use_tma = VARIANT["tma_dq"] and min(Sq, Sk) >= 16 and _tma_ok(k, D, bd) and _tma_ok(v, D, bd)
+    if use_tma:
+        _set_tma_allocator()
     margs, mkw = _mask_args(mt, meta, B, Hq, transposed=False)
     _launch(
         "dq",
         bd,
         mask_bs,
-        lambda bm_, bn_: (B * Hq, _cdiv(Sq, bm_)),
+        _grid(B * Hq, lambda bm_, bn_: _cdiv(Sq, bm_), swap),
         [q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *margs],
-        dict(Hq=Hq, EVEN_SK=Sk % mask_bs == 0, **common, **mkw),
+        dict(Hq=Hq, EVEN_SK=Sk % mask_bs == 0, USE_TMA=use_tma, **common, **mkw),
     )
     return dq, dk, dv
 
@@ -247,69 +335,81 @@ def sparse_backward(
     scale: float,
     block_mask: BlockMask,
     dlse: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block-sparse backward (deterministic: no atomics): (dq, dk, dv) in the input dtypes and layouts."""
+    """Block-sparse backward: (dq, dk, dv) in the input dtypes and layouts. Deterministic (no atomics) unless
+    the atomic-dQ variant is switched on (``LONGCTX_SPARSE_ATOMIC_DQ``) and ``deterministic`` is False."""
     block_mask.check_compatible(q, k)
     mt, meta = block_mask.kernel_tensors(), block_mask.kernel_meta()
-    return _backward_impl(do, q, k, v, out, lse, dlse, float(scale), mt, meta)
+    return _backward_impl(do, q, k, v, out, lse, dlse, float(scale), mt, meta, deterministic)
 
 
 # -- torch.library registration: the mask travels as its tensors and ints (a BlockMask is not an op argument) --
 
-_FWD_SCHEMA = "(Tensor q, Tensor k, Tensor v, float scale, Tensor[] mask, int[] meta) -> (Tensor, Tensor)"
+_FWD_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, float scale, Tensor[] mask, int[] meta, bool deterministic) -> (Tensor, Tensor)"
+)
 _BWD_SCHEMA = (
     "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float scale, Tensor[] mask, "
-    "int[] meta) -> (Tensor, Tensor, Tensor)"
+    "int[] meta, bool deterministic) -> (Tensor, Tensor, Tensor)"
 )
 
 
 @torch.library.custom_op("longctx::triton_sparse_fwd", mutates_args=(), schema=_FWD_SCHEMA)
-def _sparse_fwd_op(q, k, v, scale, mask, meta):
+def _sparse_fwd_op(q, k, v, scale, mask, meta, deterministic):
     return _forward_impl(q, k, v, scale, tuple(mask), list(meta))
 
 
 @_sparse_fwd_op.register_fake
-def _(q, k, v, scale, mask, meta):
+def _(q, k, v, scale, mask, meta, deterministic):
     B, Hq, Sq, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("longctx::triton_sparse_bwd", mutates_args=(), schema=_BWD_SCHEMA)
-def _sparse_bwd_op(do, q, k, v, out, lse, dlse, scale, mask, meta):
-    return _backward_impl(do, q, k, v, out, lse, dlse, scale, tuple(mask), list(meta))
+def _sparse_bwd_op(do, q, k, v, out, lse, dlse, scale, mask, meta, deterministic):
+    return _backward_impl(do, q, k, v, out, lse, dlse, scale, tuple(mask), list(meta), deterministic)
 
 
 @_sparse_bwd_op.register_fake
-def _(do, q, k, v, out, lse, dlse, scale, mask, meta):
+def _(do, q, k, v, out, lse, dlse, scale, mask, meta, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, mask, meta = inputs
+    q, k, v, scale, mask, meta, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, *mask)
-    ctx.scale, ctx.meta = scale, meta
+    ctx.scale, ctx.meta, ctx.deterministic = scale, meta, deterministic
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *mask = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.longctx.triton_sparse_bwd(dout, q, k, v, out, lse, dlse, ctx.scale, mask, ctx.meta)
-    return dq, dk, dv, None, [None] * len(mask), None
+    dq, dk, dv = torch.ops.longctx.triton_sparse_bwd(
+        dout, q, k, v, out, lse, dlse, ctx.scale, mask, ctx.meta, ctx.deterministic
+    )
+    return dq, dk, dv, None, [None] * len(mask), None, None
 
 
 _sparse_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def triton_sparse_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, block_mask: BlockMask
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    block_mask: BlockMask,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable block-sparse attention on the Triton kernels: ``(out, lse)``, through the registered op
     ``torch.ops.longctx.triton_sparse_fwd`` (traceable by torch.compile, no graph break)."""
     block_mask.check_compatible(q, k)
     mt, meta = block_mask.kernel_tensors(), block_mask.kernel_meta()
-    return torch.ops.longctx.triton_sparse_fwd(q, k, v, float(scale), list(mt), meta)
+    return torch.ops.longctx.triton_sparse_fwd(q, k, v, float(scale), list(mt), meta, bool(deterministic))
 
 
 class TritonSparseBackend(Backend):
@@ -356,7 +456,7 @@ class TritonSparseBackend(Backend):
             from longctx.ops import sparse_support
 
             return sparse_support.tiled_block_sparse(q, k, v, scale=scale, band=band, block_mask=block_mask)
-        out, lse = triton_sparse_attention(q, k, v, scale=scale, block_mask=block_mask)
+        out, lse = triton_sparse_attention(q, k, v, scale=scale, block_mask=block_mask, deterministic=deterministic)
         return out, lse
 
 
