@@ -35,7 +35,6 @@ import torch  # noqa: E402
 FWD_VARIANTS: dict[str, tuple[dict, tuple[int, int, int, int]]] = {
     "base": ({}, (128, 128, 8, 2)),
     "grid": ({"grid_swap": True}, (128, 128, 8, 2)),
-    "idx/128x64x3": ({"prefetch_idx": True}, (128, 64, 8, 3)),
     "grid+idx/128x64x3": ({"grid_swap": True, "prefetch_idx": True}, (128, 64, 8, 3)),
     "grid+idx+tma/128x64x3": ({"grid_swap": True, "prefetch_idx": True, "tma": True}, (128, 64, 8, 3)),
     "grid+idx+tma+pipe/128x64x3": (
@@ -43,7 +42,6 @@ FWD_VARIANTS: dict[str, tuple[dict, tuple[int, int, int, int]]] = {
         (128, 64, 8, 3),
     ),
     "grid+tma+pipe/128x128x2": ({"grid_swap": True, "tma": True, "pipe_qk": True}, (128, 128, 8, 2)),
-    "grid+idx+tma/128x128x3": ({"grid_swap": True, "prefetch_idx": True, "tma": True}, (128, 128, 8, 3)),
 }
 # name -> (VARIANT flags, {"dkdv": tile, "dq": tile}); atomic variants launch no dQ kernel.
 _B0 = {"dkdv": (64, 128, 8, 2), "dq": (128, 64, 8, 3)}
@@ -53,7 +51,6 @@ _GI = {"grid_swap": True, "prefetch_idx": True}
 BWD_VARIANTS: dict[str, tuple[dict, dict]] = {
     "base": ({}, _B0),
     "grid": ({"grid_swap": True}, _B0),
-    "idx/dkdv64x128x3": ({"prefetch_idx": True}, _B3),
     "grid+idx/dkdv64x128x3": (_GI, _B3),
     "grid+idx/dkdv32x128x3": (_GI, _B32),
     "grid+idx+tmadq/dkdv32x128x3": ({**_GI, "tma_dq": True}, _B32),
@@ -108,54 +105,103 @@ CASES = {
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _precompile(job: tuple) -> str:
+def _compile_job(job: tuple) -> dict:
+    """Compile the kernels of one (case, "fwd" | "bwd", variant) for ``arch`` without a GPU: kernel kind ->
+    compiled kernel. Triton's on-disk cache keeps them."""
     case, kind, vname, S, arch = job
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class _Driver:  # what JITFunction.run asks of the active driver before it compiles
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", arch, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    driver.set_active(_Driver())
+    from longctx.ops import triton_flash as tf
+    from longctx.ops import triton_sparse as ts
+
+    compiled = {}
+
+    def warm(kind_, bd, mask_bs, grid_fn, args, kwargs):
+        bm, bn, w, s = ts.FORCE_CONFIG[kind_]
+        fn = ts._kernel_fn(kind_)
+        compiled[kind_] = fn.warmup(*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, grid=(1,))
+
+    def tma_ok(t, D_, bd):  # tf._tma_ok without the device check
+        es = t.element_size()
+        return bd == D_ and t.stride(3) == 1 and all((t.stride(i) * es) % 16 == 0 for i in range(3))
+
+    ts._launch, ts._tma_ok, ts._set_tma_allocator = warm, tma_ok, lambda: None
+    tf.bwd_preprocess = lambda out, do, lse, dlse, bd: (torch.empty_like(lse), torch.empty_like(lse))
+    bm, _ = _mask(case, S, "cpu")
+    q, k, v, do = (torch.empty(1, H, S, D, dtype=torch.bfloat16) for _ in range(4))
+    if kind == "fwd":
+        flags, tile = FWD_VARIANTS[vname]
+        _set_variant(ts, flags, {"fwd": tile})
+        ts.sparse_forward(q, k, v, scale=D**-0.5, block_mask=bm)
+    else:
+        flags, tiles = BWD_VARIANTS[vname]
+        _set_variant(ts, flags, tiles)
+        lse = torch.empty(1, H, S, dtype=torch.float32)
+        ts.sparse_backward(do, q, k, v, torch.empty_like(q), lse, scale=D**-0.5, block_mask=bm)
+    return compiled
+
+
+def _precompile(job: tuple) -> str:
     t0 = time.perf_counter()
     try:
-        from triton.backends.compiler import GPUTarget
-        from triton.runtime import driver
-
-        class _Driver:  # what JITFunction.run asks of the active driver before it compiles
-            def get_current_device(self):
-                return 0
-
-            def get_current_stream(self, device=None):
-                return 0
-
-            def get_current_target(self):
-                return GPUTarget("cuda", arch, 32)
-
-            def get_active_torch_device(self):
-                return torch.device("cpu")
-
-        driver.set_active(_Driver())
-        from longctx.ops import triton_flash as tf
-        from longctx.ops import triton_sparse as ts
-
-        def warm(kind_, bd, mask_bs, grid_fn, args, kwargs):
-            bm, bn, w, s = ts.FORCE_CONFIG[kind_]
-            ts._kernel_fn(kind_).warmup(*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, grid=(1,))
-
-        def tma_ok(t, D_, bd):  # tf._tma_ok without the device check
-            es = t.element_size()
-            return bd == D_ and t.stride(3) == 1 and all((t.stride(i) * es) % 16 == 0 for i in range(3))
-
-        ts._launch, ts._tma_ok, ts._set_tma_allocator = warm, tma_ok, lambda: None
-        tf.bwd_preprocess = lambda out, do, lse, dlse, bd: (torch.empty_like(lse), torch.empty_like(lse))
-        bm, _ = _mask(case, S, "cpu")
-        q, k, v, do = (torch.empty(1, H, S, D, dtype=torch.bfloat16) for _ in range(4))
-        if kind == "fwd":
-            flags, tile = FWD_VARIANTS[vname]
-            _set_variant(ts, flags, {"fwd": tile})
-            ts.sparse_forward(q, k, v, scale=D**-0.5, block_mask=bm)
-        else:
-            flags, tiles = BWD_VARIANTS[vname]
-            _set_variant(ts, flags, tiles)
-            lse = torch.empty(1, H, S, dtype=torch.float32)
-            ts.sparse_backward(do, q, k, v, torch.empty_like(q), lse, scale=D**-0.5, block_mask=bm)
-        return f"ok {case} {kind} {vname} {time.perf_counter() - t0:.1f}s"
+        _compile_job(job)
+        return f"ok {' '.join(map(str, job[:3]))} {time.perf_counter() - t0:.1f}s"
     except Exception as exc:  # the main process compiles it then
-        return f"failed {case} {kind} {vname}: {type(exc).__name__}: {exc}"[:300]
+        return f"failed {' '.join(map(str, job[:3]))}: {type(exc).__name__}: {exc}"[:300]
+
+
+def main_aot(args) -> int:
+    """--aot: compile every (case, variant) for sm_<arch> on this machine (no GPU) and report shared memory,
+    registers and spill bytes (ptxas -v on the PTX): variants that would not fit or would spill show here."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    cases = [c for c in args.cases.split(",") if c and c != "layout0.5"]
+    fwd_vs = [v for v in (args.fwd_variants.split(",") if args.fwd_variants else FWD_VARIANTS) if v]
+    bwd_vs = [v for v in (args.bwd_variants.split(",") if args.bwd_variants else BWD_VARIANTS) if v]
+    jobs = [(c, "fwd", v) for c in cases for v in fwd_vs] + [(c, "bwd", v) for c in cases for v in bwd_vs]
+    print("| case | pass | variant | kernel | smem KiB | regs | spill bytes |\n|---|---|---|---|---|---|---|")
+    for c, p, v in jobs:
+        try:
+            kernels = _compile_job((c, p, v, args.s, args.arch))
+        except Exception as exc:
+            print(f"| {c} | {p} | {v} | error: {type(exc).__name__}: {str(exc)[:150]} ||||")
+            continue
+        for kind, kern in kernels.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                src = os.path.join(tmp, "k.ptx")
+                with open(src, "w") as fh:
+                    fh.write(kern.asm["ptx"])
+                arch = f"sm_{args.arch}a" if args.arch >= 90 else f"sm_{args.arch}"
+                cmd = [ptxas, f"-arch={arch}", "-v", src, "-o", os.path.join(tmp, "k.cubin")]
+                err = subprocess.run(cmd, capture_output=True, text=True).stderr
+            regs = re.findall(r"Used (\d+) registers", err)
+            spill = re.findall(r"(\d+) bytes spill stores", err)
+            print(
+                f"| {c} | {p} | {v} | {kind} | {kern.metadata.shared / 1024:.0f} | {regs[-1] if regs else '?'} | "
+                f"{spill[-1] if spill else '?'} |",
+                flush=True,
+            )
+    return 0
 
 
 def _start_precompile(cases: list[str], S: int, workers: int):
@@ -427,7 +473,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rep", type=int, default=30)
     ap.add_argument("--tiles", action="store_true", help="the older tile sweep (documents mask) instead")
     ap.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, S=256, H=2, float32, no Flex")
+    ap.add_argument("--aot", action="store_true", help="no GPU: compile for --arch, report smem/registers/spills")
+    ap.add_argument("--arch", type=int, default=90, help="compute capability for --aot (90: H100)")
     args = ap.parse_args(argv)
+    if args.aot:
+        return main_aot(args)
     if args.dry_run:
         global DEV, DTYPE, H
         if os.environ.get("TRITON_INTERPRET") != "1":
