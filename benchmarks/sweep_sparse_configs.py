@@ -42,6 +42,10 @@ FWD_VARIANTS: dict[str, tuple[dict, tuple[int, int, int, int]]] = {
         (128, 64, 8, 3),
     ),
     "grid+tma+pipe/128x128x2": ({"grid_swap": True, "tma": True, "pipe_qk": True}, (128, 128, 8, 2)),
+    "grid+idx+tma+pipe+rev/128x64x3": (
+        {"grid_swap": True, "prefetch_idx": True, "tma": True, "pipe_qk": True, "reverse_m": True},
+        (128, 64, 8, 3),
+    ),
 }
 # name -> (VARIANT flags, {"dkdv": tile, "dq": tile}); atomic variants launch no dQ kernel.
 _B0 = {"dkdv": (64, 128, 8, 2), "dq": (128, 64, 8, 3)}
@@ -56,8 +60,17 @@ BWD_VARIANTS: dict[str, tuple[dict, dict]] = {
     "grid+idx+tmadq/dkdv32x128x3": ({**_GI, "tma_dq": True}, _B32),
     "grid+idx+atomic-tma/dkdv32x128x3": ({**_GI, "atomic_dq": "tma"}, _B32),
     "grid+idx+atomic-ptr/dkdv32x128x3": ({**_GI, "atomic_dq": "ptr"}, _B32),
+    "grid+idx+rev/dkdv32x128x3": ({**_GI, "reverse_m": True}, _B32),
 }
-_OFF = {"grid_swap": False, "prefetch_idx": False, "tma": False, "tma_dq": False, "pipe_qk": False, "atomic_dq": "0"}
+_OFF = {
+    "grid_swap": False,
+    "prefetch_idx": False,
+    "tma": False,
+    "tma_dq": False,
+    "pipe_qk": False,
+    "reverse_m": False,
+    "atomic_dq": "0",
+}
 S_DEFAULT, H, D = 16384, 16, 128
 # --dry-run (CPU, TRITON_INTERPRET=1, tiny shapes) checks this script's logic without a GPU
 DEV, DTYPE = "cuda", torch.bfloat16

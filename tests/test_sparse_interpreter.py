@@ -146,10 +146,18 @@ def test_sparse_kernels_in_interpreter():
 @pytest.mark.parametrize(
     "variant",
     [
-        {"grid_swap": True, "prefetch_idx": True, "tma": True, "tma_dq": True, "pipe_qk": True, "atomic_dq": "ptr"},
-        {"pipe_qk": True, "atomic_dq": "tma"},
+        {
+            "grid_swap": True,
+            "prefetch_idx": True,
+            "tma": True,
+            "tma_dq": True,
+            "pipe_qk": True,
+            "reverse_m": True,
+            "atomic_dq": "ptr",
+        },
+        {"pipe_qk": True, "reverse_m": True, "tma_dq": True, "prefetch_idx": True},
     ],
-    ids=["all", "pipe_qk+atomic"],
+    ids=["all-atomic", "dq-kernel"],
 )
 def test_sparse_kernel_variants_in_interpreter(variant):
     assert _run(VARIANT_SCRIPT, {"SPARSE_VARIANT": json.dumps(variant)}).count("ok") == 3

@@ -31,6 +31,8 @@ Variants (constexpr flags, all off by default; `longctx.ops.triton_sparse` sets 
                   wait on a load inside the iteration, which the software pipeliner handles better)
     USE_TMA       K/V tiles through tensor descriptors (forward and dQ; unit stride on D, HEAD_DIM == BLOCK_D)
     PIPE_QK       forward, full blocks: the next tile's QK^T is issued before this tile's softmax
+    REVERSE_M     forward and dQ: query tiles run from the last one down (causal-like masks: the longest first,
+                  fewer stragglers in the last wave)
     ATOMIC_DQ     dK/dV kernel also adds dS K into a float32 dQ accumulator (1: pointer atomics, 2: TMA reduce
                   through a tensor descriptor), and the dQ kernel is not launched: 5 matmuls per tile pair
                   instead of 7, not bitwise repeatable
@@ -206,7 +208,7 @@ def sparse_fwd_kernel(
     HAS_DOC: tl.constexpr, HAS_GLOBAL: tl.constexpr, EVEN_SK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     GRID_SWAP: tl.constexpr = False, USE_TMA: tl.constexpr = False, PIPE_QK: tl.constexpr = False,
-    PREFETCH_IDX: tl.constexpr = False,
+    PREFETCH_IDX: tl.constexpr = False, REVERSE_M: tl.constexpr = False,
 ):
     """Grid: (B * Hq, cdiv(Sq, BLOCK_M)), or (cdiv(Sq, BLOCK_M), B * Hq) with GRID_SWAP. Mask tensors are
     pre-expanded to (B, Hq, ...) (stride 0 broadcasts); the block lists' last dim and the per-token tensors'
@@ -215,9 +217,13 @@ def sparse_fwd_kernel(
         # query tiles vary fastest: the programs in flight share one head's K/V in L2
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
+        if REVERSE_M:
+            pid_m = tl.num_programs(0) - 1 - pid_m
     else:
         pid_bh = tl.program_id(0)
         pid_m = tl.program_id(1)
+        if REVERSE_M:
+            pid_m = tl.num_programs(1) - 1 - pid_m
     off_b = pid_bh // Hq
     off_h = pid_bh % Hq
     off_kvh = off_h // GROUP
@@ -355,15 +361,20 @@ def sparse_bwd_dq_kernel(
     HAS_DOC: tl.constexpr, HAS_GLOBAL: tl.constexpr, EVEN_SK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     GRID_SWAP: tl.constexpr = False, USE_TMA: tl.constexpr = False, PREFETCH_IDX: tl.constexpr = False,
+    REVERSE_M: tl.constexpr = False,
 ):
     """Grid: (B * Hq, cdiv(Sq, BLOCK_M)), or swapped with GRID_SWAP: one query tile, streaming its kv blocks
     (as the forward)."""
     if GRID_SWAP:
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
+        if REVERSE_M:
+            pid_m = tl.num_programs(0) - 1 - pid_m
     else:
         pid_bh = tl.program_id(0)
         pid_m = tl.program_id(1)
+        if REVERSE_M:
+            pid_m = tl.num_programs(1) - 1 - pid_m
     off_b = pid_bh // Hq
     off_h = pid_bh % Hq
     off_kvh = off_h // GROUP

@@ -78,6 +78,7 @@ VARIANT: dict = {
     "tma": _flag("LONGCTX_SPARSE_TMA"),  # forward: K/V through tensor descriptors (CUDA only)
     "tma_dq": _flag("LONGCTX_SPARSE_TMA_DQ"),  # dQ kernel: K/V through tensor descriptors (CUDA only)
     "pipe_qk": _flag("LONGCTX_SPARSE_PIPE_QK"),  # forward, full blocks: next QK^T issued before the softmax
+    "reverse_m": _flag("LONGCTX_SPARSE_REVERSE_M"),  # forward and dQ: the last query tile first
     # "0": separate dQ kernel (deterministic); "ptr": dQ by float32 atomics in the dK/dV kernel; "tma": the same
     # through a TMA reduce (CUDA only; "ptr" elsewhere). Never under deterministic=True / LONGCTX_DETERMINISTIC=1.
     "atomic_dq": os.environ.get("LONGCTX_SPARSE_ATOMIC_DQ", "0").strip().lower(),
@@ -234,6 +235,7 @@ def _forward_impl(q, k, v, scale: float, mt: tuple, meta: list) -> tuple[torch.T
             USE_TMA=use_tma,
             PIPE_QK=VARIANT["pipe_qk"],
             PREFETCH_IDX=VARIANT["prefetch_idx"],
+            REVERSE_M=VARIANT["reverse_m"],
             Hq=Hq,
             Sq=Sq,
             Sk=Sk,
@@ -311,7 +313,7 @@ def _backward_impl(do, q, k, v, out, lse, dlse, scale: float, mt: tuple, meta: l
         mask_bs,
         _grid(B * Hq, lambda bm_, bn_: _cdiv(Sq, bm_), swap),
         [q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *margs],
-        dict(Hq=Hq, EVEN_SK=Sk % mask_bs == 0, USE_TMA=use_tma, **common, **mkw),
+        dict(Hq=Hq, EVEN_SK=Sk % mask_bs == 0, USE_TMA=use_tma, REVERSE_M=VARIANT["reverse_m"], **common, **mkw),
     )
     return dq, dk, dv
 
