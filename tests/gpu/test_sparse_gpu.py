@@ -217,3 +217,28 @@ def test_fullgraph_compile_block_mask(name):
         res.append((out.float(), *(g.float() for g in torch.autograd.grad(out.float().square().sum(), (q, k, v)))))
     for n, a, b in zip(("out", "dq", "dk", "dv"), *res):
         assert (a - b).abs().max().item() <= 1e-2 * max(1.0, b.abs().max().item()), n
+
+
+SPARSE_VARIANTS = {
+    "all-atomic-tma": dict(grid_swap=True, prefetch_idx=True, tma=True, pipe_qk=True, reverse_m=True, atomic_dq="tma"),
+    "atomic-ptr": dict(grid_swap=True, prefetch_idx=True, atomic_dq="ptr"),
+    "dq-kernel-tma": dict(prefetch_idx=True, tma=True, tma_dq=True, reverse_m=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(SPARSE_VARIANTS))
+@pytest.mark.parametrize("name", ["docs_causal", "general", "layout"])
+def test_triton_sparse_variants_against_oracle(name, variant, monkeypatch):
+    """The kernel variants of longctx.ops.triton_sparse.VARIANT (TMA descriptors and the TMA reduce run only
+    on the GPU), ragged S, GQA, D=128 so that the descriptor paths are taken."""
+    from longctx.ops import triton_sparse as ts
+
+    monkeypatch.setattr(ts, "VARIANT", {**ts.VARIANT, **SPARSE_VARIANTS[variant]})
+    S = 1000
+    if name == "layout":
+        layout = (torch.rand(4, 8, 8, generator=torch.Generator().manual_seed(3)) < 0.4).cuda()
+        bm = longctx.BlockMask.from_layout(layout, 128, S, S)
+    else:
+        bm = longctx.block_mask(MASKS[name](S), None, None, S, S, block_size=128, device="cuda")
+    q, k, v = _inputs(1, 4, 2, S, S, 128, torch.bfloat16, seed=8)
+    _check(q, k, v, bm)

@@ -19,6 +19,12 @@ backend's tables (`longctx.kernels.configs`), kept only where they divide the ma
 over the first two such entries unless ``LONGCTX_TRITON_AUTOTUNE=0``. The mask's block size must be a
 multiple of 16 (tl.dot's minimum); other block sizes run on the plain-PyTorch path
 (`longctx.ops.sparse_support`).
+
+Variants (`VARIANT`; the kernels' constexpr flags, described in `longctx.kernels.flash_sparse`): all off by
+default, each switched on by an environment variable read at import, ``LONGCTX_SPARSE_GRID_SWAP=1``,
+``..._PREFETCH_IDX=1``, ``..._TMA=1``, ``..._TMA_DQ=1``, ``..._PIPE_QK=1``, ``..._REVERSE_M=1``, and
+``LONGCTX_SPARSE_ATOMIC_DQ=ptr|tma`` (never under ``deterministic=True``). `FORCE_CONFIG` pins tiles per kernel
+for tuning sessions (benchmarks/sweep_sparse_configs.py compares the variants against FlexAttention).
 """
 
 from __future__ import annotations
@@ -91,6 +97,9 @@ FORCE_CONFIG: dict[str, tuple[int, int, int, int]] = {}
 TMA_IN_INTERPRETER = False
 
 
+_VARIANT_CONSTEXPRS = ("GRID_SWAP", "PREFETCH_IDX", "USE_TMA", "PIPE_QK", "REVERSE_M", "ATOMIC_DQ")
+
+
 def _kernel_fn(kind: str):
     from longctx.kernels import flash_sparse
 
@@ -114,7 +123,9 @@ def _kernel(kind: str, bd: int, mask_bs: int):
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
         for bm, bn, w, s in _tile_choices(kind, bd, mask_bs)[:2]
     ]
-    return triton.autotune(cfgs, key=["HEAD_DIM", "MASK_KIND", "HAS_DOC", "HAS_GLOBAL", "SEQ_BUCKET"])(fn)
+    # the variant flags are in the key: a tile that suits one variant may not fit another's shared memory
+    key = ["HEAD_DIM", "MASK_KIND", "HAS_DOC", "HAS_GLOBAL", "SEQ_BUCKET", *_VARIANT_CONSTEXPRS]
+    return triton.autotune(cfgs, key=key)(fn)
 
 
 def _launch(kind: str, bd: int, mask_bs: int, grid_fn, args: list, kwargs: dict) -> None:
