@@ -248,6 +248,7 @@ def run_bench(args, launcher: str, on_row=None) -> list[dict]:
 
 QUANTUM = 256  # tokens per GPU: S = P x tokens/GPU is then a multiple of 2P x 128 (zigzag chunks of 128 tokens)
 GIB = 2**30
+CRITERIA = ("allocated", "reserved")  # --max-seq-criterion
 
 
 def _linfit(pts: list[tuple[float, float]]) -> tuple[float, float]:
@@ -380,15 +381,23 @@ class _CapWatch:
     middle of a ring exchange, and leave its peers waiting for it forever (NCCL): no flag exchanged after the
     step can rescue that. So the steps run without an allocator limit and this watch enforces the cap: after
     every layer's forward, and when the gradient of every layer's output is complete in the backward - points
-    where no collective is in flight - each rank compares its peak reserved memory since the try began with
-    the cap, the verdicts are all-reduced (MAX) through gloo on the host (the allocator's statistics are host
-    data: no GPU sync), and all ranks raise `_OverCap` at the same point. A step whose peak stayed within the
-    cap on every rank is one that ``torch.cuda.set_per_process_memory_fraction`` at the cap would have run
-    unchanged: that limit applies to the memory the allocator reserves, which never went above it here.
+    where no collective is in flight - each rank compares its peak memory since the try began (``criterion``:
+    reserved, or allocated + a margin) with the cap, the verdicts are all-reduced (MAX) through gloo on the
+    host (the allocator's statistics are host data: no GPU sync), and all ranks raise `_OverCap` at the same
+    point. Under "reserved", a step that fits is one that ``torch.cuda.set_per_process_memory_fraction`` at
+    the cap would have run unchanged. Under "allocated", one that such a limit would have run too, unless
+    fragmentation wasted more than the margin: near the limit the allocator waits for pending frees and
+    releases its cached blocks before it fails, so reserved memory above allocated is no hard requirement.
     """
 
-    def __init__(self, cap_bytes: float, group, fake_bytes_per_token: float = 0.0) -> None:
+    def __init__(
+        self, cap_bytes: float, group, fake_bytes_per_token: float = 0.0, criterion: str = "reserved", margin=0.0
+    ) -> None:
+        if criterion not in CRITERIA:
+            raise ValueError(f"--max-seq-criterion must be one of {CRITERIA}, got {criterion!r}")
         self.cap = cap_bytes
+        self.criterion = criterion  # "reserved": the allocator's peak reserved; "allocated": peak allocated + margin
+        self.margin = float(margin)
         self.group = group  # a gloo group over the world
         self.fake = fake_bytes_per_token
         self.enabled = False
@@ -397,7 +406,10 @@ class _CapWatch:
         self.in_backward = False  # this step has reached its backward (the made-up CPU peak appears there)
 
     def peak(self) -> float:
+        """The figure compared with the cap: see ``criterion``."""
         if _DEV.type == "cuda":
+            if self.criterion == "allocated":
+                return float(torch.cuda.max_memory_allocated()) + self.margin
             return float(torch.cuda.max_memory_reserved())
         # CPU (smoke runs, tests): a made-up footprint that appears in the backward, to exercise the abort there.
         return self.fake * self.n_loc if self.in_backward else 0.0
@@ -513,14 +525,22 @@ def _try_step(model, opt, cp, n_loc: int, P: int, watch: _CapWatch, args, rank: 
         print(f"--max-seq: the step at {n_loc} tokens/GPU on {P} GPU(s) failed on rank {rank}:\n{where}", flush=True)
     _sync()
     secs = time.perf_counter() - t0
-    reserved = watch.peak() if not cuda else float(torch.cuda.max_memory_reserved())
-    allocated = float(torch.cuda.max_memory_allocated()) if cuda else reserved
-    t = torch.tensor([code, reserved, allocated, secs], dtype=torch.float64)
+    peak = watch.peak()  # the criterion's figure
+    reserved = float(torch.cuda.max_memory_reserved()) if cuda else peak
+    allocated = float(torch.cuda.max_memory_allocated()) if cuda else peak
+    t = torch.tensor([code, peak, reserved, allocated, secs], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=watch.group)
     status = ("ok", "over", "error")[int(t[0])]
     if status != "ok" and not where:
         where = "on another rank"
-    return dict(status=status, peak=float(t[1]), allocated=float(t[2]), secs=float(t[3]), where=where.strip())
+    return dict(
+        status=status,
+        peak=float(t[1]),
+        reserved=float(t[2]),
+        allocated=float(t[3]),
+        secs=float(t[4]),
+        where=where.strip(),
+    )
 
 
 def run_max_seq(args, on_row=None) -> list[dict]:
@@ -558,7 +578,13 @@ def run_max_seq(args, on_row=None) -> list[dict]:
         model = GPT(cfg)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
-    watch = _CapWatch(cap, cpu_group(group_info(None)), fake_bytes_per_token=args.fake_kib_per_token * 1024)
+    watch = _CapWatch(
+        cap,
+        cpu_group(group_info(None)),
+        fake_bytes_per_token=args.fake_kib_per_token * 1024,
+        criterion=args.max_seq_criterion,
+        margin=args.max_seq_margin_gib * GIB,
+    )
     handles = watch.install(model)
     n_params = model.num_parameters()
     _log(
@@ -587,7 +613,12 @@ def run_max_seq(args, on_row=None) -> list[dict]:
             if warm["status"] != "ok":
                 warm["n"] = args.max_seq_warmup_tokens
                 res = dict(best=None, over=None, tries=[warm], stop="the warm-up step failed", secs=warm["secs"])
-                rows.append({**_max_seq_row(P, res, cap, total, prior), "params_m": n_params / 1e6})
+                rows.append(
+                    {
+                        **_max_seq_row(P, res, cap, total, prior, watch.criterion, watch.margin),
+                        "params_m": n_params / 1e6,
+                    }
+                )
                 _log(_max_seq_line(rows[-1]))
                 continue
 
@@ -595,7 +626,7 @@ def run_max_seq(args, on_row=None) -> list[dict]:
                 r = _try_step(model, opt, cp, n, P, watch, args, rank)
                 _log(
                     f"{P} GPU(s): {n:>7d} tokens/GPU (S = {n * P:>7d}): {r['status']:5s} peak "
-                    f"{r['peak'] / GIB:6.2f} GiB reserved, {r['allocated'] / GIB:6.2f} allocated, "
+                    f"{r['reserved'] / GIB:6.2f} GiB reserved, {r['allocated'] / GIB:6.2f} allocated, "
                     f"step {r['secs']:5.1f} s"
                     + (f"  [stopped: {r['where']}]" if r["status"] == "over" else "")
                     + f"  ({time.perf_counter() - t_start:.0f} s)"
@@ -612,7 +643,7 @@ def run_max_seq(args, on_row=None) -> list[dict]:
                 prior=prior,
                 known=[dict(warm, n=args.max_seq_warmup_tokens, status="ok" if warm["peak"] <= cap else "over")],
             )
-            row = _max_seq_row(P, res, cap, total, prior)
+            row = _max_seq_row(P, res, cap, total, prior, watch.criterion, watch.margin)
             row["secs"] = time.perf_counter() - t_p
             row["params_m"] = n_params / 1e6
             rows.append(row)
@@ -645,7 +676,9 @@ def _overrides(spec: str) -> dict:
     return out
 
 
-def _max_seq_row(P: int, res: dict, cap: float, total: float, prior) -> dict:
+def _max_seq_row(
+    P: int, res: dict, cap: float, total: float, prior, criterion: str = "reserved", margin: float = 0.0
+) -> dict:
     ok = [t for t in res["tries"] if t["status"] == "ok"]
     fit = _linfit([(t["n"], t["peak"]) for t in ok]) if len({t["n"] for t in ok}) >= 2 else None
     best = next((t for t in ok if t["n"] == res["best"]), None)
@@ -660,7 +693,9 @@ def _max_seq_row(P: int, res: dict, cap: float, total: float, prior) -> dict:
         max_seq=None if res["best"] is None else res["best"] * P,
         over_tokens_per_gpu=res["over"],
         resolution=None if res["best"] is None or res["over"] is None else res["over"] / res["best"] - 1,
-        peak_reserved_gib=None if best is None else best["peak"] / GIB,
+        criterion=criterion,
+        margin_gib=margin / GIB,
+        peak_reserved_gib=None if best is None else best["reserved"] / GIB,
         peak_allocated_gib=None if best is None else best["allocated"] / GIB,
         fit=fit,
         gib_per_1k_tokens_per_gpu=None if fit is None else fit[1] * 1024 / GIB,
@@ -669,7 +704,8 @@ def _max_seq_row(P: int, res: dict, cap: float, total: float, prior) -> dict:
         extrapolated_tokens_per_gpu=ext,
         extrapolated_max_seq=None if ext is None else ext * P,
         tries=[
-            {k: t.get(k) for k in ("n", "status", "peak", "allocated", "secs", "where", "known")} for t in res["tries"]
+            {k: t.get(k) for k in ("n", "status", "peak", "reserved", "allocated", "secs", "where", "known")}
+            for t in res["tries"]
         ],
         search_secs=res["secs"],
         stop=res["stop"],
@@ -683,7 +719,8 @@ def _max_seq_line(r: dict) -> str:
     over = "-" if r["over_tokens_per_gpu"] is None else r["over_tokens_per_gpu"] * r["gpus"]
     line = (
         f"  -> {r['gpus']} GPU(s): longest S run {r['max_seq']} ({r['best_tokens_per_gpu']}/GPU; S = {over} did not "
-        f"fit), peak {r['peak_reserved_gib']:.2f} GiB; {r['search_secs']:.0f} s, stopped: {r['stop']}"
+        f"fit), peak {r['peak_reserved_gib']:.2f} GiB reserved, {r['peak_allocated_gib']:.2f} allocated; "
+        f"{r['search_secs']:.0f} s, stopped: {r['stop']}"
     )
     if r["gib_per_1k_tokens_per_gpu"] is not None:
         line += f"; {r['gib_per_1k_tokens_per_gpu']:.3f} GiB per 1K tokens/GPU + {r['fixed_gib']:.2f} GiB"
@@ -754,6 +791,21 @@ def _k(n) -> str:
     return "-" if n is None else f"{n / 1024:.1f}K"
 
 
+def _criterion_text(r: dict) -> str:
+    if r.get("criterion", "reserved") == "allocated":
+        return (
+            f"the peak memory allocated plus a margin of {r.get('margin_gib', 0):g} GiB (criterion `allocated`: "
+            "before it raises out-of-memory, PyTorch's caching allocator waits for pending frees, releases its "
+            "cached blocks and retries, so a step needs what it allocates plus what fragmentation wastes; the margin "
+            "covers that, with expandable segments)"
+        )
+    return (
+        "the peak memory reserved by PyTorch's allocator (criterion `reserved`, what "
+        "`torch.cuda.set_per_process_memory_fraction` caps; it includes cached blocks the allocator would free "
+        "before failing, so it overstates what a step needs)"
+    )
+
+
 def _max_seq_markdown(rows: list[dict], args) -> list[str]:
     r0 = rows[0]
     one = next((r for r in rows if r["gpus"] == 1 and r["max_seq"]), None)
@@ -765,11 +817,10 @@ def _max_seq_markdown(rows: list[dict], args) -> list[str]:
         "Each try is one full training step: forward, backward, AdamW step; full recomputation (uniform, 1 layer), "
         "bf16 autocast, batch 1; ring attention with the zigzag layout on P > 1 GPUs (gradients all-reduced). "
         f"Tokens per GPU are multiples of {QUANTUM}. The search doubles, then bisects to {args.max_seq_res:.0%}; "
-        "a try fits when the peak memory reserved on every GPU stayed within the cap (checked by all ranks together "
+        f"a try fits when {_criterion_text(r0)} on every GPU stayed within the cap (checked by all ranks together "
         "at every layer boundary, where they all stop: no rank is left in a ring exchange). **Measured**: the longest "
-        "S that ran and the shortest that did not. **Extrapolated** (not run): the line peak = fixed + slope x "
-        "tokens/GPU through the tries that fit, to 95% of the GPU's memory. The cap counts what PyTorch's "
-        "allocator reserves (as `torch.cuda.set_per_process_memory_fraction` does); the CUDA context and NCCL's "
+        "S that ran and the shortest that did not. **Extrapolated** (not run): the line (criterion's peak) = fixed + "
+        "slope x tokens/GPU through the tries that fit, to 95% of the GPU's memory. The CUDA context and NCCL's "
         "own buffers come on top.",
         "",
     ]
@@ -811,10 +862,19 @@ def _max_seq_markdown(rows: list[dict], args) -> list[str]:
             f"| {P} | {run} | {over} | {peak} | {slope} | {fixed} | {ratio} | {ext} | {len(r['tries'])}, "
             f"{r['search_secs']:.0f} |"
         )
-    lines += ["", "Tries (tokens/GPU: outcome, step seconds), and why each search stopped:", ""]
+    lines += [
+        "",
+        "Tries (tokens/GPU: outcome, step seconds, peak GiB reserved / allocated), and why each search stopped:",
+        "",
+    ]
+
+    def gib(t, key):
+        return "-" if t.get(key) is None else f"{t[key] / GIB:.2f}"
+
     for r in rows:
         tries = ", ".join(
-            f"{_k(t['n'])}: {t['status']} {t['secs']:.1f}" + (" (warm-up)" if t.get("known") else "")
+            f"{_k(t['n'])}: {t['status']} {t['secs']:.1f} s {gib(t, 'reserved')} / {gib(t, 'allocated')}"
+            + (" (warm-up)" if t.get("known") else "")
             for t in r["tries"]
         )
         lines.append(f"- {r['gpus']} GPU(s): {tries}; stopped: {r['stop']}")
@@ -862,6 +922,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-seq-gpus", type=_ints, default=None, help="GPU counts to search (default 1 and all)")
     ap.add_argument("--mem-cap-gib", type=float, default=16.0, help="--max-seq: memory cap per GPU (GiB)")
     ap.add_argument("--max-seq-start", type=int, default=8192, help="first try, tokens per GPU")
+    ap.add_argument(
+        "--max-seq-criterion",
+        default="allocated",
+        choices=CRITERIA,
+        help="what is compared with the cap: peak allocated + --max-seq-margin-gib, or peak reserved (both reported)",
+    )
+    ap.add_argument(
+        "--max-seq-margin-gib", type=float, default=1.0, help="--max-seq-criterion allocated: added to the peak"
+    )
     ap.add_argument("--max-seq-res", type=float, default=0.08, help="stop when [fit, misfit] is within this")
     ap.add_argument("--max-seq-budget-s", type=float, default=150.0, help="wall-clock budget of the whole search")
     ap.add_argument("--max-seq-limit", type=int, default=1 << 21, help="never try more tokens per GPU than this")

@@ -15,7 +15,7 @@ import torch
 
 from longctx.masks import Band, TileKind
 
-__all__ = ["Call", "plan_calls", "merge_into"]
+__all__ = ["Call", "plan_calls", "merge_into", "merge_partial", "accumulate", "Cover"]
 
 Chunk = tuple[int, int, int]  # (local_start, length, global_start)
 
@@ -68,11 +68,71 @@ def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor
     ``lse = logaddexp(lse_acc, lse_b)``; ``out = exp(lse_acc - lse) out_acc + exp(lse_b - lse) out_b``. Rows
     that have seen no key on either side (both lse -inf) stay at output 0 and lse -inf.
     out_acc (B, H, S, D), lse_acc (B, H, S): slices of the accumulators; out_b, lse_b: a launcher's result.
+    Two passes over the (B, H, S, D) accumulator (a scale in place, then a multiply-add that reads ``out_b`` in
+    its own dtype); the lse arithmetic is on (B, H, S), D times smaller.
     """
     lse_b = lse_b.to(lse_acc.dtype)
     new = torch.logaddexp(lse_acc, lse_b)
-    safe = torch.where(new == float("-inf"), torch.zeros_like(new), new)
+    safe = new.masked_fill(new == float("-inf"), 0.0)
     w_a = torch.exp(lse_acc - safe).unsqueeze(-1)
     w_b = torch.exp(lse_b - safe).unsqueeze(-1)
-    out_acc.copy_(out_acc * w_a + out_b.to(out_acc.dtype) * w_b)
+    out_acc.mul_(w_a).addcmul_(out_b, w_b)
     lse_acc.copy_(new)
+
+
+class Cover:
+    """The ranges of a sequence axis written so far, so that a first write copies instead of adding.
+
+    Accumulators start from ``torch.empty``: a write to a range nobody wrote copies its partial result in (one
+    pass instead of a zero fill and an add); the untouched parts of a range written partly before are first
+    filled with the neutral value; `gaps` lists what no call wrote, to be filled at the end.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.done: list[tuple[int, int]] = []
+
+    def _gaps(self, a: int, b: int) -> list[tuple[int, int]]:
+        out, pos = [], a
+        for x, y in sorted(self.done):
+            if y <= pos or x >= b:
+                continue
+            if x > pos:
+                out.append((pos, x))
+            pos = max(pos, y)
+        if pos < b:
+            out.append((pos, b))
+        return out
+
+    def claim(self, a: int, b: int) -> tuple[bool, list[tuple[int, int]]]:
+        """Mark [a, b) written; returns (whole range was untouched, its untouched parts otherwise)."""
+        g = self._gaps(a, b)
+        self.done.append((a, b))
+        return g == [(a, b)], g
+
+    def gaps(self) -> list[tuple[int, int]]:
+        return self._gaps(0, self.n)
+
+
+def accumulate(acc: torch.Tensor, claim: tuple[bool, list[tuple[int, int]]], a: int, b: int, val) -> None:
+    """``acc[:, :, a:b] += val`` where acc starts empty; ``claim``: `Cover.claim(a, b)` of acc's cover."""
+    fresh, gaps = claim
+    if fresh:
+        acc[:, :, a:b].copy_(val)
+        return
+    for x, y in gaps:
+        acc[:, :, x:y].zero_()
+    acc[:, :, a:b].add_(val)
+
+
+def merge_partial(out_acc: torch.Tensor, lse_acc: torch.Tensor, cover: Cover, a: int, b: int, out_b, lse_b) -> None:
+    """`merge_into` for the local query rows [a, b) of accumulators that start empty (see `Cover`)."""
+    fresh, gaps = cover.claim(a, b)
+    if fresh:
+        out_acc[:, :, a:b].copy_(out_b)
+        lse_acc[:, :, a:b].copy_(lse_b)
+        return
+    for x, y in gaps:
+        out_acc[:, :, x:y].zero_()
+        lse_acc[:, :, x:y].fill_(float("-inf"))
+    merge_into(out_acc[:, :, a:b], lse_acc[:, :, a:b], out_b, lse_b)

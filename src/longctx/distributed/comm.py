@@ -99,12 +99,23 @@ class RingComm:
         self.next = _global_rank(info, (info.rank + 1) % info.world)
         self.prev = _global_rank(info, (info.rank - 1) % info.world)
 
-    def start(self, tensors: list[torch.Tensor], tag: int = 0) -> tuple[list[torch.Tensor], list]:
-        """Start sending ``tensors`` forward and receiving as many from behind; returns (buffers, requests)."""
+    def start(
+        self, tensors: list[torch.Tensor], tag: int = 0, out: list[torch.Tensor] | None = None
+    ) -> tuple[list[torch.Tensor], list]:
+        """Start sending ``tensors`` forward and receiving as many from behind; returns (buffers, requests).
+
+        ``out``: receive buffers to reuse (contiguous, the shapes and dtypes of ``tensors``), e.g. the buffers of
+        two steps before: the ring methods rotate a fixed set per call instead of allocating one per step, so
+        the caching allocator never holds blocks freed while a transfer on the NCCL stream may still use them.
+        Reusing a buffer is safe once the previous transfer into or out of it has been waited for: the NCCL
+        stream then follows the compute stream, which has finished with it.
+        """
         ops, bufs = [], []
         for i, t in enumerate(tensors):
             t = t.contiguous()
-            buf = torch.empty_like(t)
+            buf = torch.empty_like(t) if out is None else out[i]
+            if buf.shape != t.shape or buf.dtype != t.dtype or not buf.is_contiguous():
+                raise ValueError(f"RingComm.start: receive buffer {i} does not match its tensor ({t.shape}, {t.dtype})")
             bufs.append(buf)
             # Distinct tags keep gloo's matching unambiguous; NCCL ignores them and matches in issue order.
             ops.append(dist.P2POp(dist.isend, t, self.next, self.info.group, tag + i))

@@ -14,13 +14,19 @@ recomputed probabilities are the global ones and the per-block gradients simply 
 dK/dV of a block are accumulated by every rank that saw it, travelling around a second ring one step behind
 the K/V: at step t rank r adds its share for the K/V of rank r - t to the partial sum received from r - 1 and
 passes it on, so after P steps the sums arrive back at their owners.
+
+Memory and passes: the receive buffers are a fixed set per call, rotated (K/V: two pairs; dK/dV: two float32
+accumulators and one receive pair), never one new allocation per step: a block handed to NCCL on its own
+stream and freed while the host runs ahead cannot be reused by the caching allocator until the GPU catches up,
+so per-step buffers inflated the memory reserved with the ring size. Accumulators start empty and the first
+partial result of a range is copied in (`blocks.Cover`): no zero fill, no add of zeros, no lse merge on step 0.
 """
 
 from __future__ import annotations
 
 import torch
 
-from longctx.distributed.blocks import Call, merge_into, plan_calls
+from longctx.distributed.blocks import Call, Cover, accumulate, merge_partial, plan_calls
 from longctx.distributed.comm import GroupInfo, RingComm
 from longctx.distributed.launchers import Launchers
 from longctx.distributed.sharding import local_chunks
@@ -37,6 +43,12 @@ def _step_calls(band: Band, seq_total: int, rank: int, src: int, world: int, lay
     return plan_calls(band, local_chunks(seq_total, rank, world, layout), local_chunks(seq_total, src, world, layout))
 
 
+def _fill_gaps(cover: Cover, *pairs: tuple[torch.Tensor, float]) -> None:
+    for a, b in cover.gaps():
+        for t, value in pairs:
+            t[:, :, a:b].fill_(value)
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, info: GroupInfo, layout: str, band: Band, scale: float, launchers: Launchers):
@@ -44,23 +56,29 @@ class RingAttention(torch.autograd.Function):
         P, r = info.world, info.rank
         seq_total = S_loc * P
         adt = _acc_dtype(q.dtype)
-        out_acc = torch.zeros(B, Hq, S_loc, D, device=q.device, dtype=adt)
-        lse_acc = torch.full((B, Hq, S_loc), float("-inf"), device=q.device, dtype=adt)
+        out_acc = torch.empty(B, Hq, S_loc, D, device=q.device, dtype=adt)
+        lse_acc = torch.empty(B, Hq, S_loc, device=q.device, dtype=adt)
+        cover = Cover(S_loc)
         comm = RingComm(info) if P > 1 else None
         k_cur, v_cur = k.contiguous(), v.contiguous()
+        spare = [None, None]  # the two receive pairs, rotated: step t receives into spare[t % 2]
         for t in range(P):
             src = (r - t) % P
             reqs = None
             if t < P - 1:
-                (k_nxt, v_nxt), reqs = comm.start([k_cur, v_cur], tag=0)
+                (k_nxt, v_nxt), reqs = comm.start([k_cur, v_cur], tag=0, out=spare[t % 2])
+                spare[t % 2] = [k_nxt, v_nxt]
             for c in _step_calls(band, seq_total, r, src, P, layout):
                 o_b, l_b = launchers.forward(
                     q[:, :, c.q0 : c.q1], k_cur[:, :, c.k0 : c.k1], v_cur[:, :, c.k0 : c.k1], scale=scale, band=c.band
                 )
-                merge_into(out_acc[:, :, c.q0 : c.q1], lse_acc[:, :, c.q0 : c.q1], o_b, l_b)
+                merge_partial(out_acc, lse_acc, cover, c.q0, c.q1, o_b, l_b)
+                del o_b, l_b
             if reqs is not None:
                 RingComm.wait(reqs)
                 k_cur, v_cur = k_nxt, v_nxt
+        _fill_gaps(cover, (out_acc, 0.0), (lse_acc, float("-inf")))
+        del spare, k_cur, v_cur
         out = out_acc.to(q.dtype)
         lse = lse_acc if q.dtype == torch.float64 else lse_acc.float()
         ctx.save_for_backward(q, k, v, out, lse)
@@ -77,44 +95,58 @@ class RingAttention(torch.autograd.Function):
         seq_total = S_loc * P
         adt = _acc_dtype(q.dtype)
         do = do.contiguous()
-        dq_acc = torch.zeros(B, Hq, S_loc, D, device=q.device, dtype=adt)
+        dq_acc = torch.empty(B, Hq, S_loc, D, device=q.device, dtype=adt)
+        dq_cover = Cover(S_loc)
         comm = RingComm(info) if P > 1 else None
         k_cur, v_cur = k.contiguous(), v.contiguous()
-        dkv_bufs, dkv_reqs = None, None
+        spare = [None, None]  # K/V receive pairs, rotated as in the forward
+        # dK/dV: step t accumulates into acc[t % 2] while acc[(t - 1) % 2] is still being sent; the partial
+        # sums from behind always land in the one pair `recv` (read by the add before the next receive starts).
+        acc = [
+            [torch.empty(B, Hkv, S_loc, D, device=q.device, dtype=adt) for _ in range(2)]
+            for _ in range(2 if P > 1 else 1)
+        ]
+        recv = None
+        dkv_reqs = None
         for t in range(P):
             src = (r - t) % P
             kv_reqs = None
             if t < P - 1:
-                (k_nxt, v_nxt), kv_reqs = comm.start([k_cur, v_cur], tag=0)
-            dk_blk = torch.zeros(B, Hkv, S_loc, D, device=q.device, dtype=adt)
-            dv_blk = torch.zeros_like(dk_blk)
+                (k_nxt, v_nxt), kv_reqs = comm.start([k_cur, v_cur], tag=0, out=spare[t % 2])
+                spare[t % 2] = [k_nxt, v_nxt]
+            dk_blk, dv_blk = acc[t % len(acc)]
+            cover = Cover(S_loc)
             for c in _step_calls(band, seq_total, r, src, P, layout):
-                qs, ks = slice(c.q0, c.q1), slice(c.k0, c.k1)
+                qs = slice(c.q0, c.q1)
                 dq_b, dk_b, dv_b = launchers.backward(
                     do[:, :, qs],
                     q[:, :, qs],
-                    k_cur[:, :, ks],
-                    v_cur[:, :, ks],
+                    k_cur[:, :, c.k0 : c.k1],
+                    v_cur[:, :, c.k0 : c.k1],
                     out[:, :, qs],
                     lse[:, :, qs],
                     scale=scale,
                     band=c.band,
                 )
-                dq_acc[:, :, qs] += dq_b
-                dk_blk[:, :, ks] += dk_b
-                dv_blk[:, :, ks] += dv_b
+                accumulate(dq_acc, dq_cover.claim(c.q0, c.q1), c.q0, c.q1, dq_b)
+                claim = cover.claim(c.k0, c.k1)
+                accumulate(dk_blk, claim, c.k0, c.k1, dk_b)
+                accumulate(dv_blk, claim, c.k0, c.k1, dv_b)
+                del dq_b, dk_b, dv_b
+            _fill_gaps(cover, (dk_blk, 0.0), (dv_blk, 0.0))
             if P > 1:
                 if dkv_reqs is not None:  # the partial sums of this K/V block from the ranks before us
                     RingComm.wait(dkv_reqs)
-                    dk_blk += dkv_bufs[0]
-                    dv_blk += dkv_bufs[1]
-                dkv_bufs, dkv_reqs = comm.start([dk_blk, dv_blk], tag=2)
+                    dk_blk += recv[0]
+                    dv_blk += recv[1]
+                recv, dkv_reqs = comm.start([dk_blk, dv_blk], tag=2, out=recv)
             else:
-                dkv_bufs = (dk_blk, dv_blk)
+                recv = [dk_blk, dv_blk]
             if kv_reqs is not None:
                 RingComm.wait(kv_reqs)
                 k_cur, v_cur = k_nxt, v_nxt
         if dkv_reqs is not None:  # after P hops the sums for our own K/V are back
             RingComm.wait(dkv_reqs)
-        dk, dv = dkv_bufs
+        _fill_gaps(dq_cover, (dq_acc, 0.0))
+        dk, dv = recv
         return dq_acc.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
