@@ -24,7 +24,8 @@ Variants (`VARIANT`; the kernels' constexpr flags, described in `longctx.kernels
 default, each switched on by an environment variable read at import, ``LONGCTX_SPARSE_GRID_SWAP=1``,
 ``..._PREFETCH_IDX=1``, ``..._TMA=1``, ``..._TMA_DQ=1``, ``..._PIPE_QK=1``, ``..._REVERSE_M=1``, and
 ``LONGCTX_SPARSE_ATOMIC_DQ=ptr|tma`` (never under ``deterministic=True``). `FORCE_CONFIG` pins tiles per kernel
-for tuning sessions (benchmarks/sweep_sparse_configs.py compares the variants against FlexAttention).
+(``LONGCTX_SPARSE_TILES="fwd=128,64,8,3;dkdv=32,128,8,3"``) for tuning sessions;
+benchmarks/sweep_sparse_configs.py compares the variants against FlexAttention.
 """
 
 from __future__ import annotations
@@ -89,9 +90,26 @@ VARIANT: dict = {
     # through a TMA reduce (CUDA only; "ptr" elsewhere). Never under deterministic=True / LONGCTX_DETERMINISTIC=1.
     "atomic_dq": os.environ.get("LONGCTX_SPARSE_ATOMIC_DQ", "0").strip().lower(),
 }
+
+
+def _tiles_from_env(text: str) -> dict[str, tuple[int, int, int, int]]:
+    """``"fwd=128,64,8,3;dkdv=32,128,8,3"`` -> {"fwd": (128, 64, 8, 3), "dkdv": (32, 128, 8, 3)}."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        kind, _, cfg = part.partition("=")
+        vals = tuple(int(x) for x in cfg.split(","))
+        if kind.strip() not in ("fwd", "dkdv", "dq") or len(vals) != 4:
+            raise ValueError(
+                f"LONGCTX_SPARSE_TILES entry {part!r}: expected kind=BLOCK_M,BLOCK_N,num_warps,num_stages with kind "
+                "fwd, dkdv or dq, e.g. 'fwd=128,64,8,3;dkdv=32,128,8,3'"
+            )
+        out[kind.strip()] = vals
+    return out
+
+
 # For tuning sessions: kind ("fwd", "dkdv", "dq") -> (BLOCK_M, BLOCK_N, num_warps, num_stages) forced, no
-# autotuning. Empty in normal use.
-FORCE_CONFIG: dict[str, tuple[int, int, int, int]] = {}
+# autotuning (also from ``LONGCTX_SPARSE_TILES="fwd=128,64,8,3;dkdv=32,128,8,3"``). Empty in normal use.
+FORCE_CONFIG: dict[str, tuple[int, int, int, int]] = _tiles_from_env(os.environ.get("LONGCTX_SPARSE_TILES", ""))
 # Tensor descriptor loads also run in the Triton interpreter (not its TMA reduce); tests of the TMA variants set
 # this to run them there. Off: under the interpreter the pointer path runs.
 TMA_IN_INTERPRETER = False
