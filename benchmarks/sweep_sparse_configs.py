@@ -31,7 +31,8 @@ os.environ["LONGCTX_TRITON_AUTOTUNE"] = "0"
 
 import torch  # noqa: E402
 
-# name -> (VARIANT flags, forward tile). "base" is today's default (first entry of the D=128 table).
+# name -> (VARIANT flags, forward tile). "base": every variant off (the kernels as of 2026-11-20); the defaults since
+# 2026-11-21 are grid+idx+tma (forward) and grid+idx with dK/dV 64x128x3 (backward).
 FWD_VARIANTS: dict[str, tuple[dict, tuple[int, int, int, int]]] = {
     "base": ({}, (128, 128, 8, 2)),
     "grid": ({"grid_swap": True}, (128, 128, 8, 2)),

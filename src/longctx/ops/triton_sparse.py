@@ -20,10 +20,11 @@ over the first two such entries unless ``LONGCTX_TRITON_AUTOTUNE=0``. The mask's
 multiple of 16 (tl.dot's minimum); other block sizes run on the plain-PyTorch path
 (`longctx.ops.sparse_support`).
 
-Variants (`VARIANT`; the kernels' constexpr flags, described in `longctx.kernels.flash_sparse`): all off by
-default, each switched on by an environment variable read at import, ``LONGCTX_SPARSE_GRID_SWAP=1``,
-``..._PREFETCH_IDX=1``, ``..._TMA=1``, ``..._TMA_DQ=1``, ``..._PIPE_QK=1``, ``..._REVERSE_M=1``, and
-``LONGCTX_SPARSE_ATOMIC_DQ=ptr|tma`` (never under ``deterministic=True``). `FORCE_CONFIG` pins tiles per kernel
+Variants (`VARIANT`; the kernels' constexpr flags, described in `longctx.kernels.flash_sparse`), read from the
+environment at import: on by default (measured faster) ``LONGCTX_SPARSE_GRID_SWAP``, ``..._PREFETCH_IDX`` and
+``..._TMA`` (set to 0 to switch off); off by default (measured slower) ``..._TMA_DQ=1``, ``..._PIPE_QK=1``,
+``..._REVERSE_M=1`` and ``LONGCTX_SPARSE_ATOMIC_DQ=ptr|tma`` (never under ``deterministic=True``).
+`FORCE_CONFIG` pins tiles per kernel
 (``LONGCTX_SPARSE_TILES="fwd=128,64,8,3;dkdv=32,128,8,3"``) for tuning sessions;
 benchmarks/sweep_sparse_configs.py compares the variants against FlexAttention.
 """
@@ -49,12 +50,13 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# Measured on an H100 (benchmarks/sweep_sparse_configs.py, documents mask at S=16K, D=128, bf16, 2026-11-20):
-# forward 128x128/8 warps/2 stages 356 TFLOP/s vs 315 for 128x64/8/3; dK/dV 64x128/8/2 and dQ 128x64/8/3 were
-# the best of six each. Other head dims use the `triton` backend's tables.
+# Measured on an H100 (benchmarks/sweep_sparse_configs.py, S=16K, D=128, bf16; NOTES.md "Block-sparse"): with the
+# prefetched block index and the swapped grid (the defaults since run 7e of 2026-11-21), forward 128x64/8 warps/3
+# stages with TMA K/V and dK/dV 64x128/8/3 were the fastest on every mask case (before them, without the
+# prefetch, 128x128/8/2 and 64x128/8/2 were). Other head dims use the `triton` backend's tables.
 _SPARSE_TABLES = {
-    "fwd": {128: [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3)]},
-    "dkdv": {128: [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3)]},
+    "fwd": {128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)]},
+    "dkdv": {128: [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3)]},
     "dq": {128: [(128, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 4)]},
 }
 
@@ -73,16 +75,18 @@ def _tile_choices(kind: str, bd: int, mask_bs: int) -> list[tuple[int, int, int,
     return ok
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() in ("1", "true", "on", "yes")
+def _flag(name: str, default: bool = False) -> bool:
+    return os.environ.get(name, "1" if default else "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-# Kernel variants (`longctx.kernels.flash_sparse` describes each), read once from the environment. All off by
-# default: the measured baseline. benchmarks/sweep_sparse_configs.py sets them directly to compare them.
+# Kernel variants (`longctx.kernels.flash_sparse` describes each), read once from the environment. The first three
+# are on by default (measured faster on every mask case: NOTES.md, "Block-sparse", run 7e); the others measured
+# slower and stay off. benchmarks/sweep_sparse_configs.py sets them directly to compare them.
 VARIANT: dict = {
-    "grid_swap": _flag("LONGCTX_SPARSE_GRID_SWAP"),  # tile index fastest in every grid (K/V or q/dO shared in L2)
-    "prefetch_idx": _flag("LONGCTX_SPARSE_PREFETCH_IDX"),  # block-list entries read one iteration ahead
-    "tma": _flag("LONGCTX_SPARSE_TMA"),  # forward: K/V through tensor descriptors (CUDA only)
+    # tile index fastest in every grid (K/V or q/dO shared in L2)
+    "grid_swap": _flag("LONGCTX_SPARSE_GRID_SWAP", True),
+    "prefetch_idx": _flag("LONGCTX_SPARSE_PREFETCH_IDX", True),  # block-list entries read one iteration ahead
+    "tma": _flag("LONGCTX_SPARSE_TMA", True),  # forward: K/V through tensor descriptors (CUDA only)
     "tma_dq": _flag("LONGCTX_SPARSE_TMA_DQ"),  # dQ kernel: K/V through tensor descriptors (CUDA only)
     "pipe_qk": _flag("LONGCTX_SPARSE_PIPE_QK"),  # forward, full blocks: next QK^T issued before the softmax
     "reverse_m": _flag("LONGCTX_SPARSE_REVERSE_M"),  # forward and dQ: the last query tile first
