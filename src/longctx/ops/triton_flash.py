@@ -16,7 +16,7 @@ Policies:
 - float16 and bfloat16. float32 is refused on CUDA by default: the kernels would compute its products in
   tf32 (about 1e-3 relative error, far from float32 accuracy). Set ``LONGCTX_TRITON_TF32=1`` to accept that
   documented tf32 path. Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors) float32 is exact.
-- The fast backward (Sq > 2048; head dim 128, or <= 64 with a causal-like band) accumulates dQ in float32
+- The fast backward (Sq > 2048; Sq > 4096 for dense bands at head dims <= 64) accumulates dQ in float32
   inside the dK/dV kernel: at D=128 each tile by one TMA bulk reduction (``LONGCTX_TRITON_DQ_TMA=0`` falls
   back to scalar atomics), at smaller head dims by scalar atomics. The order of the additions varies, so it
   is not bitwise repeatable.
@@ -360,14 +360,13 @@ def _backward_impl(
     # Measured (NOTES.md, run 7): with dQ added by TMA reduce, the atomic path wins from Sq = 4K up at
     # D=128 for dense and causal bands alike (370 vs 293 TFLOP/s full, 332 vs 294 causal at 8K); at 2K the
     # separate kernels win (260 vs 232). At D <= 64 scalar atomics beat the TMA reduce and the separate path
-    # only slightly (297 vs 291 at 8K) and lose at 2K (237 vs 255); for dense bands at 4K the separate kernels
-    # win (280 vs 266, run 7e), for causal ones the atomics with 32x128 tiles (270 vs 260): at D <= 64 the atomic
-    # path serves causal-like bands only.
+    # only slightly (297 vs 291 at 8K) and lose at 2K (237 vs 255). For dense bands at D <= 64 the separate
+    # kernels win up to 4K (271 vs 260, runs 11 and 13) and lose from 8K (290 / 294 vs 309 / 315 at 8K / 16K);
+    # for causal ones the atomics win from 4K (275 vs 245 with a 32x128 tile).
     atomic = (
         not (deterministic or _deterministic_env())
         and bd <= 128
-        and Sq > 2048
-        and (bd == 128 or not Band(lo, hi).is_dense)
+        and Sq > (4096 if bd <= 64 and Band(lo, hi).is_dense else 2048)
     )
     if FORCE_ATOMIC is not None and not (deterministic or _deterministic_env()):
         atomic = FORCE_ATOMIC
