@@ -354,15 +354,12 @@ def _backward_impl(
     )
     # Fast path: dQ accumulated with float32 atomics inside the dK/dV kernel (5 matmuls per tile pair).
     # Deterministic path: a separate dQ kernel recomputes P and dP (7 matmuls), each element written once.
-    # Which path is faster was measured (NOTES.md, runs 2-3): atomics win for dense bands and small head
-    # dims; for causal-like bands at D >= 128 the separate dQ kernel is as fast and deterministic besides.
     # At head dims above 128 the atomic variant does not fit shared memory (263 KB needed), so never there.
-    # Measured (NOTES.md, run 7): with dQ added by TMA reduce, the atomic path wins from Sq = 4K up at
-    # D=128 for dense and causal bands alike (370 vs 293 TFLOP/s full, 332 vs 294 causal at 8K); at 2K the
-    # separate kernels win (260 vs 232). At D <= 64 scalar atomics beat the TMA reduce and the separate path
-    # only slightly (297 vs 291 at 8K) and lose at 2K (237 vs 255). For dense bands at D <= 64 the separate
-    # kernels win up to 4K (271 vs 260, runs 11 and 13) and lose from 8K (290 / 294 vs 309 / 315 at 8K / 16K);
-    # for causal ones the atomics win from 4K (275 vs 245 with a 32x128 tile).
+    # Which path is faster was measured (NOTES.md, v4 and v5). D=128: with dQ added by TMA reduce the atomic
+    # path wins from Sq = 4K for dense and causal bands alike (8K: 370 vs 293 TFLOP/s full, 332 vs 294
+    # causal); at 2K the separate kernels win (260 vs 232). D <= 64 (scalar atomics; the TMA reduce loses
+    # there): separate kernels up to 2K; causal-like bands take the atomics from 4K (275 vs 245), dense
+    # bands only from 8K (309 / 315 vs 290 / 294 at 8K / 16K; at 4K 271 separate vs 260).
     atomic = (
         not (deterministic or _deterministic_env())
         and bd <= 128
@@ -371,9 +368,9 @@ def _backward_impl(
     if FORCE_ATOMIC is not None and not (deterministic or _deterministic_env()):
         atomic = FORCE_ATOMIC
     use_tma = _TMA_BWD_DEFAULT and _tma_ok(q, D, bd) and _tma_ok(do, D, bd)
-    # the float32 accumulator is ours (contiguous): TMA needs only a CUDA tensor, D == BLOCK_D (rows of 4*D
-    # bytes, a multiple of 16) and, like the forward, no degenerate tiny extent
-    dq_tma = atomic and _DQ_TMA_DEFAULT and bd == 128 and not _interpret() and q.is_cuda and bd == D
+    # the float32 accumulator is ours (contiguous): TMA needs only a CUDA tensor and D == BLOCK_D (rows of
+    # 4*D bytes, a multiple of 16); it measured faster than scalar atomics at D=128 only
+    dq_tma = atomic and _DQ_TMA_DEFAULT and D == 128 and not _interpret() and q.is_cuda
     if use_tma or dq_tma:
         _set_tma_allocator()
     dqa = torch.zeros((B, Hq, Sq, D), device=q.device, dtype=torch.float32) if atomic else dq  # (B, Hq, Sq, D)
