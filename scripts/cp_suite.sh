@@ -3,17 +3,19 @@
 # under its own time limit, so that a failure or a hang in one still lets the next run.
 #
 #   (a) check   NCCL bf16 correctness, Triton launchers, S = 8192, Hkv = 4: cp_attention against a float64
-#               oracle next to the single-GPU kernel, 3 masks x 3 methods x 2 layouts     (estimate   70-120 s)
+#               oracle next to the single-GPU kernel, 3 masks x 3 methods x 2 layouts (QUICK: ring only)
 #   (b) sweep   per-GPU TFLOP/s of forward+backward at 8K, 16K, 32K, 64K tokens per GPU (S up to 256K),
-#               ring/allgather/ulysses x zigzag/contiguous against the single-GPU kernel (estimate   60-110 s)
+#               ring/allgather/ulysses x zigzag/contiguous against the single-GPU kernel
+#               (QUICK: 16K and 32K, zigzag only, 2 warm-ups and 3 timed calls)
 #   (c) max-seq longest S that trains the 350M GPT (full recomputation, bf16, AdamW) on 1, 2 and 4 GPUs
-#               under a 16 GiB cap per GPU: doubling then bisection, budget 130 s      (estimate  150-175 s)
+#               under a 16 GiB cap per GPU (peak allocated + 1 GiB margin; both peaks reported): doubling
+#               then bisection
 #
-# Estimates: no timings of last session's 2-GPU stages were kept, so they are worked out from its throughput
-# table (64K tokens/GPU: ~0.2 s per single-GPU fwd+bwd, P x that per CP call) plus ~20 s per torchrun start
-# and the Triton compilations (autotuning off). Limits below: 130 + 130 + 195 s, so 455 s at the very worst.
+# Limits: 130 + 130 + 195 = 455 s at the very worst (device run 5 of 2026-11-21 took 171 s); QUICK=1:
+# 55 + 70 + 115 = 240 s (run 6, 192 s).
 #
 #   bash scripts/cp_suite.sh                      # writes under ${OUT:-cp_suite_out}
+#   QUICK=1 bash scripts/cp_suite.sh              # the shorter second call (files tagged check2, sweep2, maxseq2)
 #   SMOKE=1 NPROC=2 bash scripts/cp_suite.sh      # the same stages on the CPU (gloo, tiny sizes): checks this script
 #
 # What comes back from $OUT (at most 8 files on the device machine): suite.log (everything printed, with the
@@ -33,16 +35,24 @@ NPROC=${NPROC:-4}
 PY=${PYTHON:-python3}
 RUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" benchmarks/bench_cp.py --out-dir "$OUT")
 T0=$SECONDS
+# what differs between the full and the QUICK call: time limits, the check's methods, the sweep's points
+if [ "${QUICK:-0}" = 1 ]; then
+    LIMITS=(55 70 115) TAG=2 BUDGET=90
+    CHECK_SEL=(--methods ring) SWEEP_SEL=(--layouts zigzag --warmup 2 --iters 3) TOKENS=16384,32768
+else
+    LIMITS=(130 130 195) TAG="" BUDGET=130
+    CHECK_SEL=() SWEEP_SEL=(--warmup 1 --iters 2) TOKENS=8192,16384,32768,65536
+fi
 # the sizes of each stage (SMOKE=1: CPU, gloo, a tiny GPT and made-up memory; for checking this script only)
 if [ "${SMOKE:-0}" = 1 ]; then
     CHECK=(--device cpu --check-seqlen 64 --heads 2 --check-kv-heads 2 --head-dim 16 --backend tiled)
     SWEEP=(--device cpu --tokens-per-gpu 64,128 --heads 2 --kv-heads 2 --head-dim 16 --backend tiled)
     MAXSEQ=(--device cpu --gpt-preset tiny --max-seq-start 512 --max-seq-warmup-tokens 256 --mem-cap-gib 0.001
-        --fake-kib-per-token 1 --max-seq-budget-s 60)
+        --fake-kib-per-token 1 --max-seq-budget-s $((BUDGET / 2)))
 else
     CHECK=(--backend triton --check-seqlen 8192)
-    SWEEP=(--backend triton --tokens-per-gpu 8192,16384,32768,65536)
-    MAXSEQ=(--mem-cap-gib 16 --max-seq-budget-s 130)
+    SWEEP=(--backend triton --tokens-per-gpu "$TOKENS")
+    MAXSEQ=(--mem-cap-gib 16 --max-seq-budget-s "$BUDGET")
 fi
 
 say() { echo "$*" | tee -a "$LOG"; }
@@ -63,13 +73,14 @@ stage() {  # stage NAME LIMIT_S ARGS...: one torchrun, killed at LIMIT_S; its ex
               "triton", triton.__version__, "gpus", torch.cuda.device_count())'
 } 2>&1 | tee -a "$LOG"
 
-stage check 130 --check --no-bench "${CHECK[@]}" --tag _check
+stage check "${LIMITS[0]}" --check --no-bench "${CHECK_SEL[@]}" "${CHECK[@]}" --tag "_check$TAG"
 
-stage sweep 130 "${SWEEP[@]}" --warmup 1 --iters 2 --tag _sweep
+stage sweep "${LIMITS[1]}" "${SWEEP[@]}" "${SWEEP_SEL[@]}" --tag "_sweep$TAG"
 
-# expandable segments: the memory the allocator reserves follows what is allocated (what the cap is checked on)
+# expandable segments: the memory the allocator reserves follows what is allocated
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-stage maxseq 195 --no-bench --max-seq --max-seq-gpus "1,2,$NPROC" "${MAXSEQ[@]}" --tag _maxseq
+stage maxseq "${LIMITS[2]}" --no-bench --max-seq --max-seq-gpus "1,2,$NPROC" --max-seq-criterion allocated \
+    --max-seq-margin-gib 1 "${MAXSEQ[@]}" --tag "_maxseq$TAG"
 unset PYTORCH_CUDA_ALLOC_CONF
 
 say "=== suite done in $((SECONDS - T0)) s; files in $OUT:"
