@@ -381,6 +381,13 @@ def evaluate(model: GPT, task, cfg: TrainConfig, device: torch.device, autocast,
     return out
 
 
+def _attention_probe(c: GPTConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised q (1, Hq, S, D) and k/v (1, Hkv, S, D) of the model's attention, for `longctx.explain`."""
+    q = torch.empty(1, c.num_attention_heads, c.seq_length, c.head_dim, device=device, dtype=dtype)
+    kv = torch.empty(1, c.kv_heads, c.seq_length, c.head_dim, device=device, dtype=dtype)
+    return q, kv
+
+
 def _default_backend(mcfg: GPTConfig, device: torch.device, use_bf16: bool) -> str:
     """The attention backend when none was configured: our Triton kernels on a GPU where they run the model's
     attention (the point of this command), else ``auto``. ``--attention-backend auto`` restores the measured
@@ -389,9 +396,7 @@ def _default_backend(mcfg: GPTConfig, device: torch.device, use_bf16: bool) -> s
         return "auto"
     import longctx
 
-    dtype = torch.bfloat16 if use_bf16 else torch.float32
-    q = torch.empty(1, mcfg.num_attention_heads, mcfg.seq_length, mcfg.head_dim, device=device, dtype=dtype)
-    kv = torch.empty(1, mcfg.kv_heads, mcfg.seq_length, mcfg.head_dim, device=device, dtype=dtype)
+    q, kv = _attention_probe(mcfg, device, torch.bfloat16 if use_bf16 else torch.float32)
     try:
         longctx.explain(q, kv, kv, causal=True, backend="triton")
     except ValueError:
@@ -403,8 +408,7 @@ def _chosen_backend(model: GPT, device: torch.device, dtype: torch.dtype) -> str
     import longctx
 
     c = model.config
-    q = torch.empty(1, c.num_attention_heads, c.seq_length, c.head_dim, device=device, dtype=dtype)
-    kv = torch.empty(1, c.kv_heads, c.seq_length, c.head_dim, device=device, dtype=dtype)
+    q, kv = _attention_probe(c, device, dtype)
     try:
         return longctx.explain(q, kv, kv, causal=True, backend=c.attention_backend).backend.name
     except ValueError as e:
