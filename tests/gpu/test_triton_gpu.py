@@ -39,6 +39,13 @@ def _inputs(B, Hq, Hkv, Sq, Sk, D, dtype, *, layout="bhsd", seed=0):
     return q, k, v, do
 
 
+def _out_and_grads(fn, q, k, v, do):
+    """fn(q, k, v) on fresh leaf copies of q, k, v: its output and the gradients of (out * do).sum()."""
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(qg, kg, vg)
+    return out, torch.autograd.grad(out, (qg, kg, vg), do)
+
+
 def _grads(out, inputs, do):
     return torch.autograd.grad(out, inputs, do)
 
@@ -215,12 +222,8 @@ def test_forward_recomputed_in_the_backward_thread():
     def f(q, k, v):
         return longctx.attention(q, k, v, causal=True, backend="triton")
 
-    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = checkpoint(f, qg, kg, vg, use_reentrant=False)
-    grads = torch.autograd.grad(out, (qg, kg, vg), do)
-    qe, ke, ve = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    ref = f(qe, ke, ve)
-    ref_grads = torch.autograd.grad(ref, (qe, ke, ve), do)
+    out, grads = _out_and_grads(lambda *a: checkpoint(f, *a, use_reentrant=False), q, k, v, do)
+    ref, ref_grads = _out_and_grads(f, q, k, v, do)
     torch.testing.assert_close(out, ref)
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
@@ -252,13 +255,8 @@ def test_torch_compile_fullgraph():
         return out * 2.0
 
     torch._dynamo.reset()
-    cf = torch.compile(f, fullgraph=True)
-    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = cf(qg, kg, vg)
-    grads = torch.autograd.grad(out, (qg, kg, vg), do)
-    qe, ke, ve = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    ref = f(qe, ke, ve)
-    ref_grads = torch.autograd.grad(ref, (qe, ke, ve), do)
+    out, grads = _out_and_grads(torch.compile(f, fullgraph=True), q, k, v, do)
+    ref, ref_grads = _out_and_grads(f, q, k, v, do)
     torch.testing.assert_close(out, ref)
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b)
