@@ -162,6 +162,19 @@ def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
+@functools.cache
+def _triton_allocator_state():
+    """(triton.set_allocator, the ContextVar holding the allocator, the type of "none set"); the last two are
+    None on a Triton whose internals differ (then the allocator is set unconditionally)."""
+    import triton
+
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+    except ImportError:
+        return triton.set_allocator, None, None
+    return triton.set_allocator, _allocator, NullAllocator
+
+
 def _set_tma_allocator() -> None:
     """Install the scratch allocator of device-side tensor descriptors for the calling thread.
 
@@ -169,16 +182,10 @@ def _set_tma_allocator() -> None:
     autograd engine runs backward (and with activation checkpointing, the recomputed forward) in its own
     threads. So this runs before every launch that needs it; it keeps an allocator the caller installed.
     """
-    import triton
-
-    try:
-        from triton.runtime._allocation import NullAllocator, _allocator
-
-        if not isinstance(_allocator.get(), NullAllocator):
-            return
-    except ImportError:  # another Triton layout: set it unconditionally
-        pass
-    triton.set_allocator(_tma_scratch)
+    set_allocator, current, null_type = _triton_allocator_state()
+    if current is not None and not isinstance(current.get(), null_type):
+        return
+    set_allocator(_tma_scratch)
 
 
 def _tma_ok(t: torch.Tensor, D: int, bd: int) -> bool:
