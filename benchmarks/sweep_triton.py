@@ -34,6 +34,14 @@ def main(argv: list[str] | None = None) -> int:
         help="atomic-dQ dK/dV variants: ptr (pointer loads, scalar atomics), tma (TMA q/dO loads), "
         "dqtma (dQ added by TMA reduce), tma+dqtma",
     )
+    ap.add_argument("--gqa", action="store_true", help="Hq=32, Hkv=8 (D=128 only) instead of heads x D = 2048")
+    ap.add_argument("--layout", default="bhsd", choices=("bhsd", "bshd"), help="bshd: flash_attn_func's layout")
+    ap.add_argument(
+        "--sep-configs",
+        default="",
+        help="separate-dQ path at forced tiles: semicolon list of dkdv/dq pairs, e.g. 64,128,8,2/128,64,8,2",
+    )
+    ap.add_argument("--no-autotuned", action="store_true", help="skip the autotuned separate path")
     ap.add_argument("--rep", type=int, default=40)
     args = ap.parse_args(argv)
 
@@ -66,11 +74,20 @@ def _sweep_case(args, cfgs, D: int, S: int, causal: bool) -> None:
     from longctx.ops import triton_flash as tf
 
     B, H = max(1, 16384 // S), 2048 // D
-    q = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
-    k, v, do = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
+    Hkv = H
+    if args.gqa:
+        H, Hkv = 32, 8
+
+    def make(h):
+        if args.layout == "bshd":  # (B, S, H, D) memory, viewed as (B, H, S, D)
+            return torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        return torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16)
+
+    q, do = make(H), make(H)
+    k, v = make(Hkv), make(Hkv)
     band = Band.from_args(S, S, causal=causal)
     flops = 4.0 * B * H * S * S * D * (0.5 if causal else 1.0)
-    tag = f"D={D} S={S} {'causal' if causal else 'full'}"
+    tag = f"D={D} S={S} {'causal' if causal else 'full'}{' GQA 32/8' if args.gqa else ''} {args.layout}"
     if "fwd" in args.what:
         default = {
             64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3)],
@@ -112,17 +129,30 @@ def _sweep_case(args, cfgs, D: int, S: int, causal: bool) -> None:
             128: [(64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 2)],
             256: [(64, 64, 8, 2), (32, 64, 4, 2), (32, 128, 8, 2)],
         }[D]
-        variants = [(False, cfg, bv) for cfg in cfgs(args.bwd_configs, default) for bv in args.bwd_variants.split(",")]
-        variants.append((True, None, "tma"))
+        variants = [
+            (False, cfg, bv) for cfg in cfgs(args.bwd_configs, default) for bv in args.bwd_variants.split(",") if bv
+        ]
+        if not args.no_autotuned:
+            variants.append((True, None, "tma"))
+        for pair in [p for p in args.sep_configs.split(";") if p]:
+            a, b = pair.split("/")
+            variants.append((True, (tuple(int(x) for x in a.split(",")), tuple(int(x) for x in b.split(","))), ""))
         for det, cfg, bv in variants:
             tf.FORCE_CONFIG.clear()
             tf.EXTRA_KWARGS.clear()
             # atomic variants run the atomic-dQ kernel for every band (the launcher's rule would send causal
-            # bands at D=128 to the separate path); "separate" is the deterministic path, autotuned
+            # bands at D=128 to the separate path); "separate" is the deterministic path, autotuned unless
+            # --sep-configs forces the dK/dV and dQ tiles
             tf.FORCE_ATOMIC = None if det else True
-            if cfg is not None:
+            if cfg is not None and det:
+                tf.FORCE_CONFIG["dkdv"], tf.FORCE_CONFIG["dq"] = cfg
+            elif cfg is not None:
                 tf.FORCE_CONFIG["dkdv_atomic"] = cfg
-            tf.EXTRA_KWARGS["dkdv_atomic"] = {"USE_TMA": "tma" in bv.split("+"), "DQ_TMA": "dqtma" in bv.split("+")}
+            if not det:
+                tf.EXTRA_KWARGS["dkdv_atomic"] = {
+                    "USE_TMA": "tma" in bv.split("+"),
+                    "DQ_TMA": "dqtma" in bv.split("+"),
+                }
             t0 = time.time()
 
             def run(det=det):
@@ -132,7 +162,10 @@ def _sweep_case(args, cfgs, D: int, S: int, causal: bool) -> None:
                 run()
                 torch.cuda.synchronize()
                 ms = triton.testing.do_bench(run, warmup=5, rep=args.rep, return_mode="median")
-                name = "separate(autotuned)" if det else f"atomic {cfg} {bv}"
+                if det:
+                    name = f"separate {cfg[0]}/{cfg[1]}" if cfg else "separate(autotuned)"
+                else:
+                    name = f"atomic {cfg} {bv}"
                 print(
                     f"bwd {tag} {name:30s} {2.5 * flops / ms * 1e-9:6.0f} TFLOP/s ({time.time() - t0:.0f}s)",
                     flush=True,

@@ -143,18 +143,29 @@ def _bench(fn, warmup: int, rep: int) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def run_case(case: Case, provider: str, *, bwd: bool, warmup: int, rep: int, dtype=torch.bfloat16) -> Result:
+def _inputs(case: Case, layout: str, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random q (B, Hq, S, D), k and v (B, Hkv, S, D). ``layout="bshd"``: the memory is flash_attn_func's
+    (B, S, H, D) and the tensors are transposed views of it (every provider takes strided inputs)."""
+    torch.manual_seed(0)
+
+    def make(h: int) -> torch.Tensor:
+        if layout == "bshd":
+            return torch.randn(case.b, case.s, h, case.d, device="cuda", dtype=dtype).transpose(1, 2)
+        return torch.randn(case.b, h, case.s, case.d, device="cuda", dtype=dtype)
+
+    return make(case.hq), make(case.hkv), make(case.hkv)
+
+
+def run_case(
+    case: Case, provider: str, *, bwd: bool, warmup: int, rep: int, dtype=torch.bfloat16, layout: str = "bhsd"
+) -> Result:
     res = Result(case, provider)
     try:
         fn = _provider_fn(provider, case)
     except RuntimeError as exc:
         res.note = str(exc)
         return res
-    torch.manual_seed(0)
-    dev = "cuda"
-    q = torch.randn(case.b, case.hq, case.s, case.d, device=dev, dtype=dtype)  # (B, Hq, S, D)
-    k = torch.randn(case.b, case.hkv, case.s, case.d, device=dev, dtype=dtype)  # (B, Hkv, S, D)
-    v = torch.randn(case.b, case.hkv, case.s, case.d, device=dev, dtype=dtype)
+    q, k, v = _inputs(case, layout, dtype)  # q (B, Hq, S, D); k, v (B, Hkv, S, D)
     try:
         with torch.no_grad():
             fn(q, k, v)  # compile / autotune outside the timing
@@ -207,6 +218,8 @@ def markdown(results: list[Result], providers: list[str], meta: dict) -> str:
         f"torch {meta['torch']}, triton {meta['triton']}, cuDNN {meta['cudnn']}, CUDA {meta['cuda']}; {meta['date']}.",
         "bf16, batch x S = 16384 tokens, heads x D = 2048; forward TFLOP/s / backward TFLOP/s (backward timed alone,",
         "2.5x forward FLOPs, causal halves them); `triton.testing.do_bench` median.",
+        "Input memory layout: "
+        + ("(B, S, H, D), viewed as (B, H, S, D)." if meta.get("layout") == "bshd" else "(B, H, S, D)."),
         "",
     ]
     if meta.get("merged_from"):
@@ -358,6 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
     ap.add_argument("--tag", default="", help="suffix for the output file names")
     ap.add_argument("--masks", action="store_true", help="also run longctx.bench.masks if it exists")
+    ap.add_argument(
+        "--layout",
+        choices=("bhsd", "bshd"),
+        default="bhsd",
+        help="input memory layout: (B, H, S, D) contiguous, or flash_attn_func's (B, S, H, D) viewed as (B, H, S, D)",
+    )
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="combine the JSON files of earlier runs into one report")
     args = ap.parse_args(argv)
     if args.merge:
@@ -378,11 +397,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.gqa_only:
         cases = [c for c in build_cases([128], args.s, [True], gqa=True) if c.hq != c.hkv]
     meta = _versions()
+    meta["layout"] = args.layout
     print(f"{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  cuDNN {meta['cudnn']}", flush=True)
     results = []
     for case in cases:
         for p in providers:
-            r = run_case(case, p, bwd=not args.no_bwd, warmup=args.warmup, rep=args.rep)
+            r = run_case(case, p, bwd=not args.no_bwd, warmup=args.warmup, rep=args.rep, layout=args.layout)
             results.append(r)
             print(
                 f"{case.label:28s} {p:7s} fwd {_fmt(r.fwd_tflops):>5s} bwd {_fmt(r.bwd_tflops):>5s} TFLOP/s"
