@@ -9,15 +9,19 @@ BLOCK_M is always the query tile and BLOCK_N the key tile, in every kernel.
 
 import triton
 
-# Chosen from sweeps on the H100 at S=8192 (benchmarks/NOTES.md, runs 2-3); the first entry of each list is the
+# Chosen from sweeps on the H100 (benchmarks/NOTES.md, runs 2-3 and session 3); the first entry of each list is the
 # one used without autotuning, so it must fit every variant (TMA, hand-pipelined QK^T) in shared memory.
 
-# forward: the query tile stays in registers; K/V tiles are pipelined num_stages deep.
+# forward: the query tile stays in registers; K/V tiles are pipelined num_stages deep. A fifth element is
+# PIPE_QK (the hand-pipelined QK^T; it acts only with TMA loads), default False. At D=128 two 64-row programs of
+# 4 warps per SM (one warpgroup each; the scheduler interleaves one's softmax with the other's matmuls) beat
+# one 128-row program for dense bands (541 vs 518 TFLOP/s at 8K); the pipelined 128-row tile wins on long
+# causal ones; 64x32 tiles win short causal ones with pointer loads (343 vs 281 at 2K). Autotuning picks.
 FWD = {
     16: [(128, 64, 4, 3), (64, 64, 4, 3)],
     32: [(128, 64, 4, 3), (64, 64, 4, 3)],
-    64: [(128, 64, 4, 3), (128, 64, 4, 4)],
-    128: [(128, 64, 8, 3), (128, 128, 8, 3)],
+    64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 32, 4, 3), (64, 32, 4, 3)],
+    128: [(128, 64, 8, 3, True), (64, 64, 4, 3), (64, 32, 4, 3), (128, 128, 8, 3)],
     256: [(128, 64, 8, 2), (64, 64, 4, 2)],
 }
 # dK/dV (deterministic path): one kv tile (BLOCK_N) stays on chip with its fp32 dK, dV; query tiles stream.
@@ -25,7 +29,7 @@ BWD_DKDV = {
     16: [(64, 128, 8, 3), (32, 64, 4, 3)],
     32: [(64, 128, 8, 3), (32, 128, 4, 3)],
     64: [(64, 128, 8, 3), (32, 128, 4, 3)],
-    128: [(64, 128, 8, 2), (32, 128, 8, 3)],
+    128: [(64, 128, 8, 3), (32, 128, 8, 3), (64, 128, 8, 2)],
     256: [(64, 64, 8, 2), (32, 64, 4, 2)],
 }
 # dK/dV with dQ accumulated by atomics (the fast path): same shapes, more registers.
@@ -40,8 +44,8 @@ BWD_DKDV_ATOMIC = {
 BWD_DQ = {
     16: [(128, 64, 8, 3), (64, 32, 4, 3)],
     32: [(128, 64, 8, 3), (128, 32, 4, 3)],
-    64: [(128, 64, 8, 3), (128, 32, 4, 3)],
-    128: [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3)],
+    64: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 32, 4, 3)],
+    128: [(128, 128, 8, 2), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3)],
     256: [(64, 64, 8, 2), (64, 32, 4, 2)],
 }
 # the interpreter runs tiny shapes: small tiles keep the numpy emulation fast and exercise many tiles
@@ -57,8 +61,20 @@ def table(kind: str) -> dict:
     return {"fwd": FWD, "dkdv": BWD_DKDV, "dkdv_atomic": BWD_DKDV_ATOMIC, "dq": BWD_DQ}[kind]
 
 
-def configs(kind: str, bd: int) -> list:
+def meta(kind: str, entry: tuple, pipe_qk: bool = True) -> dict:
+    """The constexprs an entry sets besides its tiles: PIPE_QK for the forward (False where ``pipe_qk`` is off)."""
+    if kind != "fwd":
+        return {}
+    return {"PIPE_QK": bool(pipe_qk and len(entry) > 4 and entry[4])}
+
+
+def configs(kind: str, bd: int, pipe_qk: bool = True) -> list:
     """triton.Config list for one kernel kind ("fwd", "dkdv", "dkdv_atomic", "dq") at padded head dim ``bd``."""
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in table(kind)[bd]
-    ]
+    out, seen = [], set()
+    for e in table(kind)[bd]:
+        kw = {"BLOCK_M": e[0], "BLOCK_N": e[1], **meta(kind, e, pipe_qk)}
+        key = (tuple(sorted(kw.items())), e[2], e[3])
+        if key not in seen:  # with PIPE_QK off two entries may coincide
+            seen.add(key)
+            out.append(triton.Config(kw, num_warps=e[2], num_stages=e[3]))
+    return out

@@ -188,7 +188,7 @@ def attn_fwd_kernel(
 
     LSE is (B, Hq, Sq) contiguous float32, natural log. USE_TMA loads K/V through tensor descriptors (needs
     unit stride on D, 16-byte aligned rows, HEAD_DIM == BLOCK_D); WARP_SPEC asks Triton to warp-specialise the
-    unmasked loop; PIPE_QK (with USE_TMA) runs the unmasked loop software-pipelined by hand.
+    unmasked loop; PIPE_QK runs the unmasked loop software-pipelined by hand (with USE_TMA; ignored without).
     """
     if LONGEST_FIRST:
         # causal-like bands: later query tiles see more keys. Heads vary fastest and query tiles run from
@@ -231,7 +231,7 @@ def attn_fwd_kernel(
                                offs_m, offs_d, k_lo, full_lo, Sk, lo, hi, qk_scale,
                                HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, False)
     # -- fully visible tiles: no mask --
-    if PIPE_QK:
+    if PIPE_QK and USE_TMA:
         acc, l_i, m_i = _fwd_full_pipelined(acc, l_i, m_i, q, desc_k, desc_v, full_lo, full_hi, qk_scale,
                                             BLOCK_N, DOT_PRECISION)
     else:

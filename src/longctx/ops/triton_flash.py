@@ -121,9 +121,10 @@ def _kernel(kind: str, bd: int):
     # The key holds every argument that changes which configs fit or win: the kernel variants (TMA loads, the
     # hand-pipelined QK^T, the TMA-reduce dQ) included, or a config tuned for one variant would be reused for
     # another (a 128x128 forward tile chosen with pointer loads does not fit shared memory with PIPE_QK).
-    variants = {"fwd": ["USE_TMA", "PIPE_QK"], "dkdv": ["USE_TMA"], "dkdv_atomic": ["USE_TMA", "DQ_TMA"], "dq": []}
+    # (PIPE_QK is part of the forward's configs: the autotuner chooses it with the tiles.)
+    variants = {"fwd": ["USE_TMA"], "dkdv": ["USE_TMA"], "dkdv_atomic": ["USE_TMA", "DQ_TMA"], "dq": []}
     key = ["HEAD_DIM", "HAS_LO", "HAS_HI", "SEQ_BUCKET", "GROUP", *variants[kind]]
-    return triton.autotune(configs.configs(kind, bd), key=key)(fn)
+    return triton.autotune(configs.configs(kind, bd, pipe_qk=_PIPE_QK_DEFAULT), key=key)(fn)
 
 
 # For tuning sessions (benchmarks/sweep_triton.py): kind -> (BLOCK_M, BLOCK_N, num_warps, num_stages) forced,
@@ -136,20 +137,19 @@ def _launch(kind: str, bd: int, grid_fn, args: list, kwargs: dict) -> None:
     """Run one kernel: autotuned (BLOCK_M/BLOCK_N/warps/stages from the config) or with a fixed config."""
     from longctx.kernels import configs
 
-    kwargs = {**kwargs, **EXTRA_KWARGS.get(kind, {})}
+    kernel = _kernel(kind, bd)
     if kind in FORCE_CONFIG:
-        kernel = _kernel(kind, bd)
         kernel = getattr(kernel, "fn", kernel)  # bypass the autotuner
-        bm, bn, w, s = FORCE_CONFIG[kind]
+        entry = FORCE_CONFIG[kind]
+    elif _interpret():
+        entry = configs.INTERPRET
+    elif not _autotune_enabled():
+        entry = configs.table(kind)[bd][0]
     else:
-        kernel = _kernel(kind, bd)
-        if _interpret():
-            bm, bn, w, s = configs.INTERPRET
-        elif not _autotune_enabled():
-            bm, bn, w, s = configs.table(kind)[bd][0]
-        else:
-            kernel[lambda meta: grid_fn(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **kwargs)
-            return
+        kernel[lambda meta: grid_fn(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **kwargs, **EXTRA_KWARGS.get(kind, {}))
+        return
+    bm, bn, w, s = entry[:4]
+    kwargs = {**kwargs, **configs.meta(kind, entry, _PIPE_QK_DEFAULT), **EXTRA_KWARGS.get(kind, {})}
     kernel[grid_fn(bm, bn)](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
 
 
@@ -197,7 +197,8 @@ def _tma_ok(t: torch.Tensor, D: int, bd: int) -> bool:
 
 
 _USE_TMA_DEFAULT = os.environ.get("LONGCTX_TRITON_TMA", "1") != "0"
-# The hand-pipelined QK^T (PIPE_QK) won at D=128 (+4% full) and lost at D=64 (-20%): on for D=128 only.
+# The hand-pipelined QK^T (PIPE_QK): a per-config choice of the forward (configs.FWD; D=128 only, it lost at
+# D=64); LONGCTX_TRITON_PIPE_QK=0 removes it from every config.
 _PIPE_QK_DEFAULT = os.environ.get("LONGCTX_TRITON_PIPE_QK", "1") != "0"
 # TMA for the backward's q/dO tiles measured slower than pointer loads (NOTES.md, run 3): off by default.
 _TMA_BWD_DEFAULT = os.environ.get("LONGCTX_TRITON_TMA_BWD", "0") != "0"
@@ -273,7 +274,6 @@ def _forward_impl(
             LONGEST_FIRST=longest_first,
             DOT_PRECISION=_dot_precision(q.dtype),
             USE_TMA=use_tma,
-            PIPE_QK=use_tma and _PIPE_QK_DEFAULT and bd == 128,
         ),
     )
     return out, lse
@@ -367,10 +367,13 @@ def _backward_impl(
     # causal); at 2K the separate kernels win (260 vs 232). D <= 64 (scalar atomics; the TMA reduce loses
     # there): separate kernels up to 2K; causal-like bands take the atomics from 4K (275 vs 245), dense
     # bands only from 8K (309 / 315 vs 290 / 294 at 8K / 16K; at 4K 271 separate vs 260).
+    # GQA at D=128 (session 3): the separate kernels with 128x128 dQ tiles beat the atomics (8K causal 322 vs
+    # 302, 16K 339 vs 319), so grouped heads take the separate path there.
     atomic = (
         not (deterministic or _deterministic_env())
         and bd <= 128
         and Sq > (4096 if bd <= 64 and Band(lo, hi).is_dense else 2048)
+        and not (bd == 128 and Hq != Hkv)
     )
     if FORCE_ATOMIC is not None and not (deterministic or _deterministic_env()):
         atomic = FORCE_ATOMIC
