@@ -124,7 +124,10 @@ def _kernel(kind: str, bd: int):
     # (PIPE_QK is part of the forward's configs: the autotuner chooses it with the tiles.)
     variants = {"fwd": ["USE_TMA"], "dkdv": ["USE_TMA"], "dkdv_atomic": ["USE_TMA", "DQ_TMA"], "dq": []}
     key = ["HEAD_DIM", "HAS_LO", "HAS_HI", "SEQ_BUCKET", "GROUP", *variants[kind]]
-    return triton.autotune(configs.configs(kind, bd, pipe_qk=_PIPE_QK_DEFAULT), key=key)(fn)
+    # The atomic-dQ kernel adds into DQA: every timed config run would add its dQ again, so the autotuner zeroes
+    # DQA before each run and before the real one (without it the first call of each key returned a wrong dQ).
+    reset = ["DQA"] if kind == "dkdv_atomic" else None
+    return triton.autotune(configs.configs(kind, bd, pipe_qk=_PIPE_QK_DEFAULT), key=key, reset_to_zero=reset)(fn)
 
 
 # For tuning sessions (benchmarks/sweep_triton.py): kind -> (BLOCK_M, BLOCK_N, num_warps, num_stages) forced,
@@ -249,7 +252,8 @@ def _forward_impl(
     # test run 4), and TMA gains nothing on such tiny inputs: pointer loads there.
     # Short causal-like inputs: pointer loads measured faster than TMA (NOTES.md, run 7: D=128 causal 2K
     # 280 vs 273, 1K 216 vs 209); from 4K on TMA wins (401 vs 368).
-    short_causal = longest_first and max(Sq, Sk) <= 2048
+    # (D=64 short causal: TMA with 128x32 tiles measured 290 vs 278 for the best pointer-load tile; session 3)
+    short_causal = longest_first and max(Sq, Sk) <= 2048 and bd >= 128
     use_tma = _USE_TMA_DEFAULT and not short_causal and min(Sq, Sk) >= 16 and _tma_ok(k, D, bd) and _tma_ok(v, D, bd)
     if use_tma:
         _set_tma_allocator()

@@ -147,7 +147,9 @@ def _kernel(kind: str, bd: int, mask_bs: int):
     ]
     # the variant flags are in the key: a tile that suits one variant may not fit another's shared memory
     key = ["HEAD_DIM", "MASK_KIND", "HAS_DOC", "HAS_GLOBAL", "SEQ_BUCKET", *_VARIANT_CONSTEXPRS]
-    return triton.autotune(cfgs, key=key)(fn)
+    # with ATOMIC_DQ the dK/dV kernel adds into DQA: zeroed before every timed run and the real one
+    reset = ["DQA"] if kind == "dkdv" else None
+    return triton.autotune(cfgs, key=key, reset_to_zero=reset)(fn)
 
 
 def _launch(kind: str, bd: int, mask_bs: int, grid_fn, args: list, kwargs: dict) -> None:
