@@ -340,8 +340,12 @@ def _merge(paths: list[str], out_dir: str, tag: str) -> int:
     latest = {(r.case.label, r.provider): r for r in results}
     results = [r for r in results if latest[(r.case.label, r.provider)] is r]
     providers.sort(key=lambda p: PROVIDERS.index(p) if p in PROVIDERS else len(PROVIDERS))
+
     # rows as a single run orders them: MHA by head dim, length, causal-ness; then GQA by length
-    results.sort(key=lambda r: (r.case.hq != r.case.hkv, r.case.d, r.case.s, r.case.causal, providers.index(r.provider)))
+    def row_key(r: Result) -> tuple:
+        return (r.case.hq != r.case.hkv, r.case.d, r.case.s, r.case.causal, providers.index(r.provider))
+
+    results.sort(key=row_key)
     meta = {**meta, "merged_from": [os.path.basename(p) for p in paths]}
     note = os.environ.get("LONGCTX_BENCH_NOTE")
     if note:
