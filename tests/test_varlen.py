@@ -149,3 +149,32 @@ def test_varlen_bad_inputs():
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="device"):
             f(q, k, k, cu.cuda(), cu, 6, 6)
+
+
+def test_varlen_reads_cu_seqlens_once_per_tensor(monkeypatch):
+    """The same cu_seqlens in every layer: one host copy (a device sync on GPUs), not one per call; an in-place
+    change is seen (it bumps the tensor's version), including one that makes it invalid."""
+    reads = []
+    orig_tolist = torch.Tensor.tolist
+
+    def counting_tolist(self):
+        if self is cu:  # host copies of the cu_seqlens tensor itself
+            reads.append(self.numel())
+        return orig_tolist(self)
+
+    q = torch.randn(10, 2, 8, dtype=torch.float64)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    f = longctx.flash_attn_varlen_func
+    first = f(q, q, q, cu, cu, 6, 6, causal=True)
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    for _ in range(3):
+        torch.testing.assert_close(f(q, q, q, cu, cu, 6, 6, causal=True), first)
+    assert reads == []  # validated values reused
+    cu[1] = 6  # in place: documents of 6 and 4 tokens now
+    out = f(q, q, q, cu, cu, 6, 6, causal=True)
+    assert reads == [3]
+    ref, _ = _reference(q, q, q, [6, 4], [6, 4], True, (-1, -1), q.shape[-1] ** -0.5)
+    torch.testing.assert_close(out, ref)
+    cu[1] = 11  # now decreasing: caught although the tensor was validated before
+    with pytest.raises(ValueError, match="non-decreasing"):
+        f(q, q, q, cu, cu, 11, 11)

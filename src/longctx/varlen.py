@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -34,6 +35,23 @@ __all__ = ["flash_attn_varlen_func", "varlen_block_mask"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CACHE: OrderedDict = OrderedDict()
 _CACHE_SIZE = 16
+# cu_seqlens tensors already read and validated: id -> (weakref to the tensor, its version counter, values).
+# A model passes the same cu_seqlens to every layer; reading it costs a device-to-host copy (a sync), so it is
+# read once per tensor and again only after an in-place change (which bumps the version counter).
+_SEEN: OrderedDict = OrderedDict()
+
+
+def _values(cu: torch.Tensor) -> list[int]:
+    key = id(cu)
+    hit = _SEEN.get(key)
+    if hit is not None and hit[0]() is cu and hit[1] == cu._version:
+        _SEEN.move_to_end(key)
+        return hit[2]
+    vals = cu.tolist()
+    _SEEN[key] = (weakref.ref(cu), cu._version, vals)
+    while len(_SEEN) > _CACHE_SIZE:
+        _SEEN.popitem(last=False)
+    return vals
 
 
 def _check_cu(name: str, cu: object, total: int, max_seqlen: object, device: torch.device) -> list[int]:
@@ -45,7 +63,7 @@ def _check_cu(name: str, cu: object, total: int, max_seqlen: object, device: tor
         raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but q is on {device}; move it with .to(q.device)")
-    vals = cu.tolist()
+    vals = _values(cu)  # one host copy per cu_seqlens tensor (and per in-place change), not per call
     if vals[0] != 0:
         raise ValueError(f"{name} must start at 0, got {name}[0] = {vals[0]}")
     for i in range(1, len(vals)):
