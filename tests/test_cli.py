@@ -21,6 +21,25 @@ def test_check_passes(capsys):
     assert out.count(" ok") >= 10  # tiled and math on every case
 
 
+def test_check_reports_a_backend_that_raises(capsys, monkeypatch):
+    """One backend raising (e.g. a peer's compiler on an odd shape) is a failing row; the other rows still run."""
+    from longctx import tools
+
+    real = tools.attention
+
+    def flaky(*args, backend=None, **kw):
+        if backend == "tiled":
+            raise RuntimeError("simulated compiler error\nsecond line")
+        return real(*args, backend=backend, **kw)
+
+    monkeypatch.setattr(tools, "attention", flaky)
+    assert main(["check", "--seed", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "ERROR (RuntimeError: simulated compiler error)" in out and "second line" not in out
+    assert " ok" in out  # math still checked
+    assert "failing rows" in out
+
+
 def test_demo_memory_small(capsys):
     assert main(["demo-memory", "--lengths", "128,256"]) == 0
     out = capsys.readouterr().out
