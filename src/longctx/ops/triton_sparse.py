@@ -67,7 +67,8 @@ def _tile_choices(kind: str, bd: int, mask_bs: int) -> list[tuple[int, int, int,
     if _tf._interpret():
         bm, bn, w, s = configs.INTERPRET
         return [(min(bm, mask_bs), min(bn, mask_bs), w, s)]
-    table = _SPARSE_TABLES[kind].get(bd, []) + configs.table(kind)[bd]
+    # (tiles only: the dense forward's entries may carry a fifth element, its PIPE_QK choice)
+    table = [c[:4] for c in _SPARSE_TABLES[kind].get(bd, []) + configs.table(kind)[bd]]
     ok = list(dict.fromkeys(c for c in table if mask_bs % c[0] == 0 and mask_bs % c[1] == 0))
     if not ok:
         b = 64 if mask_bs % 64 == 0 else 32 if mask_bs % 32 == 0 else 16
