@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 def _sweep_case(args, cfgs, D: int, S: int, causal: bool) -> None:
     import triton
 
+    from longctx.bench.attention import Case, _inputs
     from longctx.masks import Band
     from longctx.ops import triton_flash as tf
 
@@ -77,14 +78,9 @@ def _sweep_case(args, cfgs, D: int, S: int, causal: bool) -> None:
     Hkv = H
     if args.gqa:
         H, Hkv = 32, 8
-
-    def make(h):
-        if args.layout == "bshd":  # (B, S, H, D) memory, viewed as (B, H, S, D)
-            return torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-        return torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16)
-
-    q, do = make(H), make(H)
-    k, v = make(Hkv), make(Hkv)
+    # the benchmark's inputs (bshd: (B, S, H, D) memory viewed as (B, H, S, D)); dO in q's layout
+    q, k, v = _inputs(Case(D, S, causal, H, Hkv, B), args.layout, torch.bfloat16)
+    do = torch.randn_like(q)
     band = Band.from_args(S, S, causal=causal)
     flops = 4.0 * B * H * S * S * D * (0.5 if causal else 1.0)
     tag = f"D={D} S={S} {'causal' if causal else 'full'}{' GQA 32/8' if args.gqa else ''} {args.layout}"
