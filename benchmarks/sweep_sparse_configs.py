@@ -158,7 +158,7 @@ def _compile_job(job: tuple) -> dict:
         es = t.element_size()
         return bd == D_ and t.stride(3) == 1 and all((t.stride(i) * es) % 16 == 0 for i in range(3))
 
-    ts._launch, ts._tma_ok, ts._set_tma_allocator = warm, tma_ok, lambda: None
+    ts._launch, ts._tma_ok, tf._set_tma_allocator = warm, tma_ok, lambda: None
     tf.bwd_preprocess = lambda out, do, lse, dlse, bd: (torch.empty_like(lse), torch.empty_like(lse))
     bm, _ = _mask(case, S, "cpu")
     q, k, v, do = (torch.empty(1, H, S, D, dtype=torch.bfloat16) for _ in range(4))

@@ -27,7 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--what", default="fwd,bwd")
     ap.add_argument("--fwd-configs", default="", help="semicolon list of bm,bn,w,s (default: a small grid)")
     ap.add_argument("--bwd-configs", default="", help="semicolon list of bm,bn,w,s for the dK/dV kernel")
-    ap.add_argument("--variants", default="ptr,tma,tma_pipe", help="forward variants (ptr, tma, tma_ws, tma_pipe)")
+    ap.add_argument(
+        "--variants",
+        default="ptr,tma,tma_pipe",
+        help="forward variants (ptr, tma, tma_ws, tma_pipe; a +lazy suffix adds LAZY_RESCALE)",
+    )
     ap.add_argument(
         "--bwd-variants",
         default="ptr,dqtma",
@@ -95,10 +99,12 @@ def _sweep_case(args, cfgs, D: int, S: int, causal: bool) -> None:
                 tf.FORCE_CONFIG.clear()
                 tf.EXTRA_KWARGS.clear()
                 tf.FORCE_CONFIG["fwd"] = cfg
+                base, _, extra = var.partition("+")  # e.g. "tma_pipe+lazy"
                 tf.EXTRA_KWARGS["fwd"] = {
-                    "USE_TMA": var.startswith("tma"),
-                    "WARP_SPEC": var.endswith("ws"),
-                    "PIPE_QK": var.endswith("pipe"),
+                    "USE_TMA": base.startswith("tma"),
+                    "WARP_SPEC": base.endswith("ws"),
+                    "PIPE_QK": base.endswith("pipe"),
+                    "LAZY_RESCALE": "lazy" in extra.split("+"),
                 }
                 t0 = time.time()
                 try:

@@ -68,13 +68,14 @@ def meta(kind: str, entry: tuple, pipe_qk: bool = True) -> dict:
     return {"PIPE_QK": bool(pipe_qk and len(entry) > 4 and entry[4])}
 
 
-def configs(kind: str, bd: int, pipe_qk: bool = True) -> list:
-    """triton.Config list for one kernel kind ("fwd", "dkdv", "dkdv_atomic", "dq") at padded head dim ``bd``."""
+def configs(kind: str, bd: int, pipe_qk: bool = True, pre_hook=None) -> list:
+    """triton.Config list for one kernel kind ("fwd", "dkdv", "dkdv_atomic", "dq") at padded head dim ``bd``;
+    ``pre_hook`` runs before every launch of a config (with the kernel's arguments and the config's values)."""
     out, seen = [], set()
     for e in table(kind)[bd]:
         kw = {"BLOCK_M": e[0], "BLOCK_N": e[1], **meta(kind, e, pipe_qk)}
         key = (tuple(sorted(kw.items())), e[2], e[3])
         if key not in seen:  # with PIPE_QK off two entries may coincide
             seen.add(key)
-            out.append(triton.Config(kw, num_warps=e[2], num_stages=e[3]))
+            out.append(triton.Config(kw, num_warps=e[2], num_stages=e[3], pre_hook=pre_hook))
     return out

@@ -34,6 +34,38 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _tma_rows(desc, off_b, off_h, start, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HOST: tl.constexpr):
+    """Rows [start, start + BLOCK) of one head through a tensor descriptor: with HOST a 4-D one over the whole
+    (B, H, S, D) tensor, built on the host and passed by value (its block shape (1, 1, BLOCK, BLOCK_D)); else
+    one over this head's (S, D) rows, built by the program itself. Rows past S arrive as zeros either way."""
+    if HOST:
+        t = desc.load([off_b, off_h, start, 0]).reshape([BLOCK, BLOCK_D])
+    else:
+        t = desc.load([start, 0])
+    return t
+
+
+@triton.jit
+def _lazy_rescale(m_i, l_i, acc, m_tile):
+    """The running max of an unmasked tile, rescaled only when it has to be (LAZY_RESCALE).
+
+    Any reference point works for the online softmax as long as ``acc``, ``l`` and the final lse use the same
+    one; it only has to stay close enough to the true max that ``exp2(s - m)`` cannot overflow. So ``m`` (base
+    2) moves, and ``acc`` and ``l`` are rescaled, only when some row's max grew by more than 8 (a factor 256)
+    since the last rescale: one test per tile instead of a multiply of the whole accumulator every tile.
+    ``m_tile`` must be finite on every row (unmasked tiles; a row may still hold m = -inf from before: it grows
+    by +inf and takes the rescale, with alpha = 0).
+    """
+    m_new = tl.maximum(m_i, m_tile)
+    if tl.max(m_new - m_i, 0) > 8.0:
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _tile_ranges(row_start, row_last, n_cols, lo, hi, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, BLOCK: tl.constexpr):
     """Column runs for the rows [row_start, row_last] (inclusive; real rows only) of a band ``lo <= c - r <= hi``.
 
@@ -69,13 +101,14 @@ def _tile_ranges(row_start, row_last, n_cols, lo, hi, HAS_LO: tl.constexpr, HAS_
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,
-    K_bh, V_bh, desc_k, desc_v, stride_kn, stride_kd, stride_vn, stride_vd,
+    K_bh, V_bh, desc_k, desc_v, off_b, off_kvh, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, offs_d, start, end, Sk, lo, hi, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, LAZY: tl.constexpr = False, TMA_HOST: tl.constexpr = False,
 ):
-    """Key tiles [start, end) of one query tile; MASKED applies the band and the ragged end of Sk."""
+    """Key tiles [start, end) of one query tile; MASKED applies the band and the ragged end of Sk; LAZY (unmasked
+    tiles only) rescales the accumulator only when the running max grows by more than 2^8."""
     offs_n = tl.arange(0, BLOCK_N)
     k_tile = offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd  # (BLOCK_N, BLOCK_D)
     v_tile = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
@@ -89,7 +122,7 @@ def _fwd_inner(
         # -- load K: only boundary tiles can reach past Sk; BLOCK_D > HEAD_DIM pads with zeros --
         if USE_TMA:
             # TMA (tensor descriptor): rows past Sk arrive as zeros, the mask below hides them
-            k = desc_k.load([start_n, 0])
+            k = _tma_rows(desc_k, off_b, off_kvh, start_n, BLOCK_N, BLOCK_D, TMA_HOST)
         elif MASKED:
             k = tl.load(k_ptrs, mask=ld_mask, other=0.0)
         elif BLOCK_D != HEAD_DIM:
@@ -112,16 +145,23 @@ def _fwd_inner(
             # a row with nothing visible yet keeps m = -inf: subtract 0 instead, exp2(-inf) = 0
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - m_use[:, None])
+        elif LAZY:
+            m_new, l_i, acc = _lazy_rescale(m_i, l_i, acc, tl.max(qk, 1) * qk_scale)
+            m_use = m_new
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_use = m_new
             p = tl.math.exp2(qk * qk_scale - m_use[:, None])
         # -- online softmax update --
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        if LAZY and not MASKED:
+            l_i = l_i + tl.sum(p, 1)
+        else:
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
         if USE_TMA:
-            v = desc_v.load([start_n, 0])
+            v = _tma_rows(desc_v, off_b, off_kvh, start_n, BLOCK_N, BLOCK_D, TMA_HOST)
         elif MASKED:
             v = tl.load(v_ptrs, mask=ld_mask, other=0.0)
         elif BLOCK_D != HEAD_DIM:
@@ -134,44 +174,53 @@ def _fwd_inner(
 
 
 @triton.jit
-def _fwd_full_pipelined(acc, l_i, m_i, q, desc_k, desc_v, start, end, qk_scale,
-                        BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _fwd_full_pipelined(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_kvh, start, end, qk_scale,
+                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        LAZY: tl.constexpr = False, TMA_HOST: tl.constexpr = False):
     """The unmasked run, software-pipelined by hand: the scores of tile j+1 are issued (async wgmma) before
     the softmax of tile j, so the tensor cores can work while the exp2 units do (FlashAttention-3's
     intra-warpgroup overlap, as far as Triton's scheduler follows it). Needs TMA descriptors; [start, end)
     holds whole tiles."""
     if start < end:
-        k = desc_k.load([start, 0])
+        k = _tma_rows(desc_k, off_b, off_kvh, start, BLOCK_N, BLOCK_D, TMA_HOST)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         for start_n in range(start + BLOCK_N, end, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
-            k = desc_k.load([start_n, 0])
+            k = _tma_rows(desc_k, off_b, off_kvh, start_n, BLOCK_N, BLOCK_D, TMA_HOST)
             qk_next = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             # -- online softmax of the previous tile while qk_next is in flight --
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            v = desc_v.load([start_n - BLOCK_N, 0])
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-            m_i = m_new
+            acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, qk_scale, desc_v, off_b, off_kvh, start_n - BLOCK_N,
+                                        BLOCK_N, BLOCK_D, DOT_PRECISION, LAZY, TMA_HOST)
             qk = qk_next
         # -- the last tile of the run --
+        acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, qk_scale, desc_v, off_b, off_kvh, end - BLOCK_N,
+                                    BLOCK_N, BLOCK_D, DOT_PRECISION, LAZY, TMA_HOST)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _softmax_pv(acc, l_i, m_i, qk, qk_scale, desc_v, off_b, off_kvh, start_n, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY: tl.constexpr, TMA_HOST: tl.constexpr):
+    """Online softmax of one unmasked tile's scores, then acc += P V (V through its tensor descriptor)."""
+    if LAZY:
+        m_i, l_i, acc = _lazy_rescale(m_i, l_i, acc, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_i[:, None])
+        l_i = l_i + tl.sum(p, 1)
+    else:
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = desc_v.load([end - BLOCK_N, 0])
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
+    v = _tma_rows(desc_v, off_b, off_kvh, start_n, BLOCK_N, BLOCK_D, TMA_HOST)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_i
 
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, DESC_K, DESC_V,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -183,12 +232,16 @@ def attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LONGEST_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False, PIPE_QK: tl.constexpr = False,
+    LAZY_RESCALE: tl.constexpr = False, TMA_HOST: tl.constexpr = False,
 ):
     """Grid: (B * Hq, cdiv(Sq, BLOCK_M)) with LONGEST_FIRST, else (cdiv(Sq, BLOCK_M), B * Hq).
 
     LSE is (B, Hq, Sq) contiguous float32, natural log. USE_TMA loads K/V through tensor descriptors (needs
     unit stride on D, 16-byte aligned rows, HEAD_DIM == BLOCK_D); WARP_SPEC asks Triton to warp-specialise the
-    unmasked loop; PIPE_QK runs the unmasked loop software-pipelined by hand (with USE_TMA; ignored without).
+    unmasked loop; PIPE_QK runs the unmasked loop software-pipelined by hand (with USE_TMA; ignored without);
+    LAZY_RESCALE rescales in the unmasked loop only when the running max grows by more than 2^8 (`_lazy_rescale`);
+    TMA_HOST (with USE_TMA) takes DESC_K / DESC_V, 4-D descriptors over (B, Hkv, Sk, D) built on the host, instead
+    of building a descriptor per program (DESC_K / DESC_V are unused otherwise: pass K and V).
     """
     if LONGEST_FIRST:
         # causal-like bands: later query tiles see more keys. Heads vary fastest and query tiles run from
@@ -206,7 +259,10 @@ def attn_fwd_kernel(
     K_bh = K + off_b.to(tl.int64) * stride_kb + off_kvh.to(tl.int64) * stride_kh
     V_bh = V + off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh
     O_bh = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-    if USE_TMA:
+    if USE_TMA and TMA_HOST:
+        desc_k = DESC_K
+        desc_v = DESC_V
+    elif USE_TMA:
         desc_k = tl.make_tensor_descriptor(K_bh, shape=[Sk, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
         desc_v = tl.make_tensor_descriptor(V_bh, shape=[Sk, HEAD_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D])
     else:
@@ -227,21 +283,24 @@ def attn_fwd_kernel(
     row_last = tl.minimum(start_m + BLOCK_M, Sq) - 1
     k_lo, full_lo, full_hi, k_end = _tile_ranges(start_m, row_last, Sk, lo, hi, HAS_LO, HAS_HI, BLOCK_N)
     # -- boundary tiles before the fully visible run --
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, stride_kn, stride_kd, stride_vn, stride_vd,
-                               offs_m, offs_d, k_lo, full_lo, Sk, lo, hi, qk_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, False)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, off_b, off_kvh,
+                               stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, k_lo, full_lo, Sk, lo, hi, qk_scale,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, False,
+                               False, TMA_HOST)
     # -- fully visible tiles: no mask --
     if PIPE_QK and USE_TMA:
-        acc, l_i, m_i = _fwd_full_pipelined(acc, l_i, m_i, q, desc_k, desc_v, full_lo, full_hi, qk_scale,
-                                            BLOCK_N, DOT_PRECISION)
+        acc, l_i, m_i = _fwd_full_pipelined(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_kvh, full_lo, full_hi, qk_scale,
+                                            BLOCK_N, BLOCK_D, DOT_PRECISION, LAZY_RESCALE, TMA_HOST)
     else:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, stride_kn, stride_kd, stride_vn, stride_vd,
-                                   offs_m, offs_d, full_lo, full_hi, Sk, lo, hi, qk_scale,
-                                   HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, WARP_SPEC)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, off_b, off_kvh,
+                                   stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, full_lo, full_hi, Sk, lo, hi,
+                                   qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA,
+                                   WARP_SPEC, LAZY_RESCALE, TMA_HOST)
     # -- boundary tiles after it (diagonal, right window edge, ragged end of Sk) --
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, stride_kn, stride_kd, stride_vn, stride_vd,
-                               offs_m, offs_d, full_hi, k_end, Sk, lo, hi, qk_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, False)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, off_b, off_kvh,
+                               stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, full_hi, k_end, Sk, lo, hi, qk_scale,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, False,
+                               False, TMA_HOST)
 
     # epilogue: rows that saw no key have l = 0 -> output 0, lse -inf
     empty = l_i == 0.0

@@ -122,12 +122,25 @@ def _kernel(kind: str, bd: int):
     # hand-pipelined QK^T, the TMA-reduce dQ) included, or a config tuned for one variant would be reused for
     # another (a 128x128 forward tile chosen with pointer loads does not fit shared memory with PIPE_QK).
     # (PIPE_QK is part of the forward's configs: the autotuner chooses it with the tiles.)
-    variants = {"fwd": ["USE_TMA"], "dkdv": ["USE_TMA"], "dkdv_atomic": ["USE_TMA", "DQ_TMA"], "dq": []}
+    variants = {"fwd": ["USE_TMA", "TMA_HOST"], "dkdv": ["USE_TMA"], "dkdv_atomic": ["USE_TMA", "DQ_TMA"], "dq": []}
     key = ["HEAD_DIM", "HAS_LO", "HAS_HI", "SEQ_BUCKET", "GROUP", *variants[kind]]
     # The atomic-dQ kernel adds into DQA: every timed config run would add its dQ again, so the autotuner zeroes
     # DQA before each run and before the real one (without it the first call of each key returned a wrong dQ).
     reset = ["DQA"] if kind == "dkdv_atomic" else None
-    return triton.autotune(configs.configs(kind, bd, pipe_qk=_PIPE_QK_DEFAULT), key=key, reset_to_zero=reset)(fn)
+    cfgs = configs.configs(kind, bd, pipe_qk=_PIPE_QK_DEFAULT, pre_hook=_PRE_HOOKS.get(kind))
+    return triton.autotune(cfgs, key=key, reset_to_zero=reset)(fn)
+
+
+def _fwd_desc_block(nargs: dict) -> None:
+    """Give the forward's host-built K/V descriptors the block shape of the config about to run."""
+    for name in ("DESC_K", "DESC_V"):
+        desc = nargs[name]
+        if hasattr(desc, "block_shape"):  # a TensorDescriptor (TMA_HOST); a plain tensor otherwise
+            desc.block_shape = [1, 1, nargs["BLOCK_N"], nargs["BLOCK_D"]]
+
+
+# run before each launch with the config's meta-parameters (the autotuner calls them per timed config too)
+_PRE_HOOKS = {"fwd": _fwd_desc_block}
 
 
 # For tuning sessions (benchmarks/sweep_triton.py): kind -> (BLOCK_M, BLOCK_N, num_warps, num_stages) forced,
@@ -149,10 +162,14 @@ def _launch(kind: str, bd: int, grid_fn, args: list, kwargs: dict) -> None:
     elif not _autotune_enabled():
         entry = configs.table(kind)[bd][0]
     else:
-        kernel[lambda meta: grid_fn(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **kwargs, **EXTRA_KWARGS.get(kind, {}))
+        kernel[lambda meta: grid_fn(meta["BLOCK_M"], meta["BLOCK_N"])](
+            *args, **{**kwargs, **EXTRA_KWARGS.get(kind, {})}
+        )
         return
     bm, bn, w, s = entry[:4]
     kwargs = {**kwargs, **configs.meta(kind, entry, _PIPE_QK_DEFAULT), **EXTRA_KWARGS.get(kind, {})}
+    if kind in _PRE_HOOKS:
+        _PRE_HOOKS[kind]({**dict(zip(kernel.arg_names, args)), **kwargs, "BLOCK_M": bm, "BLOCK_N": bn})
     kernel[grid_fn(bm, bn)](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
 
 
@@ -185,15 +202,32 @@ def _set_tma_allocator() -> None:
     autograd engine runs backward (and with activation checkpointing, the recomputed forward) in its own
     threads. So this runs before every launch that needs it; it keeps an allocator the caller installed.
     """
+    if _interpret():  # the interpreter's descriptors live in host memory
+        import triton
+
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+        return
     set_allocator, current, null_type = _triton_allocator_state()
     if current is not None and not isinstance(current.get(), null_type):
         return
     set_allocator(_tma_scratch)
 
 
-def _tma_ok(t: torch.Tensor, D: int, bd: int) -> bool:
-    """Whether K/V rows can be loaded through TMA descriptors: unit stride on D, 16-byte aligned rows."""
-    if _interpret() or t.device.type != "cuda" or bd != D or t.stride(3) != 1:
+# Tensor descriptors also run in the Triton interpreter (not its TMA reduce); tests of the TMA variants set this to
+# run them there. Off: under the interpreter the pointer path runs.
+TMA_IN_INTERPRETER = False
+
+
+def _tma_ok(t: torch.Tensor, D: int, bd: int, in_interpreter: bool | None = None) -> bool:
+    """Whether rows of t (B, H, S, D) can be loaded through TMA descriptors: unit stride on D, 16-byte aligned
+    rows, HEAD_DIM == BLOCK_D; a CUDA tensor, or under the interpreter when ``in_interpreter`` (default
+    TMA_IN_INTERPRETER) allows it."""
+    if _interpret():
+        if not (TMA_IN_INTERPRETER if in_interpreter is None else in_interpreter):
+            return False
+    elif t.device.type != "cuda":
+        return False
+    if bd != D or t.stride(3) != 1:
         return False
     es = t.element_size()
     return t.data_ptr() % 16 == 0 and all((t.stride(i) * es) % 16 == 0 for i in range(3))
@@ -207,6 +241,13 @@ _PIPE_QK_DEFAULT = os.environ.get("LONGCTX_TRITON_PIPE_QK", "1") != "0"
 _TMA_BWD_DEFAULT = os.environ.get("LONGCTX_TRITON_TMA_BWD", "0") != "0"
 # dQ tiles added by one TMA reduce each instead of scalar float32 atomics (NOTES.md, run 7).
 _DQ_TMA_DEFAULT = os.environ.get("LONGCTX_TRITON_DQ_TMA", "1") != "0"
+# The forward's unmasked tiles rescale the accumulator only when the running max grows by more than 2^8
+# (FlashAttention-4's conditional rescaling; `flash_fwd._lazy_rescale`). LONGCTX_TRITON_LAZY_RESCALE=0 rescales
+# on every tile.
+_LAZY_DEFAULT = os.environ.get("LONGCTX_TRITON_LAZY_RESCALE", "0") != "0"
+# The forward's K/V descriptors built once on the host (4-D, over (B, Hkv, Sk, D)) and passed by value, instead
+# of by every program in the kernel (a global write and a fence per program). LONGCTX_TRITON_TMA_HOST=0: in-kernel.
+_TMA_HOST_DEFAULT = os.environ.get("LONGCTX_TRITON_TMA_HOST", "0") != "0"
 # For tuning sessions: force the atomic-dQ (True) or the separate-dQ (False) backward; None follows the rules.
 FORCE_ATOMIC: bool | None = None
 
@@ -255,13 +296,20 @@ def _forward_impl(
     # (D=64 short causal: TMA with 128x32 tiles measured 290 vs 278 for the best pointer-load tile; session 3)
     short_causal = longest_first and max(Sq, Sk) <= 2048 and bd >= 128
     use_tma = _USE_TMA_DEFAULT and not short_causal and min(Sq, Sk) >= 16 and _tma_ok(k, D, bd) and _tma_ok(v, D, bd)
-    if use_tma:
+    tma_host = use_tma and EXTRA_KWARGS.get("fwd", {}).get("TMA_HOST", _TMA_HOST_DEFAULT)
+    desc_k, desc_v = k, v  # unused by the kernel unless TMA_HOST
+    if tma_host:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        # the block shape is set per config before each launch (`_fwd_desc_block`)
+        desc_k, desc_v = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 16, bd]) for t in (k, v))
+    elif use_tma:
         _set_tma_allocator()
     _launch(
         "fwd",
         bd,
         (lambda bm, bn: (B * Hq, _cdiv(Sq, bm))) if longest_first else (lambda bm, bn: (_cdiv(Sq, bm), B * Hq)),
-        [q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride()],
+        [q, k, v, out, lse, desc_k, desc_v, *q.stride(), *k.stride(), *v.stride(), *out.stride()],
         dict(
             Hq=Hq,
             Sq=Sq,
@@ -278,6 +326,8 @@ def _forward_impl(
             LONGEST_FIRST=longest_first,
             DOT_PRECISION=_dot_precision(q.dtype),
             USE_TMA=use_tma,
+            TMA_HOST=tma_host,
+            LAZY_RESCALE=_LAZY_DEFAULT,
         ),
     )
     return out, lse

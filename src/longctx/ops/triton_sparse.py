@@ -91,6 +91,7 @@ VARIANT: dict = {
     "tma_dq": _flag("LONGCTX_SPARSE_TMA_DQ"),  # dQ kernel: K/V through tensor descriptors (CUDA only)
     "pipe_qk": _flag("LONGCTX_SPARSE_PIPE_QK"),  # forward, full blocks: next QK^T issued before the softmax
     "reverse_m": _flag("LONGCTX_SPARSE_REVERSE_M"),  # forward and dQ: the last query tile first
+    "lazy_rescale": _flag("LONGCTX_SPARSE_LAZY_RESCALE"),  # forward, full blocks: rescale only when the max grows
     # "0": separate dQ kernel (deterministic); "ptr": dQ by float32 atomics in the dK/dV kernel; "tma": the same
     # through a TMA reduce (CUDA only; "ptr" elsewhere). Never under deterministic=True / LONGCTX_DETERMINISTIC=1.
     "atomic_dq": os.environ.get("LONGCTX_SPARSE_ATOMIC_DQ", "0").strip().lower(),
@@ -120,7 +121,7 @@ FORCE_CONFIG: dict[str, tuple[int, int, int, int]] = _tiles_from_env(os.environ.
 TMA_IN_INTERPRETER = False
 
 
-_VARIANT_CONSTEXPRS = ("GRID_SWAP", "PREFETCH_IDX", "USE_TMA", "PIPE_QK", "REVERSE_M", "ATOMIC_DQ")
+_VARIANT_CONSTEXPRS = ("GRID_SWAP", "PREFETCH_IDX", "USE_TMA", "PIPE_QK", "REVERSE_M", "ATOMIC_DQ", "LAZY_RESCALE")
 
 
 def _kernel_fn(kind: str):
@@ -175,25 +176,7 @@ def _grid(n_heads: int, n_tiles, swap: bool):
 
 def _tma_ok(t: torch.Tensor, D: int, bd: int) -> bool:
     """Whether rows of t (B, H, S, D) can be read through tensor descriptors (see triton_flash._tma_ok)."""
-    if _tf._interpret():
-        es = t.element_size()
-        return (
-            TMA_IN_INTERPRETER
-            and bd == D
-            and t.stride(3) == 1
-            and all((t.stride(i) * es) % 16 == 0 for i in range(3))
-            and t.data_ptr() % 16 == 0
-        )
-    return _tf._tma_ok(t, D, bd)
-
-
-def _set_tma_allocator() -> None:
-    if _tf._interpret():
-        import triton
-
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
-    else:
-        _tf._set_tma_allocator()
+    return _tf._tma_ok(t, D, bd, in_interpreter=TMA_IN_INTERPRETER)
 
 
 def _mask_args(mt: tuple, meta: list, B: int, Hq: int, transposed: bool) -> tuple[list, dict]:
@@ -259,7 +242,7 @@ def _forward_impl(q, k, v, scale: float, mt: tuple, meta: list) -> tuple[torch.T
     # Sq or Sk below 16: no TMA (the dense launcher's ptxas crash at D=256; nothing to gain on such inputs)
     use_tma = VARIANT["tma"] and min(Sq, Sk) >= 16 and _tma_ok(k, D, bd) and _tma_ok(v, D, bd)
     if use_tma:
-        _set_tma_allocator()
+        _tf._set_tma_allocator()
     _launch(
         "fwd",
         bd,
@@ -272,6 +255,7 @@ def _forward_impl(q, k, v, scale: float, mt: tuple, meta: list) -> tuple[torch.T
             PIPE_QK=VARIANT["pipe_qk"],
             PREFETCH_IDX=VARIANT["prefetch_idx"],
             REVERSE_M=VARIANT["reverse_m"],
+            LAZY_RESCALE=VARIANT["lazy_rescale"],
             Hq=Hq,
             Sq=Sq,
             Sk=Sk,
@@ -325,7 +309,7 @@ def _backward_impl(do, q, k, v, out, lse, dlse, scale: float, mt: tuple, meta: l
         atomic = 2 if VARIANT["atomic_dq"] == "tma" and not _tf._interpret() and _tma_ok(q, D, bd) else 1
     dqa = torch.zeros((B, Hq, Sq, D), device=q.device, dtype=torch.float32) if atomic else dq  # (B, Hq, Sq, D)
     if atomic == 2:
-        _set_tma_allocator()
+        _tf._set_tma_allocator()
     targs, tkw = _mask_args(mt, meta, B, Hq, transposed=True)
     _launch(
         "dkdv",
@@ -341,7 +325,7 @@ def _backward_impl(do, q, k, v, out, lse, dlse, scale: float, mt: tuple, meta: l
         return dq, dk, dv
     use_tma = VARIANT["tma_dq"] and min(Sq, Sk) >= 16 and _tma_ok(k, D, bd) and _tma_ok(v, D, bd)
     if use_tma:
-        _set_tma_allocator()
+        _tf._set_tma_allocator()
     margs, mkw = _mask_args(mt, meta, B, Hq, transposed=False)
     _launch(
         "dq",
