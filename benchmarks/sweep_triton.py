@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--variants",
         default="ptr,tma,tma_pipe",
-        help="forward variants (ptr, tma, tma_ws, tma_pipe; a +lazy suffix adds LAZY_RESCALE)",
+        help="forward variants (ptr, tma, tma_ws, tma_pipe; a +host suffix: host-built descriptors, TMA_HOST)",
     )
     ap.add_argument(
         "--bwd-variants",
@@ -99,12 +99,12 @@ def _sweep_case(args, cfgs, D: int, S: int, causal: bool) -> None:
                 tf.FORCE_CONFIG.clear()
                 tf.EXTRA_KWARGS.clear()
                 tf.FORCE_CONFIG["fwd"] = cfg
-                base, _, extra = var.partition("+")  # e.g. "tma_pipe+lazy"
+                base, _, extra = var.partition("+")  # e.g. "tma_pipe+host"
                 tf.EXTRA_KWARGS["fwd"] = {
                     "USE_TMA": base.startswith("tma"),
                     "WARP_SPEC": base.endswith("ws"),
                     "PIPE_QK": base.endswith("pipe"),
-                    "LAZY_RESCALE": "lazy" in extra.split("+"),
+                    "TMA_HOST": "host" in extra.split("+"),
                 }
                 t0 = time.time()
                 try:

@@ -46,26 +46,6 @@ def _tma_rows(desc, off_b, off_h, start, BLOCK: tl.constexpr, BLOCK_D: tl.conste
 
 
 @triton.jit
-def _lazy_rescale(m_i, l_i, acc, m_tile):
-    """The running max of an unmasked tile, rescaled only when it has to be (LAZY_RESCALE).
-
-    Any reference point works for the online softmax as long as ``acc``, ``l`` and the final lse use the same
-    one; it only has to stay close enough to the true max that ``exp2(s - m)`` cannot overflow. So ``m`` (base
-    2) moves, and ``acc`` and ``l`` are rescaled, only when some row's max grew by more than 8 (a factor 256)
-    since the last rescale: one test per tile instead of a multiply of the whole accumulator every tile.
-    ``m_tile`` must be finite on every row (unmasked tiles; a row may still hold m = -inf from before: it grows
-    by +inf and takes the rescale, with alpha = 0).
-    """
-    m_new = tl.maximum(m_i, m_tile)
-    if tl.max(m_new - m_i, 0) > 8.0:
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha
-        acc = acc * alpha[:, None]
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _tile_ranges(row_start, row_last, n_cols, lo, hi, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, BLOCK: tl.constexpr):
     """Column runs for the rows [row_start, row_last] (inclusive; real rows only) of a band ``lo <= c - r <= hi``.
 
@@ -105,10 +85,9 @@ def _fwd_inner(
     offs_m, offs_d, start, end, Sk, lo, hi, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, LAZY: tl.constexpr = False, TMA_HOST: tl.constexpr = False,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_HOST: tl.constexpr = False,
 ):
-    """Key tiles [start, end) of one query tile; MASKED applies the band and the ragged end of Sk; LAZY (unmasked
-    tiles only) rescales the accumulator only when the running max grows by more than 2^8."""
+    """Key tiles [start, end) of one query tile; MASKED applies the band and the ragged end of Sk."""
     offs_n = tl.arange(0, BLOCK_N)
     k_tile = offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd  # (BLOCK_N, BLOCK_D)
     v_tile = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
@@ -145,21 +124,14 @@ def _fwd_inner(
             # a row with nothing visible yet keeps m = -inf: subtract 0 instead, exp2(-inf) = 0
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - m_use[:, None])
-        elif LAZY:
-            m_new, l_i, acc = _lazy_rescale(m_i, l_i, acc, tl.max(qk, 1) * qk_scale)
-            m_use = m_new
-            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_use = m_new
             p = tl.math.exp2(qk * qk_scale - m_use[:, None])
         # -- online softmax update --
-        if LAZY and not MASKED:
-            l_i = l_i + tl.sum(p, 1)
-        else:
-            alpha = tl.math.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
         if USE_TMA:
             v = _tma_rows(desc_v, off_b, off_kvh, start_n, BLOCK_N, BLOCK_D, TMA_HOST)
         elif MASKED:
@@ -176,7 +148,7 @@ def _fwd_inner(
 @triton.jit
 def _fwd_full_pipelined(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_kvh, start, end, qk_scale,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        LAZY: tl.constexpr = False, TMA_HOST: tl.constexpr = False):
+                        TMA_HOST: tl.constexpr = False):
     """The unmasked run, software-pipelined by hand: the scores of tile j+1 are issued (async wgmma) before
     the softmax of tile j, so the tensor cores can work while the exp2 units do (FlashAttention-3's
     intra-warpgroup overlap, as far as Triton's scheduler follows it). Needs TMA descriptors; [start, end)
@@ -190,29 +162,24 @@ def _fwd_full_pipelined(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_kvh, start,
             qk_next = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             # -- online softmax of the previous tile while qk_next is in flight --
             acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, qk_scale, desc_v, off_b, off_kvh, start_n - BLOCK_N,
-                                        BLOCK_N, BLOCK_D, DOT_PRECISION, LAZY, TMA_HOST)
+                                        BLOCK_N, BLOCK_D, DOT_PRECISION, TMA_HOST)
             qk = qk_next
         # -- the last tile of the run --
         acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, qk_scale, desc_v, off_b, off_kvh, end - BLOCK_N,
-                                    BLOCK_N, BLOCK_D, DOT_PRECISION, LAZY, TMA_HOST)
+                                    BLOCK_N, BLOCK_D, DOT_PRECISION, TMA_HOST)
     return acc, l_i, m_i
 
 
 @triton.jit
 def _softmax_pv(acc, l_i, m_i, qk, qk_scale, desc_v, off_b, off_kvh, start_n, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY: tl.constexpr, TMA_HOST: tl.constexpr):
+                BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_HOST: tl.constexpr):
     """Online softmax of one unmasked tile's scores, then acc += P V (V through its tensor descriptor)."""
-    if LAZY:
-        m_i, l_i, acc = _lazy_rescale(m_i, l_i, acc, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_i[:, None])
-        l_i = l_i + tl.sum(p, 1)
-    else:
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        m_i = m_new
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    m_i = m_new
     v = _tma_rows(desc_v, off_b, off_kvh, start_n, BLOCK_N, BLOCK_D, TMA_HOST)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_i
@@ -232,14 +199,13 @@ def attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LONGEST_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False, PIPE_QK: tl.constexpr = False,
-    LAZY_RESCALE: tl.constexpr = False, TMA_HOST: tl.constexpr = False,
+    TMA_HOST: tl.constexpr = False,
 ):
     """Grid: (B * Hq, cdiv(Sq, BLOCK_M)) with LONGEST_FIRST, else (cdiv(Sq, BLOCK_M), B * Hq).
 
     LSE is (B, Hq, Sq) contiguous float32, natural log. USE_TMA loads K/V through tensor descriptors (needs
     unit stride on D, 16-byte aligned rows, HEAD_DIM == BLOCK_D); WARP_SPEC asks Triton to warp-specialise the
     unmasked loop; PIPE_QK runs the unmasked loop software-pipelined by hand (with USE_TMA; ignored without);
-    LAZY_RESCALE rescales in the unmasked loop only when the running max grows by more than 2^8 (`_lazy_rescale`);
     TMA_HOST (with USE_TMA) takes DESC_K / DESC_V, 4-D descriptors over (B, Hkv, Sk, D) built on the host, instead
     of building a descriptor per program (DESC_K / DESC_V are unused otherwise: pass K and V).
     """
@@ -285,22 +251,20 @@ def attn_fwd_kernel(
     # -- boundary tiles before the fully visible run --
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, off_b, off_kvh,
                                stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, k_lo, full_lo, Sk, lo, hi, qk_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, False,
-                               False, TMA_HOST)
+                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, False, TMA_HOST)
     # -- fully visible tiles: no mask --
     if PIPE_QK and USE_TMA:
         acc, l_i, m_i = _fwd_full_pipelined(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_kvh, full_lo, full_hi, qk_scale,
-                                            BLOCK_N, BLOCK_D, DOT_PRECISION, LAZY_RESCALE, TMA_HOST)
+                                            BLOCK_N, BLOCK_D, DOT_PRECISION, TMA_HOST)
     else:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, off_b, off_kvh,
                                    stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, full_lo, full_hi, Sk, lo, hi,
                                    qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA,
-                                   WARP_SPEC, LAZY_RESCALE, TMA_HOST)
+                                   WARP_SPEC, TMA_HOST)
     # -- boundary tiles after it (diagonal, right window edge, ragged end of Sk) --
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, off_b, off_kvh,
                                stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, full_hi, k_end, Sk, lo, hi, qk_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, False,
-                               False, TMA_HOST)
+                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, False, TMA_HOST)
 
     # epilogue: rows that saw no key have l = 0 -> output 0, lse -inf
     empty = l_i == 0.0

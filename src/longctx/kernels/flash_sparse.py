@@ -31,8 +31,6 @@ Variants (constexpr flags, all off by default; `longctx.ops.triton_sparse` sets 
                   wait on a load inside the iteration, which the software pipeliner handles better)
     USE_TMA       K/V tiles through tensor descriptors (forward and dQ; unit stride on D, HEAD_DIM == BLOCK_D)
     PIPE_QK       forward, full blocks: the next tile's QK^T is issued before this tile's softmax
-    LAZY_RESCALE  forward, full blocks: the accumulator is rescaled only when the running max grows by more
-                  than 2^8 (`longctx.kernels.flash_fwd._lazy_rescale`)
     REVERSE_M     forward and dQ: query tiles run from the last one down (causal-like masks: the longest first,
                   fewer stragglers in the last wave)
     ATOMIC_DQ     dK/dV kernel also adds dS K into a float32 dQ accumulator (1: pointer atomics, 2: TMA reduce
@@ -42,8 +40,6 @@ Variants (constexpr flags, all off by default; `longctx.ops.triton_sparse` sets 
 
 import triton
 import triton.language as tl
-
-from longctx.kernels.flash_fwd import _lazy_rescale
 
 # fmt: off
 # (kernel signatures stay compact: one line per group of related arguments)
@@ -94,7 +90,6 @@ def _fwd_blocks(
     MASKED: tl.constexpr, EVEN_SK: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DOC: tl.constexpr,
     HAS_GLOBAL: tl.constexpr, MASK_BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PREFETCH_IDX: tl.constexpr,
-    LAZY: tl.constexpr = False,
 ):
     SUB: tl.constexpr = MASK_BS // BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
@@ -132,51 +127,39 @@ def _fwd_blocks(
         else:
             s = tl.where(cols[None, :] < Sk, qk * qk_scale, float("-inf"))
         # -- online softmax update --
-        if LAZY and not MASKED:
-            # full blocks run first and their first sub-tile always holds in-range keys: m is finite from then on
-            m_i, l_i, acc = _lazy_rescale(m_i, l_i, acc, tl.max(s, 1))
-            p = tl.math.exp2(s - m_i[:, None])
-            l_i = l_i + tl.sum(p, 1)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
+            # a row with nothing visible yet keeps m = -inf: subtract 0 instead (exp2(-inf) = 0)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            if MASKED:
-                # a row with nothing visible yet keeps m = -inf: subtract 0 instead (exp2(-inf) = 0)
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            else:
-                # full blocks run first and their first sub-tile always holds in-range keys: m is finite
-                m_use = m_new
-            p = tl.math.exp2(s - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            m_i = m_new
+            # full blocks run first and their first sub-tile always holds in-range keys: m is finite
+            m_use = m_new
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
 def _fwd_softmax_pv(acc, l_i, m_i, qk, start_n, V_bh, desc_v, stride_vn, v_tile, offs_n, d_ok, Sk, qk_scale,
                     EVEN_SK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, LAZY: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """Online softmax of one full tile's scores, then acc += P V (no element mask; the ragged end of Sk only)."""
     if EVEN_SK:
         s = qk * qk_scale
     else:
         s = tl.where((start_n + offs_n)[None, :] < Sk, qk * qk_scale, float("-inf"))
-    if LAZY:
-        m_i, l_i, acc = _lazy_rescale(m_i, l_i, acc, tl.max(s, 1))
-        p = tl.math.exp2(s - m_i[:, None])
-        l_i = l_i + tl.sum(p, 1)
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        m_i = m_new
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
     v = _load_kv_tile(V_bh, desc_v, start_n, stride_vn, v_tile, offs_n, d_ok, Sk, EVEN_SK, BLOCK_D, HEAD_DIM, USE_TMA)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_i
+    return acc, l_i, m_new
 
 
 @triton.jit
@@ -184,7 +167,7 @@ def _fwd_full_pipelined(
     acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, stride_kn, stride_vn, k_tile, v_tile, IDX_row, n_blocks,
     Sk, qk_scale, d_ok,
     EVEN_SK: tl.constexpr, MASK_BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, LAZY: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """The full blocks, software-pipelined by hand (PIPE_QK): the scores of sub-tile j+1 are issued (async
     wgmma) before the softmax of sub-tile j, so the tensor cores can work while the exp2 units do."""
@@ -201,12 +184,12 @@ def _fwd_full_pipelined(
             qk_next = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             # -- softmax and P V of the previous sub-tile while qk_next is in flight --
             acc, l_i, m_i = _fwd_softmax_pv(acc, l_i, m_i, qk, start_n, V_bh, desc_v, stride_vn, v_tile, offs_n, d_ok,
-                                            Sk, qk_scale, EVEN_SK, BLOCK_D, HEAD_DIM, DOT_PRECISION, USE_TMA, LAZY)
+                                            Sk, qk_scale, EVEN_SK, BLOCK_D, HEAD_DIM, DOT_PRECISION, USE_TMA)
             qk = qk_next
             start_n = nxt
         # -- the last sub-tile --
         acc, l_i, m_i = _fwd_softmax_pv(acc, l_i, m_i, qk, start_n, V_bh, desc_v, stride_vn, v_tile, offs_n, d_ok,
-                                        Sk, qk_scale, EVEN_SK, BLOCK_D, HEAD_DIM, DOT_PRECISION, USE_TMA, LAZY)
+                                        Sk, qk_scale, EVEN_SK, BLOCK_D, HEAD_DIM, DOT_PRECISION, USE_TMA)
     return acc, l_i, m_i
 
 
@@ -225,7 +208,7 @@ def sparse_fwd_kernel(
     HAS_DOC: tl.constexpr, HAS_GLOBAL: tl.constexpr, EVEN_SK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     GRID_SWAP: tl.constexpr = False, USE_TMA: tl.constexpr = False, PIPE_QK: tl.constexpr = False,
-    PREFETCH_IDX: tl.constexpr = False, REVERSE_M: tl.constexpr = False, LAZY_RESCALE: tl.constexpr = False,
+    PREFETCH_IDX: tl.constexpr = False, REVERSE_M: tl.constexpr = False,
 ):
     """Grid: (B * Hq, cdiv(Sq, BLOCK_M)), or (cdiv(Sq, BLOCK_M), B * Hq) with GRID_SWAP. Mask tensors are
     pre-expanded to (B, Hq, ...) (stride 0 broadcasts); the block lists' last dim and the per-token tensors'
@@ -292,14 +275,13 @@ def sparse_fwd_kernel(
     if PIPE_QK:
         acc, l_i, m_i = _fwd_full_pipelined(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, stride_kn, stride_vn, k_tile,
                                             v_tile, FULL_IDX + ib, n_full, Sk, qk_scale, d_ok,
-                                            EVEN_SK, MASK_BS, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, USE_TMA,
-                                            LAZY_RESCALE)
+                                            EVEN_SK, MASK_BS, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, USE_TMA)
     else:
         acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, stride_kn, stride_vn, k_tile, v_tile,
                                     FULL_IDX + ib, n_full, qb, offs_m, qd, qp, KDOC_b, KPOS_b, TILE_IDS_bh, stride_tq, TILES,
                                     Sk, lo, hi, kv_global, q_global, qk_scale, d_ok,
                                     False, EVEN_SK, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N, BLOCK_D, HEAD_DIM,
-                                    DOT_PRECISION, USE_TMA, PREFETCH_IDX, LAZY_RESCALE)
+                                    DOT_PRECISION, USE_TMA, PREFETCH_IDX)
     # -- partial blocks: element mask --
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, stride_kn, stride_vn, k_tile, v_tile,
                                 KV_IDX + ib, n_part, qb, offs_m, qd, qp, KDOC_b, KPOS_b, TILE_IDS_bh, stride_tq, TILES,

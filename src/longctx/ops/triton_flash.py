@@ -241,13 +241,10 @@ _PIPE_QK_DEFAULT = os.environ.get("LONGCTX_TRITON_PIPE_QK", "1") != "0"
 _TMA_BWD_DEFAULT = os.environ.get("LONGCTX_TRITON_TMA_BWD", "0") != "0"
 # dQ tiles added by one TMA reduce each instead of scalar float32 atomics (NOTES.md, run 7).
 _DQ_TMA_DEFAULT = os.environ.get("LONGCTX_TRITON_DQ_TMA", "1") != "0"
-# The forward's unmasked tiles rescale the accumulator only when the running max grows by more than 2^8
-# (FlashAttention-4's conditional rescaling; `flash_fwd._lazy_rescale`). LONGCTX_TRITON_LAZY_RESCALE=0 rescales
-# on every tile.
-_LAZY_DEFAULT = os.environ.get("LONGCTX_TRITON_LAZY_RESCALE", "0") != "0"
 # The forward's K/V descriptors built once on the host (4-D, over (B, Hkv, Sk, D)) and passed by value, instead
-# of by every program in the kernel (a global write and a fence per program). LONGCTX_TRITON_TMA_HOST=0: in-kernel.
-_TMA_HOST_DEFAULT = os.environ.get("LONGCTX_TRITON_TMA_HOST", "0") != "0"
+# of by every program in the kernel (a global write and a fence per program): +0-6% (NOTES.md, session 4).
+# LONGCTX_TRITON_TMA_HOST=0 builds them in the kernel.
+_TMA_HOST_DEFAULT = os.environ.get("LONGCTX_TRITON_TMA_HOST", "1") != "0"
 # For tuning sessions: force the atomic-dQ (True) or the separate-dQ (False) backward; None follows the rules.
 FORCE_ATOMIC: bool | None = None
 
@@ -296,7 +293,9 @@ def _forward_impl(
     # (D=64 short causal: TMA with 128x32 tiles measured 290 vs 278 for the best pointer-load tile; session 3)
     short_causal = longest_first and max(Sq, Sk) <= 2048 and bd >= 128
     use_tma = _USE_TMA_DEFAULT and not short_causal and min(Sq, Sk) >= 16 and _tma_ok(k, D, bd) and _tma_ok(v, D, bd)
-    tma_host = use_tma and EXTRA_KWARGS.get("fwd", {}).get("TMA_HOST", _TMA_HOST_DEFAULT)
+    forced = EXTRA_KWARGS.get("fwd", {})  # tuning sessions may force the variant
+    use_tma = forced.get("USE_TMA", use_tma)
+    tma_host = use_tma and forced.get("TMA_HOST", _TMA_HOST_DEFAULT)
     desc_k, desc_v = k, v  # unused by the kernel unless TMA_HOST
     if tma_host:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -327,7 +326,6 @@ def _forward_impl(
             DOT_PRECISION=_dot_precision(q.dtype),
             USE_TMA=use_tma,
             TMA_HOST=tma_host,
-            LAZY_RESCALE=_LAZY_DEFAULT,
         ),
     )
     return out, lse

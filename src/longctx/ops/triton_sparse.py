@@ -91,7 +91,6 @@ VARIANT: dict = {
     "tma_dq": _flag("LONGCTX_SPARSE_TMA_DQ"),  # dQ kernel: K/V through tensor descriptors (CUDA only)
     "pipe_qk": _flag("LONGCTX_SPARSE_PIPE_QK"),  # forward, full blocks: next QK^T issued before the softmax
     "reverse_m": _flag("LONGCTX_SPARSE_REVERSE_M"),  # forward and dQ: the last query tile first
-    "lazy_rescale": _flag("LONGCTX_SPARSE_LAZY_RESCALE"),  # forward, full blocks: rescale only when the max grows
     # "0": separate dQ kernel (deterministic); "ptr": dQ by float32 atomics in the dK/dV kernel; "tma": the same
     # through a TMA reduce (CUDA only; "ptr" elsewhere). Never under deterministic=True / LONGCTX_DETERMINISTIC=1.
     "atomic_dq": os.environ.get("LONGCTX_SPARSE_ATOMIC_DQ", "0").strip().lower(),
@@ -121,7 +120,7 @@ FORCE_CONFIG: dict[str, tuple[int, int, int, int]] = _tiles_from_env(os.environ.
 TMA_IN_INTERPRETER = False
 
 
-_VARIANT_CONSTEXPRS = ("GRID_SWAP", "PREFETCH_IDX", "USE_TMA", "PIPE_QK", "REVERSE_M", "ATOMIC_DQ", "LAZY_RESCALE")
+_VARIANT_CONSTEXPRS = ("GRID_SWAP", "PREFETCH_IDX", "USE_TMA", "PIPE_QK", "REVERSE_M", "ATOMIC_DQ")
 
 
 def _kernel_fn(kind: str):
@@ -255,7 +254,6 @@ def _forward_impl(q, k, v, scale: float, mt: tuple, meta: list) -> tuple[torch.T
             PIPE_QK=VARIANT["pipe_qk"],
             PREFETCH_IDX=VARIANT["prefetch_idx"],
             REVERSE_M=VARIANT["reverse_m"],
-            LAZY_RESCALE=VARIANT["lazy_rescale"],
             Hq=Hq,
             Sq=Sq,
             Sk=Sk,
