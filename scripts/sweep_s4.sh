@@ -4,6 +4,8 @@
 #       host-built descriptors (+host) against the current forward variants; the benchmark at rep 30 / 100 ms.
 #   PART=probe2: the autotuner's own timings per config (does it pick the sweeps' winner?), host descriptors
 #       with the pipelined tile and for short causal inputs, then the GPU test modules of the Triton kernels.
+#   PART=table: the attention table (ours, cuDNN, FA2; every D, S, band and GQA), then tiled / math on short cases.
+#   PART=flex: the FlexAttention column on the D=64/128 cases from S=2K and GQA (merged into the table after).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-sweep_out}
@@ -26,5 +28,18 @@ probe2)
   LONGCTX_TRITON_AUTOTUNE=0 timeout 280 python3 -m pytest -q -p no:cacheprovider -n 6 -m gpu \
     tests/gpu/test_triton_gpu.py tests/gpu/test_sparse_gpu.py >>"$LOG" 2>&1
   tail -3 "$LOG"
+  ;;
+table)
+  clocks
+  timeout 480 python3 -m longctx bench attention --providers triton,cudnn,fa2 --out-dir "$OUT" --tag _s4_main >>"$LOG" 2>&1
+  clocks
+  timeout 90 python3 -m longctx bench attention --providers tiled,math --d 128 --s 1024,2048 --no-gqa --rep 50 \
+    --out-dir "$OUT" --tag _s4_tiled >>"$LOG" 2>&1
+  ;;
+flex)
+  clocks
+  timeout 560 python3 -m longctx bench attention --providers flex --d 64,128 --s 2048,8192,16384 --out-dir "$OUT" \
+    --tag _s4_flex >>"$LOG" 2>&1
+  clocks
   ;;
 esac

@@ -70,8 +70,9 @@ def _triton_import_error() -> str | None:
 
 
 def _seq_bucket(n: int) -> int:
-    """Length bucket of the autotune key: <=1K, <=4K, <=16K, longer."""
-    return 0 if n <= 1024 else 1 if n <= 4096 else 2 if n <= 16384 else 3
+    """Length bucket of the autotune key: one per power of two from <=1K to <=16K, then longer. (Coarser buckets
+    let the first length tuned decide for the next: 2K's tile was reused at 4K, 8K's at 16K.)"""
+    return 0 if n <= 1024 else min(5, (n - 1).bit_length() - 10)
 
 
 def _band_args(band: Band) -> tuple[int, int, bool, bool]:
