@@ -6,6 +6,8 @@
 #       with the pipelined tile and for short causal inputs, then the GPU test modules of the Triton kernels.
 #   PART=table: the attention table (ours, cuDNN, FA2; every D, S, band and GQA), then tiled / math on short cases.
 #   PART=flex: the FlexAttention column on the D=64/128 cases from S=2K and GQA (merged into the table after).
+#   PART=short: after the short-causal rule change (TMA with host descriptors there too): the S <= 2K rows again,
+#       the Triton GPU tests, and the mask benchmark beside FlexAttention.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-sweep_out}
@@ -40,6 +42,17 @@ flex)
   clocks
   timeout 560 python3 -m longctx bench attention --providers flex --d 64,128 --s 2048,8192,16384 --out-dir "$OUT" \
     --tag _s4_flex >>"$LOG" 2>&1
+  clocks
+  ;;
+short)
+  clocks
+  timeout 150 python3 -m longctx bench attention --providers triton,cudnn,fa2 --d 64,128 --s 1024,2048 --out-dir "$OUT" \
+    --tag _s4_short >>"$LOG" 2>&1
+  LONGCTX_TRITON_AUTOTUNE=0 timeout 200 python3 -m pytest -q -p no:cacheprovider -n 6 -m gpu tests/gpu/test_triton_gpu.py \
+    >>"$LOG" 2>&1
+  tail -1 "$LOG"
+  clocks
+  timeout 220 python3 -m longctx.bench.masks --quick --no-build --out-dir "$OUT" --tag _s4 >>"$LOG" 2>&1
   clocks
   ;;
 esac

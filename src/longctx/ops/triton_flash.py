@@ -289,11 +289,11 @@ def _forward_impl(
     longest_first = has_hi and not has_lo
     # Sq or Sk == 1 is specialised by Triton; ptxas crashed (SIGSEGV) on that TMA variant at D=256 (GPU
     # test run 4), and TMA gains nothing on such tiny inputs: pointer loads there.
-    # Short causal-like inputs: pointer loads measured faster than TMA (NOTES.md, run 7: D=128 causal 2K
-    # 280 vs 273, 1K 216 vs 209); from 4K on TMA wins (401 vs 368).
-    # (D=64 short causal: TMA with 128x32 tiles measured 290 vs 278 for the best pointer-load tile; session 3)
-    short_causal = longest_first and max(Sq, Sk) <= 2048 and bd >= 128
-    use_tma = _USE_TMA_DEFAULT and not short_causal and min(Sq, Sk) >= 16 and _tma_ok(k, D, bd) and _tma_ok(v, D, bd)
+    # (Short causal inputs used to take pointer loads too, when each program built its own descriptors: that fixed
+    # cost lost to pointer loads at 2K. With the descriptors built once on the host, TMA wins there as well:
+    # D=128 2K causal 365 vs 345 TFLOP/s, D=64 308 vs 290; NOTES.md, session 4.)
+    use_tma = _USE_TMA_DEFAULT and min(Sq, Sk) >= 16 and _tma_ok(k, D, bd) and _tma_ok(v, D, bd)
+    use_tma = use_tma and (_TMA_HOST_DEFAULT or not (longest_first and max(Sq, Sk) <= 2048 and bd >= 128))
     forced = EXTRA_KWARGS.get("fwd", {})  # tuning sessions may force the variant
     use_tma = forced.get("USE_TMA", use_tma)
     tma_host = use_tma and forced.get("TMA_HOST", _TMA_HOST_DEFAULT)
