@@ -58,6 +58,18 @@ CASES = {
         {"tma": True, "tma_host": True, "layout": "bshd"},
     ),
     "tma_pipe_full_d16_f32": (1, 2, 1, 40, 77, 16, "float32", {"causal": False}, {"tma": True, "pipe": True}),
+    # K/V broadcast over batch (stride 0): the host descriptor is not used for such views, the result is the same
+    "tma_host_broadcast_kv_d16_f32": (
+        2,
+        2,
+        1,
+        33,
+        40,
+        16,
+        "float32",
+        {"causal": True},
+        {"tma": True, "tma_host": True, "broadcast_kv": True},
+    ),
     "tma_host_pipe_growing_scores_causal_d32_f32": (
         1,
         2,
@@ -97,6 +109,8 @@ _SCRIPT = textwrap.dedent(
                 return torch.randn(B, H, S, D, dtype=dtype)
 
             q, k, v = mk(Hq, Sq), mk(Hkv, Sk), mk(Hkv, Sk)
+            if extra.get("broadcast_kv"):
+                k, v = k[:1].expand_as(k), v[:1].expand_as(v)
             if "grow" in extra:  # key j scaled by 1 + grow * j / Sk: the row max keeps growing along the keys
                 k = (k.double() * (1 + extra["grow"] * torch.arange(Sk, dtype=torch.float64) / Sk)[:, None]).to(dtype)
             scale = 1.0 / math.sqrt(D)

@@ -296,7 +296,11 @@ def _forward_impl(
     use_tma = use_tma and (_TMA_HOST_DEFAULT or not (longest_first and max(Sq, Sk) <= 2048 and bd >= 128))
     forced = EXTRA_KWARGS.get("fwd", {})  # tuning sessions may force the variant
     use_tma = forced.get("USE_TMA", use_tma)
-    tma_host = use_tma and forced.get("TMA_HOST", _TMA_HOST_DEFAULT)
+    # the host descriptor spans (B, Hkv, Sk, D) with k's own strides: not for broadcast (stride 0) views, e.g.
+    # K/V expanded over heads; those keep the per-program descriptors, which use the row stride only
+    tma_host = (
+        use_tma and forced.get("TMA_HOST", _TMA_HOST_DEFAULT) and all(t.stride(i) > 0 for t in (k, v) for i in range(3))
+    )
     desc_k, desc_v = k, v  # unused by the kernel unless TMA_HOST
     if tma_host:
         from triton.tools.tensor_descriptor import TensorDescriptor
