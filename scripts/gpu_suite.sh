@@ -2,10 +2,7 @@
 # The GPU lane, run by hand on a CUDA machine (the device machine in this workplace): versions, the oracle
 # check of every backend, and the GPU test modules. Writes logs under ${OUT:-gpu_out}.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source "$(dirname "$0")/_device_env.sh" gpu_out
 python3 -m longctx info 2>&1 | tee "$OUT/info.txt"
 python3 -m longctx check 2>&1 | tee "$OUT/check.txt"
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu "$@" 2>&1 | tee "$OUT/gpu_tests.txt"

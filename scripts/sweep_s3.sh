@@ -4,10 +4,7 @@
 # separate-path tiles). PART=fwd2 / bwd2: round 2 around round 1's winners; fwd3 / bwd3: round 3 (D=64 dense
 # backward tiles, GQA 16K separate tiles, two 128-row programs per SM). One log: ${OUT:-sweep_out}/sweep.txt
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-sweep_out}
-mkdir -p "$OUT"
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source "$(dirname "$0")/_device_env.sh" sweep_out
 SW="python3 benchmarks/sweep_triton.py --rep 30"
 LOG="$OUT/sweep.txt"
 case "${PART:-fwd}" in

@@ -9,10 +9,7 @@
 #   PART=short: after the short-causal rule change (TMA with host descriptors there too): the S <= 2K rows again,
 #       the Triton GPU tests, and the mask benchmark beside FlexAttention.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-sweep_out}
-mkdir -p "$OUT"
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source "$(dirname "$0")/_device_env.sh" sweep_out
 SW="python3 benchmarks/sweep_triton.py --rep 30"
 LOG="$OUT/sweep.txt"
 clocks() { nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader >>"$LOG" 2>&1; }
@@ -54,5 +51,9 @@ short)
   clocks
   timeout 220 python3 -m longctx.bench.masks --quick --no-build --out-dir "$OUT" --tag _s4 >>"$LOG" 2>&1
   clocks
+  ;;
+*)
+  echo "sweep_s4.sh: unknown PART=${PART} (probe2, table, flex, short; call 1's probe used variants since removed)" >&2
+  exit 2
   ;;
 esac
