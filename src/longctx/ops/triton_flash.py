@@ -249,6 +249,92 @@ _TMA_HOST_DEFAULT = os.environ.get("LONGCTX_TRITON_TMA_HOST", "1") != "0"
 # For tuning sessions: force the atomic-dQ (True) or the separate-dQ (False) backward; None follows the rules.
 FORCE_ATOMIC: bool | None = None
 
+# The warp-specialised forward (`kernels.flash_fwd_ws`, Gluon; Hopper only): a producer warp feeding two consumer
+# warpgroups through mbarriers. LONGCTX_TRITON_WS=0 keeps the Triton forward everywhere.
+_WS_DEFAULT = os.environ.get("LONGCTX_TRITON_WS", "1") != "0"
+# (head dim, causal-like band) -> (BLOCK_N, STAGES, PIPE): key tile, shared-memory ring depth, intra-warpgroup
+# overlap. Sweep of session 5 (NOTES.md): 3 stages win for dense bands and long causal ones; 2 stages at 4K causal.
+WS_CONFIG: dict[int, tuple[int, int, bool]] = {64: (128, 3, True), 128: (128, 3, True)}
+WS_CONFIG_SHORT_CAUSAL: dict[int, tuple[int, int, bool]] = {128: (128, 2, True)}
+# For tuning sessions: None follows the rules, True / False forces the warp-specialised forward on / off.
+FORCE_WS: bool | None = None
+
+
+@functools.cache
+def _ws_capable(device_index: int) -> bool:
+    """Gluon importable and an sm_90 GPU (the kernel uses Hopper's wgmma, TMA and setmaxnreg)."""
+    if _interpret() or torch.cuda.get_device_capability(device_index)[0] != 9:
+        return False
+    try:
+        from longctx.kernels import flash_fwd_ws  # noqa: F401
+    except Exception:  # a Triton without Gluon
+        return False
+    return True
+
+
+def _ws_config(D: int, Sq: int, Sk: int, has_lo: bool, has_hi: bool) -> tuple[int, int, bool] | None:
+    """The warp-specialised forward's config for these inputs, or None where the Triton forward measured faster
+    (session 5 sweep, H100): D=64 with a band (causal 354 / 389 / 400 vs 331 / 381 / 413 TFLOP/s at 4K / 8K /
+    16K), and D=128 causal-like bands up to 2K (353 vs 310 at 2K)."""
+    if FORCE_WS:
+        return WS_CONFIG.get(D)
+    banded = has_lo or has_hi
+    if D == 64 and banded:
+        return None
+    if D == 128 and banded:
+        n = max(Sq, Sk)
+        if n <= 2048:
+            return None
+        if n <= 4096:
+            return WS_CONFIG_SHORT_CAUSAL[D]
+    return WS_CONFIG.get(D)
+
+
+def _ws_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Inputs the warp-specialised forward can take: fp16/bf16 on a Hopper GPU, head dim 64 or 128, TMA-loadable
+    q/k/v (unit stride on D, 16-byte aligned rows) without broadcast (stride 0) dims. (Whether it is the faster
+    kernel for them: `_ws_config`.)"""
+    if FORCE_WS is False or not (_WS_DEFAULT or FORCE_WS):
+        return False
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    D = q.shape[3]
+    if D not in WS_CONFIG or min(q.shape[2], k.shape[2]) < 16:
+        return False
+    if not all(_tma_ok(t, D, D) and all(t.stride(i) > 0 for i in range(3)) for t in (q, k, v)):
+        return False
+    return _ws_capable(q.device.index if q.device.index is not None else torch.cuda.current_device())
+
+
+def _forward_ws(q, k, v, out, lse, scale, lo_i, hi_i, has_lo, has_hi, config) -> None:
+    """Launch `flash_fwd_ws.attn_fwd_ws_kernel` (conditions: `_ws_ok`; config from `_ws_config`)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from longctx.kernels import flash_fwd_ws
+
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    block_n, stages, pipe = config
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+
+    def desc(t, rows):
+        block = [1, 1, rows, D]
+        return TensorDescriptor(
+            t, list(t.shape), list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, gdt)
+        )
+
+    rows = flash_fwd_ws.WG_ROWS * flash_fwd_ws.NUM_CONSUMERS
+    longest_first = has_hi and not has_lo
+    grid = (B * Hq, _cdiv(Sq, rows)) if longest_first else (_cdiv(Sq, rows), B * Hq)
+    flash_fwd_ws.attn_fwd_ws_kernel[grid](
+        desc(q, int(flash_fwd_ws.WG_ROWS)), desc(k, block_n), desc(v, block_n), out, lse, *out.stride(),
+        Hq, Sq, Sk, Hq // Hkv, lo_i, hi_i, float(scale) * 1.4426950408889634,
+        HEAD_DIM=D, BLOCK_D=D, HAS_LO=has_lo, HAS_HI=has_hi, LONGEST_FIRST=longest_first,
+        BLOCK_N=block_n, STAGES=stages, PIPE=pipe, CONSUMER_REGS=240, PRODUCER_REGS=24,
+        num_warps=4, maxnreg=168,
+    )  # fmt: skip
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -286,6 +372,10 @@ def _forward_impl(
 
     bd = configs.block_d(D)
     lo_i, hi_i, has_lo, has_hi = _band_args(Band(lo, hi))
+    ws_config = _ws_config(D, Sq, Sk, has_lo, has_hi) if _ws_ok(q, k, v) else None
+    if ws_config is not None:
+        _forward_ws(q, k, v, out, lse, scale, lo_i, hi_i, has_lo, has_hi, ws_config)
+        return out, lse
     longest_first = has_hi and not has_lo
     # Sq or Sk == 1 is specialised by Triton; ptxas crashed (SIGSEGV) on that TMA variant at D=256 (GPU
     # test run 4), and TMA gains nothing on such tiny inputs: pointer loads there.

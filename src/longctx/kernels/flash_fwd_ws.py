@@ -1,0 +1,307 @@
+"""FlashAttention forward for Hopper, warp-specialised, in Gluon (Triton's lower-level language).
+
+Why a second forward kernel. The `flash_fwd` kernel (Triton) keeps every warp on the same instruction stream:
+each iteration the compiler puts CTA-wide barriers (``bar.sync``) around the TMA loads and after the QK^T wait,
+so the two warpgroups of a 128-row tile run their softmax at the same moment and the tensor cores idle
+meanwhile (SASS of the 128x128 tile: 3 ``BAR.SYNC`` per key tile; NOTES.md, session 5). Hopper's answer
+(FlashAttention-3) is warp specialisation: one producer warp issues the TMA loads and two consumer warpgroups
+each own 64 query rows. They synchronise only through mbarriers (a "ready" and an "empty" barrier per shared
+memory stage), so one warpgroup's exp2 can run while the other's wgmma does. Triton 3.6 expresses this on
+Hopper only through Gluon (`gl.warp_specialize`), hence this file.
+
+Partitions (all in one CTA, one tile of ``2 * 64`` query rows of one query head):
+
+- consumer 0 (the default partition, 4 warps) and consumer 1 (a worker, 4 warps): rows
+  ``[start_m + 64 w, start_m + 64 (w + 1))``; online softmax in base 2 with the scores and the output
+  accumulator in registers (wgmma layout), the probabilities fed to the second wgmma from registers.
+- producer (a worker, 1 warp, few registers): Q once, then the K and V tiles the band lets the CTA see, into a
+  ring of ``STAGES`` shared-memory slots.
+
+Semantics are those of `flash_fwd.attn_fwd_kernel` (band ``lo <= j - i <= hi``, three runs of key tiles:
+masked / unmasked / masked, rows that see nothing give 0 and lse -inf, GQA by ``h // GROUP``, lse in natural
+log). Descriptors are 4-D over (B, H, S, D), built on the host, so (B, S, H, D) views work without a copy;
+TMA fills rows past S with zeros, and the mask hides them.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+# fmt: off
+
+WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one m64 wgmma row block)
+NUM_CONSUMERS = gl.constexpr(2)
+
+
+@gluon.jit
+def _ranges(row_start, row_last, n_cols, lo, hi, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, BLOCK: gl.constexpr):
+    """Key-tile runs of the rows [row_start, row_last] (see `flash_fwd._tile_ranges`, same arithmetic)."""
+    c_start = 0
+    c_end = n_cols
+    if HAS_LO:
+        c_start = gl.maximum(row_start + lo, 0)
+    if HAS_HI:
+        c_end = gl.minimum(row_last + hi + 1, n_cols)
+    c_lo = (gl.minimum(c_start, n_cols) // BLOCK) * BLOCK
+    c_end = gl.where(c_end > c_start, c_end, c_lo)
+    c_end_ceil = gl.cdiv(c_end, BLOCK) * BLOCK
+    f_start = c_lo
+    if HAS_LO:
+        f_start = gl.maximum(f_start, row_last + lo)
+    f_start = gl.cdiv(f_start, BLOCK) * BLOCK
+    f_end = n_cols
+    if HAS_HI:
+        f_end = gl.minimum(f_end, row_start + hi + 1)
+    f_end = (gl.maximum(f_end, 0) // BLOCK) * BLOCK
+    full_lo = gl.minimum(gl.maximum(f_start, c_lo), c_end_ceil)
+    full_hi = gl.minimum(gl.maximum(f_end, full_lo), c_end_ceil)
+    full_hi = gl.maximum(full_hi, full_lo)
+    return c_lo, full_lo, full_hi, c_end
+
+
+@gluon.jit
+def _program(Sq, Hq, GROUP, LONGEST_FIRST: gl.constexpr, BLOCK_M: gl.constexpr):
+    """(batch, query head, kv head, first row) of this CTA; causal-like bands run their longest tiles first."""
+    if LONGEST_FIRST:
+        pid_bh = gl.program_id(0)
+        pid_m = gl.num_programs(1) - 1 - gl.program_id(1)
+    else:
+        pid_m = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+    off_b = pid_bh // Hq
+    off_h = pid_bh % Hq
+    return off_b, off_h, off_h // GROUP, pid_m * BLOCK_M
+
+
+@gluon.jit
+def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+              Sq, Sk, Hq, GROUP, lo, hi,
+              HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: Q of both consumers, then every K/V tile of [k_lo, k_end) in order, STAGES slots ahead."""
+    off_b, off_h, off_kvh, start_m = _program(Sq, Hq, GROUP, LONGEST_FIRST, BLOCK_M)
+    row_last = gl.minimum(start_m + BLOCK_M, Sq) - 1
+    k_lo, full_lo, full_hi, k_end = _ranges(start_m, row_last, Sk, lo, hi, HAS_LO, HAS_HI, BLOCK_N)
+    for w in gl.static_range(NUM_CONSUMERS):
+        bar = q_bar.index(w)
+        mbarrier.expect(bar, desc_q.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_q, [off_b, off_h, start_m + w * WG_ROWS, 0], bar, q_smem.index(w))
+    i = 0
+    for start_n in range(k_lo, k_end, BLOCK_N):
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        # the slot is free once both consumers released it (the barriers start "complete": the first round passes)
+        mbarrier.wait(k_empty.index(s), ph ^ 1)
+        mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_k, [off_b, off_kvh, start_n, 0], k_ready.index(s), k_smem.index(s))
+        mbarrier.wait(v_empty.index(s), ph ^ 1)
+        mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_v, [off_b, off_kvh, start_n, 0], v_ready.index(s), v_smem.index(s))
+        i += 1  # noqa: SIM113 (Gluon loops have no enumerate)
+
+
+@gluon.jit
+def _softmax(qk, m_i, l_i, offs_m, start_n, Sk, lo, hi, qk_scale, s_layout: gl.constexpr, MASKED: gl.constexpr,
+             HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Online softmax of one tile of raw scores: (p, new max, alpha = rescale of the old state, new sum)."""
+    if MASKED:
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        diff = cols[None, :] - offs_m[:, None]
+        keep = cols[None, :] < Sk
+        if HAS_LO:
+            keep = keep & (diff >= lo)
+        if HAS_HI:
+            keep = keep & (diff <= hi)
+        sc = gl.where(keep, qk * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, 1))
+        # a row with nothing visible yet keeps m = -inf: subtract 0 instead, exp2(-inf) = 0
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(sc - m_use[:, None])
+    else:
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+        m_use = m_new
+        p = gl.exp2(qk * qk_scale - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, alpha, l_i
+
+
+@gluon.jit
+def _consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, offs_m, start, end,
+                 Sk, lo, hi, qk_scale,
+                 s_layout: gl.constexpr, p_layout: gl.constexpr, MASKED: gl.constexpr,
+                 HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
+                 BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
+    """Key tiles [start, end) for one warpgroup's 64 rows, one tile after the other; ``i`` counts tiles across
+    runs (it selects the ring slot and the barrier phase, in the producer's order)."""
+    zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    for start_n in range(start, end, BLOCK_N):
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        k_buf = k_smem.index(s).reshape([BLOCK_N, BLOCK_D])
+        v_buf = v_smem.index(s).reshape([BLOCK_N, BLOCK_D])
+        mbarrier.wait(k_ready.index(s), ph)
+        qk = warpgroup_mma(q, k_buf.permute((1, 0)), zero, use_acc=False, is_async=True)
+        qk, _, _ = warpgroup_mma_wait(0, deps=(qk, q, k_buf))
+        mbarrier.arrive(k_empty.index(s), count=1)
+        p, m_i, alpha, l_i = _softmax(qk, m_i, l_i, offs_m, start_n, Sk, lo, hi, qk_scale, s_layout, MASKED,
+                                      HAS_LO, HAS_HI, BLOCK_N)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+        p_op = gl.convert_layout(p.to(v_buf.dtype), p_layout)
+        mbarrier.wait(v_ready.index(s), ph)
+        acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+        acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p_op, v_buf))
+        mbarrier.arrive(v_empty.index(s), count=1)
+        i += 1
+    return acc, l_i, m_i, i
+
+
+@gluon.jit
+def _consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, start, end,
+                           qk_scale, s_layout: gl.constexpr, p_layout: gl.constexpr,
+                           BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
+    """The unmasked run with FlashAttention-3's intra-warpgroup overlap: the scores of tile j are issued, then
+    P(j-1) V(j-1), and the softmax of tile j runs while P(j-1) V(j-1) is still on the tensor cores. Costs a
+    second score tile and the bf16 P(j-1) in registers."""
+    zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    if start < end:
+        # -- first tile: scores and softmax, its P V is issued in the next iteration --
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        k_buf = k_smem.index(s).reshape([BLOCK_N, BLOCK_D])
+        mbarrier.wait(k_ready.index(s), ph)
+        qk = warpgroup_mma(q, k_buf.permute((1, 0)), zero, use_acc=False, is_async=True)
+        qk, _, _ = warpgroup_mma_wait(0, deps=(qk, q, k_buf))
+        mbarrier.arrive(k_empty.index(s), count=1)
+        p, m_i, alpha, l_i = _softmax(qk, m_i, l_i, m_i, 0, 0, 0, 0, qk_scale, s_layout, False, False, False, BLOCK_N)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+        p_op = gl.convert_layout(p.to(k_buf.dtype), p_layout)
+        for _tile in range(start + BLOCK_N, end, BLOCK_N):
+            s_prev = s
+            ph_prev = ph
+            i += 1
+            s = i % STAGES
+            ph = (i // STAGES) & 1
+            k_buf = k_smem.index(s).reshape([BLOCK_N, BLOCK_D])
+            v_prev = v_smem.index(s_prev).reshape([BLOCK_N, BLOCK_D])
+            mbarrier.wait(k_ready.index(s), ph)
+            qk = warpgroup_mma(q, k_buf.permute((1, 0)), zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(s_prev), ph_prev)
+            acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+            # scores of tile j done (groups retire in order); P(j-1) V(j-1) may still run
+            qk, _, _ = warpgroup_mma_wait(1, deps=(qk, q, k_buf))
+            mbarrier.arrive(k_empty.index(s), count=1)
+            p, m_i, alpha, l_i = _softmax(qk, m_i, l_i, m_i, 0, 0, 0, 0, qk_scale, s_layout, False, False, False,
+                                          BLOCK_N)
+            acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p_op, v_prev))
+            mbarrier.arrive(v_empty.index(s_prev), count=1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+            p_op = gl.convert_layout(p.to(k_buf.dtype), p_layout)
+        # -- P V of the last tile --
+        v_buf = v_smem.index(s).reshape([BLOCK_N, BLOCK_D])
+        mbarrier.wait(v_ready.index(s), ph)
+        acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+        acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p_op, v_buf))
+        mbarrier.arrive(v_empty.index(s), count=1)
+        i += 1
+    return acc, l_i, m_i, i
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
+              stride_ob, stride_oh, stride_om, stride_od,
+              Sq, Sk, Hq, GROUP, lo, hi, qk_scale, WG: gl.constexpr,
+              HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
+              STAGES: gl.constexpr, PIPE: gl.constexpr):
+    """One warpgroup: 64 query rows against the CTA's key tiles; writes their output and lse."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    off_b, off_h, off_kvh, start_m = _program(Sq, Hq, GROUP, LONGEST_FIRST, BLOCK_M)
+    row_last = gl.minimum(start_m + BLOCK_M, Sq) - 1
+    # every warpgroup walks the CTA's runs (the producer loads them once for both); its own rows are masked
+    k_lo, full_lo, full_hi, k_end = _ranges(start_m, row_last, Sk, lo, hi, HAS_LO, HAS_HI, BLOCK_N)
+    my_start = start_m + WG * WG_ROWS
+    offs_m = my_start + gl.arange(0, WG_ROWS, layout=row_s)
+
+    m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
+    acc = gl.zeros([WG_ROWS, BLOCK_D], gl.float32, layout=o_layout)
+    q = q_smem.index(WG).reshape([WG_ROWS, BLOCK_D])
+    mbarrier.wait(q_bar.index(WG), 0)
+    i = 0
+    acc, l_i, m_i, i = _consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, offs_m,
+                                    k_lo, full_lo, Sk, lo, hi, qk_scale, s_layout, p_layout, True,
+                                    HAS_LO, HAS_HI, BLOCK_N, BLOCK_D, STAGES)
+    if PIPE:
+        acc, l_i, m_i, i = _consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
+                                                  v_empty, full_lo, full_hi, qk_scale, s_layout, p_layout,
+                                                  BLOCK_N, BLOCK_D, STAGES)
+    else:
+        acc, l_i, m_i, i = _consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                                        offs_m, full_lo, full_hi, Sk, lo, hi, qk_scale, s_layout, p_layout, False,
+                                        HAS_LO, HAS_HI, BLOCK_N, BLOCK_D, STAGES)
+    acc, l_i, m_i, i = _consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, offs_m,
+                                    full_hi, k_end, Sk, lo, hi, qk_scale, s_layout, p_layout, True,
+                                    HAS_LO, HAS_HI, BLOCK_N, BLOCK_D, STAGES)
+
+    # epilogue: rows that saw no key have l = 0 -> output 0, lse -inf; lse in natural log
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    pid_bh = off_b * Hq + off_h
+    gl.store(LSE + pid_bh.to(gl.int64) * Sq + offs_m, lse, mask=offs_m < Sq)
+    out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    offs_mo = my_start + gl.arange(0, WG_ROWS, layout=row_o)
+    offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = (O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
+              + offs_mo[:, None].to(gl.int64) * stride_om + offs_d[None, :] * stride_od)
+    o_mask = (offs_mo[:, None] < Sq) & (offs_d[None, :] < HEAD_DIM)
+    gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
+
+
+@gluon.jit
+def attn_fwd_ws_kernel(
+    desc_q, desc_k, desc_v, O, LSE,
+    stride_ob, stride_oh, stride_om, stride_od,
+    Hq, Sq, Sk, GROUP, lo, hi, qk_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
+    HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """Grid: (B * Hq, cdiv(Sq, 128)) with LONGEST_FIRST, else (cdiv(Sq, 128), B * Hq); launched with num_warps=4
+    (consumer 0) plus the workers' 4 + 1 warps. desc_q has block (1, 1, 64, BLOCK_D), desc_k / desc_v
+    (1, 1, BLOCK_N, BLOCK_D); O is written through pointers with its own strides, LSE is (B, Hq, Sq) float32."""
+    BLOCK_M: gl.constexpr = WG_ROWS * NUM_CONSUMERS
+    dtype: gl.constexpr = desc_q.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for w in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(q_bar.index(w), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(k_empty.index(s), count=NUM_CONSUMERS)
+        mbarrier.init(v_empty.index(s), count=NUM_CONSUMERS)
+
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
+                     stride_ob, stride_oh, stride_om, stride_od, Sq, Sk, Hq, GROUP, lo, hi, qk_scale, 0,
+                     HAS_LO, HAS_HI, LONGEST_FIRST, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE)),
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
+                     stride_ob, stride_oh, stride_om, stride_od, Sq, Sk, Hq, GROUP, lo, hi, qk_scale, 1,
+                     HAS_LO, HAS_HI, LONGEST_FIRST, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE)),
+        (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                     Sq, Sk, Hq, GROUP, lo, hi, HAS_LO, HAS_HI, LONGEST_FIRST, BLOCK_M, BLOCK_N, BLOCK_D, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

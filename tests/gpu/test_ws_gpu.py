@@ -1,0 +1,96 @@
+"""GPU tests of the warp-specialised forward (`kernels.flash_fwd_ws`, Gluon; Hopper only, skipped elsewhere).
+
+test_triton_gpu.py runs the whole matrix through `triton_attention`, which takes this kernel for the inputs it
+supports (fp16/bf16, D in {64, 128}) on an sm_90 GPU. Here: that it is really the kernel taken there, and
+that it agrees with the Triton forward and with the float64 oracle on the shapes that stress its pipeline
+(many key tiles per ring slot, runs of length 0 and 1, ragged tails, GQA, the flash_attn_func layout).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("LONGCTX_TRITON_AUTOTUNE", "0")
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs an sm_90 (Hopper) GPU")]
+
+BANDS = {"full": (None, None), "causal": (None, 0), "window": (-300, 0), "two_sided": (-77, 130)}
+
+
+@pytest.fixture
+def force_ws():
+    from longctx.ops import triton_flash as tf
+
+    saved = tf.FORCE_WS, dict(tf.WS_CONFIG)
+    yield tf
+    tf.FORCE_WS = saved[0]
+    tf.WS_CONFIG.clear()
+    tf.WS_CONFIG.update(saved[1])
+
+
+def test_ws_is_taken(force_ws, monkeypatch):
+    tf = force_ws
+    calls = []
+    real = tf._forward_ws
+    monkeypatch.setattr(tf, "_forward_ws", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
+    tf.FORCE_WS = None
+    tf.triton_forward(q, q, q, scale=0.1, band=tf.Band(None, None))
+    assert calls, "the warp-specialised forward was not used for bf16 D=128 on Hopper"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("cfg", [(128, 2, True), (128, 2, False), (64, 3, True)], ids=["128x2p", "128x2", "64x3p"])
+@pytest.mark.parametrize("band", list(BANDS))
+@pytest.mark.parametrize("sq,sk", [(1000, 1000), (129, 2049), (2048, 300), (17, 40)], ids=str)
+def test_ws_matches_oracle(force_ws, dtype, D, cfg, band, sq, sk):
+    from longctx.reference.naive import naive_attention
+
+    tf = force_ws
+    tf.WS_CONFIG[D] = cfg
+    lo, hi = BANDS[band]
+    g = torch.Generator(device="cuda").manual_seed(sq * 7 + sk)
+    q = torch.randn(2, 4, sq, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(2, 2, sk, D, device="cuda", dtype=dtype, generator=g) * 2  # GQA 4/2, scores that grow
+    v = torch.randn(2, 2, sk, D, device="cuda", dtype=dtype, generator=g)
+    scale = 1.0 / math.sqrt(D)
+    tf.FORCE_WS = True
+    out, lse = tf.triton_forward(q, k, v, scale=scale, band=tf.Band(lo, hi))
+    tf.FORCE_WS = False
+    out_t, lse_t = tf.triton_forward(q, k, v, scale=scale, band=tf.Band(lo, hi))
+    ref, ref_lse = naive_attention(q, k, v, scale=scale, band=tf.Band(lo, hi), upcast=torch.float64)
+    low, _ = naive_attention(q, k, v, scale=scale, band=tf.Band(lo, hi), upcast=None)
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    floor = 1e-3 * float(ref.abs().max()) + 1e-5
+    err = float((out.double() - ref).abs().max())
+    err_pt = float((low.double() - ref).abs().max())
+    err_t = float((out_t.double() - ref).abs().max())
+    assert err <= 2 * err_pt + floor, (err, err_pt, err_t)
+    if fin.any():
+        assert float((lse[fin].double() - ref_lse[fin]).abs().max()) < 1e-3
+    assert torch.all(out[~fin] == 0)  # rows that see no key give 0
+
+
+def test_ws_bshd_layout(force_ws):
+    tf = force_ws
+    B, S, H, D = 2, 777, 4, 128
+    x = [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    q, k, v = (t.transpose(1, 2) for t in x)  # (B, H, S, D) views of the flash_attn_func layout
+    tf.FORCE_WS = True
+    out, lse = tf.triton_forward(q, k, v, scale=0.088, band=tf.Band(None, 0))
+    assert out.stride() == q.stride()
+    tf.FORCE_WS = False
+    out_t, lse_t = tf.triton_forward(q, k, v, scale=0.088, band=tf.Band(None, 0))
+    assert float((out.float() - out_t.float()).abs().max()) < 2e-2
+    assert float((lse - lse_t).abs().max()) < 1e-3
