@@ -23,6 +23,10 @@ Policies:
   Elsewhere (where it measured as fast), and always under ``deterministic=True`` or
   ``LONGCTX_DETERMINISTIC=1``, a separate dQ kernel runs instead, without atomics (each gradient element
   written once, in a fixed order).
+- On Hopper (sm_90) the forward of fp16/bf16 inputs at head dim 128 (and 64 without a band) runs the
+  warp-specialised Gluon kernel (`longctx.kernels.flash_fwd_ws`) where it measured faster (`_ws_config`);
+  ``LONGCTX_TRITON_WS=0`` keeps the Triton forward everywhere. Its output and lse are the same contract, so the
+  backward is unchanged.
 - Tiles are autotuned per (head dim, band kind, length bucket, dtype) from the short lists in
   `longctx.kernels.configs`; ``LONGCTX_TRITON_AUTOTUNE=0`` uses the first entry of each list instead.
 """
@@ -252,8 +256,9 @@ FORCE_ATOMIC: bool | None = None
 # The warp-specialised forward (`kernels.flash_fwd_ws`, Gluon; Hopper only): a producer warp feeding two consumer
 # warpgroups through mbarriers. LONGCTX_TRITON_WS=0 keeps the Triton forward everywhere.
 _WS_DEFAULT = os.environ.get("LONGCTX_TRITON_WS", "1") != "0"
-# (head dim, causal-like band) -> (BLOCK_N, STAGES, PIPE): key tile, shared-memory ring depth, intra-warpgroup
-# overlap. Sweep of session 5 (NOTES.md): 3 stages win for dense bands and long causal ones; 2 stages at 4K causal.
+# head dim -> (BLOCK_N, STAGES, PIPE): key tile, shared-memory ring depth, intra-warpgroup overlap. Sweep of
+# session 5 (NOTES.md): 3 stages win for dense bands and long causal ones; 2 stages (the SHORT_CAUSAL entry) for
+# causal-like bands up to 4K (460-469 vs 382-408 TFLOP/s at D=128 4K).
 WS_CONFIG: dict[int, tuple[int, int, bool]] = {64: (128, 3, True), 128: (128, 3, True)}
 WS_CONFIG_SHORT_CAUSAL: dict[int, tuple[int, int, bool]] = {128: (128, 2, True)}
 # For tuning sessions: None follows the rules, True / False forces the warp-specialised forward on / off.
