@@ -29,6 +29,10 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 # fmt: off
 
+# Gluon is experimental and renames things between Triton releases: the TMA load is `async_load` from Triton
+# 3.7 on, `async_copy_global_to_shared` in 3.6 (the device machine's).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one m64 wgmma row block)
 NUM_CONSUMERS = gl.constexpr(2)
 
@@ -85,7 +89,7 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, k_
     for w in gl.static_range(NUM_CONSUMERS):
         bar = q_bar.index(w)
         mbarrier.expect(bar, desc_q.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_q, [off_b, off_h, start_m + w * WG_ROWS, 0], bar, q_smem.index(w))
+        _tma_load(desc_q, [off_b, off_h, start_m + w * WG_ROWS, 0], bar, q_smem.index(w))
     i = 0
     for start_n in range(k_lo, k_end, BLOCK_N):
         s = i % STAGES
@@ -93,10 +97,10 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, k_
         # the slot is free once both consumers released it (the barriers start "complete": the first round passes)
         mbarrier.wait(k_empty.index(s), ph ^ 1)
         mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_k, [off_b, off_kvh, start_n, 0], k_ready.index(s), k_smem.index(s))
+        _tma_load(desc_k, [off_b, off_kvh, start_n, 0], k_ready.index(s), k_smem.index(s))
         mbarrier.wait(v_empty.index(s), ph ^ 1)
         mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_v, [off_b, off_kvh, start_n, 0], v_ready.index(s), v_smem.index(s))
+        _tma_load(desc_v, [off_b, off_kvh, start_n, 0], v_ready.index(s), v_smem.index(s))
         i += 1  # noqa: SIM113 (Gluon loops have no enumerate)
 
 

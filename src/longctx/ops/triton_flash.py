@@ -311,6 +311,20 @@ def _ws_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return _ws_capable(q.device.index if q.device.index is not None else torch.cuda.current_device())
 
 
+def _disable_ws(exc: Exception) -> None:
+    """The warp-specialised forward did not compile with this Triton: warn once, use the Triton forward from now."""
+    global _WS_DEFAULT
+    import warnings
+
+    _WS_DEFAULT = False
+    warnings.warn(
+        f"longctx: the warp-specialised forward (Gluon) does not compile with this Triton; using the Triton forward "
+        f"instead ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def _forward_ws(q, k, v, out, lse, scale, lo_i, hi_i, has_lo, has_hi, config) -> None:
     """Launch `flash_fwd_ws.attn_fwd_ws_kernel` (conditions: `_ws_ok`; config from `_ws_config`)."""
     from triton.experimental.gluon import language as gl
@@ -379,8 +393,13 @@ def _forward_impl(
     lo_i, hi_i, has_lo, has_hi = _band_args(Band(lo, hi))
     ws_config = _ws_config(D, Sq, Sk, has_lo, has_hi) if _ws_ok(q, k, v) else None
     if ws_config is not None:
-        _forward_ws(q, k, v, out, lse, scale, lo_i, hi_i, has_lo, has_hi, ws_config)
-        return out, lse
+        try:
+            _forward_ws(q, k, v, out, lse, scale, lo_i, hi_i, has_lo, has_hi, ws_config)
+            return out, lse
+        except Exception as exc:  # Gluon is experimental: a Triton whose Gluon changed fails at compile time
+            if type(exc).__name__ != "CompilationError":
+                raise
+            _disable_ws(exc)
     longest_first = has_hi and not has_lo
     # Sq or Sk == 1 is specialised by Triton; ptxas crashed (SIGSEGV) on that TMA variant at D=256 (GPU
     # test run 4), and TMA gains nothing on such tiny inputs: pointer loads there.
