@@ -27,6 +27,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from longctx.kernels.flash_fwd import _tile_ranges
+
 # fmt: off
 
 # Gluon is experimental and renames things between Triton releases: the TMA load is `async_load` from Triton
@@ -35,32 +37,6 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one m64 wgmma row block)
 NUM_CONSUMERS = gl.constexpr(2)
-
-
-@gluon.jit
-def _ranges(row_start, row_last, n_cols, lo, hi, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, BLOCK: gl.constexpr):
-    """Key-tile runs of the rows [row_start, row_last] (see `flash_fwd._tile_ranges`, same arithmetic)."""
-    c_start = 0
-    c_end = n_cols
-    if HAS_LO:
-        c_start = gl.maximum(row_start + lo, 0)
-    if HAS_HI:
-        c_end = gl.minimum(row_last + hi + 1, n_cols)
-    c_lo = (gl.minimum(c_start, n_cols) // BLOCK) * BLOCK
-    c_end = gl.where(c_end > c_start, c_end, c_lo)
-    c_end_ceil = gl.cdiv(c_end, BLOCK) * BLOCK
-    f_start = c_lo
-    if HAS_LO:
-        f_start = gl.maximum(f_start, row_last + lo)
-    f_start = gl.cdiv(f_start, BLOCK) * BLOCK
-    f_end = n_cols
-    if HAS_HI:
-        f_end = gl.minimum(f_end, row_start + hi + 1)
-    f_end = (gl.maximum(f_end, 0) // BLOCK) * BLOCK
-    full_lo = gl.minimum(gl.maximum(f_start, c_lo), c_end_ceil)
-    full_hi = gl.minimum(gl.maximum(f_end, full_lo), c_end_ceil)
-    full_hi = gl.maximum(full_hi, full_lo)
-    return c_lo, full_lo, full_hi, c_end
 
 
 @gluon.jit
@@ -85,7 +61,7 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, k_
     """One warp: Q of both consumers, then every K/V tile of [k_lo, k_end) in order, STAGES slots ahead."""
     off_b, off_h, off_kvh, start_m = _program(Sq, Hq, GROUP, LONGEST_FIRST, BLOCK_M)
     row_last = gl.minimum(start_m + BLOCK_M, Sq) - 1
-    k_lo, full_lo, full_hi, k_end = _ranges(start_m, row_last, Sk, lo, hi, HAS_LO, HAS_HI, BLOCK_N)
+    k_lo, full_lo, full_hi, k_end = _tile_ranges(start_m, row_last, Sk, lo, hi, HAS_LO, HAS_HI, BLOCK_N)
     for w in gl.static_range(NUM_CONSUMERS):
         bar = q_bar.index(w)
         mbarrier.expect(bar, desc_q.block_type.nbytes)
@@ -131,6 +107,35 @@ def _softmax(qk, m_i, l_i, offs_m, start_n, Sk, lo, hi, qk_scale, s_layout: gl.c
 
 
 @gluon.jit
+def _scores(q, k_smem, k_ready, k_empty, s, ph, zero, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr):
+    """Raw scores Q K^T of the key tile in ring slot ``s`` (phase ``ph``); the slot's K is released after."""
+    k_buf = k_smem.index(s).reshape([BLOCK_N, BLOCK_D])
+    mbarrier.wait(k_ready.index(s), ph)
+    qk = warpgroup_mma(q, k_buf.permute((1, 0)), zero, use_acc=False, is_async=True)
+    qk, _, _ = warpgroup_mma_wait(0, deps=(qk, q, k_buf))
+    mbarrier.arrive(k_empty.index(s), count=1)
+    return qk
+
+
+@gluon.jit
+def _pv(acc, p_op, v_smem, v_ready, v_empty, s, ph, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr):
+    """acc += P V with the V tile of ring slot ``s`` (phase ``ph``); the slot's V is released after."""
+    v_buf = v_smem.index(s).reshape([BLOCK_N, BLOCK_D])
+    mbarrier.wait(v_ready.index(s), ph)
+    acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+    acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p_op, v_buf))
+    mbarrier.arrive(v_empty.index(s), count=1)
+    return acc
+
+
+@gluon.jit
+def _rescale_pack(acc, alpha, p, p_layout: gl.constexpr, dtype: gl.constexpr):
+    """The accumulator rescaled by alpha, and P in the input dtype as the register operand of the PV wgmma."""
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    return acc, gl.convert_layout(p.to(dtype), p_layout)
+
+
+@gluon.jit
 def _consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, offs_m, start, end,
                  Sk, lo, hi, qk_scale,
                  s_layout: gl.constexpr, p_layout: gl.constexpr, MASKED: gl.constexpr,
@@ -142,20 +147,11 @@ def _consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
     for start_n in range(start, end, BLOCK_N):
         s = i % STAGES
         ph = (i // STAGES) & 1
-        k_buf = k_smem.index(s).reshape([BLOCK_N, BLOCK_D])
-        v_buf = v_smem.index(s).reshape([BLOCK_N, BLOCK_D])
-        mbarrier.wait(k_ready.index(s), ph)
-        qk = warpgroup_mma(q, k_buf.permute((1, 0)), zero, use_acc=False, is_async=True)
-        qk, _, _ = warpgroup_mma_wait(0, deps=(qk, q, k_buf))
-        mbarrier.arrive(k_empty.index(s), count=1)
+        qk = _scores(q, k_smem, k_ready, k_empty, s, ph, zero, BLOCK_N, BLOCK_D)
         p, m_i, alpha, l_i = _softmax(qk, m_i, l_i, offs_m, start_n, Sk, lo, hi, qk_scale, s_layout, MASKED,
                                       HAS_LO, HAS_HI, BLOCK_N)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
-        p_op = gl.convert_layout(p.to(v_buf.dtype), p_layout)
-        mbarrier.wait(v_ready.index(s), ph)
-        acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
-        acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p_op, v_buf))
-        mbarrier.arrive(v_empty.index(s), count=1)
+        acc, p_op = _rescale_pack(acc, alpha, p, p_layout, k_smem.dtype)
+        acc = _pv(acc, p_op, v_smem, v_ready, v_empty, s, ph, BLOCK_N, BLOCK_D)
         i += 1
     return acc, l_i, m_i, i
 
@@ -172,14 +168,9 @@ def _consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty
         # -- first tile: scores and softmax, its P V is issued in the next iteration --
         s = i % STAGES
         ph = (i // STAGES) & 1
-        k_buf = k_smem.index(s).reshape([BLOCK_N, BLOCK_D])
-        mbarrier.wait(k_ready.index(s), ph)
-        qk = warpgroup_mma(q, k_buf.permute((1, 0)), zero, use_acc=False, is_async=True)
-        qk, _, _ = warpgroup_mma_wait(0, deps=(qk, q, k_buf))
-        mbarrier.arrive(k_empty.index(s), count=1)
+        qk = _scores(q, k_smem, k_ready, k_empty, s, ph, zero, BLOCK_N, BLOCK_D)
         p, m_i, alpha, l_i = _softmax(qk, m_i, l_i, m_i, 0, 0, 0, 0, qk_scale, s_layout, False, False, False, BLOCK_N)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
-        p_op = gl.convert_layout(p.to(k_buf.dtype), p_layout)
+        acc, p_op = _rescale_pack(acc, alpha, p, p_layout, k_smem.dtype)
         for _tile in range(start + BLOCK_N, end, BLOCK_N):
             s_prev = s
             ph_prev = ph
@@ -199,14 +190,9 @@ def _consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty
                                           BLOCK_N)
             acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p_op, v_prev))
             mbarrier.arrive(v_empty.index(s_prev), count=1)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
-            p_op = gl.convert_layout(p.to(k_buf.dtype), p_layout)
+            acc, p_op = _rescale_pack(acc, alpha, p, p_layout, k_smem.dtype)
         # -- P V of the last tile --
-        v_buf = v_smem.index(s).reshape([BLOCK_N, BLOCK_D])
-        mbarrier.wait(v_ready.index(s), ph)
-        acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
-        acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p_op, v_buf))
-        mbarrier.arrive(v_empty.index(s), count=1)
+        acc = _pv(acc, p_op, v_smem, v_ready, v_empty, s, ph, BLOCK_N, BLOCK_D)
         i += 1
     return acc, l_i, m_i, i
 
@@ -228,7 +214,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     off_b, off_h, off_kvh, start_m = _program(Sq, Hq, GROUP, LONGEST_FIRST, BLOCK_M)
     row_last = gl.minimum(start_m + BLOCK_M, Sq) - 1
     # every warpgroup walks the CTA's runs (the producer loads them once for both); its own rows are masked
-    k_lo, full_lo, full_hi, k_end = _ranges(start_m, row_last, Sk, lo, hi, HAS_LO, HAS_HI, BLOCK_N)
+    k_lo, full_lo, full_hi, k_end = _tile_ranges(start_m, row_last, Sk, lo, hi, HAS_LO, HAS_HI, BLOCK_N)
     my_start = start_m + WG * WG_ROWS
     offs_m = my_start + gl.arange(0, WG_ROWS, layout=row_s)
 
