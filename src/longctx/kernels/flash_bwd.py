@@ -32,10 +32,12 @@ def bwd_preprocess_kernel(
     O, DO, LSE, DLSE, DELTA, LSE2,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
-    Hq, Sq,
+    Hq, Sq, stride_row,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
-    """Grid: (cdiv(Sq, BLOCK_M), B * Hq). LSE, DLSE, DELTA and LSE2 are (B, Hq, Sq) float32, contiguous.
+    """Grid: (cdiv(Sq, BLOCK_M), B * Hq). LSE and DLSE are (B, Hq, Sq) float32, contiguous; DELTA and LSE2
+    (B, Hq, stride_row) with stride_row >= Sq (the warp-specialised backward loads them by TMA, which needs each
+    head's rows 16-byte aligned).
 
     With a gradient for the lse itself (d lse / d s = P), dS = P * (dP - Delta + dlse): the kernel folds it
     into Delta, so the main kernels do not change.
@@ -57,6 +59,7 @@ def bwd_preprocess_kernel(
     if HAS_DLSE:
         delta = delta - tl.load(DLSE + row, mask=row_ok, other=0.0)
     lse = tl.load(LSE + row, mask=row_ok, other=float("-inf"))
+    row = pid_bh.to(tl.int64) * stride_row + offs_m
     # base 2 for the exp2 of the main kernels; +inf on rows that see nothing so that p = exp2(s2 - lse2) = 0
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     tl.store(DELTA + row, delta, mask=row_ok)

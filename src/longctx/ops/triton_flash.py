@@ -296,29 +296,39 @@ def _ws_config(D: int, Sq: int, Sk: int, has_lo: bool, has_hi: bool) -> tuple[in
 
 
 def _ws_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Inputs the warp-specialised forward can take: fp16/bf16 on a Hopper GPU, head dim 64 or 128, TMA-loadable
-    q/k/v (unit stride on D, 16-byte aligned rows) without broadcast (stride 0) dims. (Whether it is the faster
-    kernel for them: `_ws_config`.)"""
+    """The warp-specialised forward is switched on and takes these inputs (`_ws_inputs_ok`). (Whether it is the
+    faster kernel for them: `_ws_config`.)"""
     if FORCE_WS is False or not (_WS_DEFAULT or FORCE_WS):
         return False
+    return _ws_inputs_ok(q, k, v)
+
+
+def _ws_inputs_ok(*tensors: torch.Tensor) -> bool:
+    """Inputs the warp-specialised kernels can take: fp16/bf16 on a Hopper GPU, head dim 64 or 128, TMA-loadable
+    (unit stride on D, 16-byte aligned rows), no broadcast (stride 0) dims, sequences of at least 16."""
+    q = tensors[0]
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return False
     D = q.shape[3]
-    if D not in WS_CONFIG or min(q.shape[2], k.shape[2]) < 16:
+    if D not in WS_CONFIG or min(t.shape[2] for t in tensors) < 16:
         return False
-    if not all(_tma_ok(t, D, D) and all(t.stride(i) > 0 for i in range(3)) for t in (q, k, v)):
+    if not all(_tma_ok(t, D, D) and all(t.stride(i) > 0 for i in range(3)) for t in tensors):
         return False
     return _ws_capable(q.device.index if q.device.index is not None else torch.cuda.current_device())
 
 
-def _disable_ws(exc: Exception) -> None:
-    """The warp-specialised forward did not compile with this Triton: warn once, use the Triton forward from now."""
-    global _WS_DEFAULT
+def _disable_ws(exc: Exception, backward: bool = False) -> None:
+    """A warp-specialised kernel did not compile with this Triton: warn once, use the Triton kernel from now."""
+    global _WS_DEFAULT, _WS_BWD_DEFAULT
     import warnings
 
-    _WS_DEFAULT = False
+    if backward:
+        _WS_BWD_DEFAULT = False
+    else:
+        _WS_DEFAULT = False
+    which = "backward" if backward else "forward"
     warnings.warn(
-        f"longctx: the warp-specialised forward (Gluon) does not compile with this Triton; using the Triton forward "
+        f"longctx: the warp-specialised {which} (Gluon) does not compile with this Triton; using the Triton {which} "
         f"instead ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
         RuntimeWarning,
         stacklevel=3,
@@ -352,6 +362,61 @@ def _forward_ws(q, k, v, out, lse, scale, lo_i, hi_i, has_lo, has_hi, config) ->
         HEAD_DIM=D, BLOCK_D=D, HAS_LO=has_lo, HAS_HI=has_hi, LONGEST_FIRST=longest_first,
         BLOCK_N=block_n, STAGES=stages, PIPE=pipe, CONSUMER_REGS=240, PRODUCER_REGS=24,
         num_warps=4, maxnreg=168,
+    )  # fmt: skip
+
+
+# The warp-specialised backward (`kernels.flash_bwd_ws`, Gluon; Hopper only): a producer warp streams Q, dO, lse2
+# and Delta to two consumer warpgroups that each own 64 keys; dQ is added with atomics (not deterministic, so
+# `deterministic=True` keeps the Triton kernels). LONGCTX_TRITON_WS_BWD=0 keeps the Triton backward everywhere.
+_WS_BWD_DEFAULT = os.environ.get("LONGCTX_TRITON_WS_BWD", "1") != "0"
+# head dim -> (BLOCK_M, STAGES, EARLY_DV): query tile, ring depth, dV's product issued before dS^T is computed
+# (EARLY_DV: the same speed within noise, and dS from the bf16 P; 3 stages: no gain; session 6 sweeps).
+WS_BWD_CONFIG: dict[int, tuple[int, int, bool]] = {64: (64, 2, False), 128: (64, 2, False)}
+# For tuning sessions: None follows the rules, True / False forces the warp-specialised backward on / off.
+FORCE_WS_BWD: bool | None = None
+
+
+def _ws_bwd_config(D: int, Sq: int, Sk: int, has_lo: bool, has_hi: bool) -> tuple[int, int, bool] | None:
+    """The warp-specialised backward's config for these inputs, or None where the Triton backward is used.
+
+    Session 6 sweep (H100, bf16, one call beside the Triton backward and FA2): it was faster at every case
+    measured, D in {64, 128}, S = 2K-16K, dense and causal, GQA 4K-16K (D=128 2K-16K: 297-435 TFLOP/s against
+    247-396 for the Triton backward; D=64: 282-392 against 227-316), so the rule is only the config table."""
+    return WS_BWD_CONFIG.get(D)
+
+
+def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, lo_i, hi_i, has_lo, has_hi, config) -> None:
+    """Launch `flash_bwd_ws.attn_bwd_ws_kernel`: dK, dV into ``dk`` / ``dv``, scale * dS K added into ``dqa``
+    (float32, zeroed, contiguous). Conditions: `_ws_inputs_ok` for q, k, v and dO; config from `_ws_bwd_config`."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from longctx.kernels import flash_bwd_ws
+
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    block_m, stages, early_dv = config
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+
+    def desc(t, rows):
+        block = [1, 1, rows, D]
+        return TensorDescriptor(
+            t, list(t.shape), list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, gdt)
+        )
+
+    def desc_rows(t):  # (B, Hq, padded Sq) float32, contiguous, read as one flat vector
+        flat = t.view(-1)
+        return TensorDescriptor(
+            flat, [flat.numel()], [1], [block_m], gl.NVMMASharedLayout.get_default_for([block_m], gl.float32)
+        )
+
+    block_n = int(flash_bwd_ws.WG_ROWS) * int(flash_bwd_ws.NUM_CONSUMERS)
+    flash_bwd_ws.attn_bwd_ws_kernel[(_cdiv(Sk, block_n), B * Hkv)](
+        desc(q, block_m), desc(k, block_n), desc(v, block_n), desc(do, block_m), desc_rows(lse2), desc_rows(delta),
+        dk, dv, dqa, *dk.stride(), *dv.stride(), *dqa.stride()[:3],
+        Hq, Hkv, Sq, Sk, Hq // Hkv, lo_i, hi_i, lse2.shape[2], float(scale) * 1.4426950408889634, float(scale),
+        BLOCK_D=D, HAS_LO=has_lo, HAS_HI=has_hi, BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv,
+        CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168,
     )  # fmt: skip
 
 
@@ -451,9 +516,15 @@ def _forward_impl(
 
 
 def bwd_preprocess(
-    out: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, block_d: int
+    out: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    block_d: int,
+    row_stride: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward's first pass, shared with the block-sparse kernels: ``(delta, lse2)``, each (B, Hq, Sq).
+    """The backward's first pass, shared with the block-sparse kernels: ``(delta, lse2)``, each (B, Hq, Sq), or
+    (B, Hq, row_stride) zero-padded past Sq when ``row_stride`` is given.
 
     delta = rowsum(dO * O) - dlse; lse2 = lse in base 2, +inf on rows that see no key (so P recomputes as 0).
     """
@@ -463,8 +534,10 @@ def bwd_preprocess(
     lse = lse.float().contiguous()  # (B, Hq, Sq)
     if dlse is not None:
         dlse = dlse.float().contiguous()  # (B, Hq, Sq)
-    delta = torch.empty_like(lse)
-    lse2 = torch.empty_like(lse)
+    stride = Sq if row_stride is None else row_stride
+    alloc = torch.empty if stride == Sq else torch.zeros  # padding read by the WS backward must be finite
+    delta = alloc((B, Hq, stride), device=lse.device, dtype=torch.float32)
+    lse2 = alloc((B, Hq, stride), device=lse.device, dtype=torch.float32)
     pre_bm = 16 if _interpret() else 64
     flash_bwd.bwd_preprocess_kernel[(_cdiv(Sq, pre_bm), B * Hq)](
         out,
@@ -477,6 +550,7 @@ def bwd_preprocess(
         *do.stride(),
         Hq,
         Sq,
+        stride,
         HEAD_DIM=D,
         BLOCK_D=block_d,
         BLOCK_M=pre_bm,
@@ -514,7 +588,17 @@ def _backward_impl(
     bd = configs.block_d(D)
     lo_i, hi_i, has_lo, has_hi = _band_args(Band(lo, hi))
     _kernel("dq", bd)  # applies the interpreter shim if needed
-    delta, lse2 = bwd_preprocess(out, do, lse, dlse, bd)
+    ws_config = None
+    if (
+        not (deterministic or _deterministic_env())
+        and (_WS_BWD_DEFAULT or FORCE_WS_BWD)
+        and FORCE_WS_BWD is not False
+        and B * Hkv <= 65535  # the second grid dimension
+        and _ws_inputs_ok(q, k, v, do)
+    ):
+        ws_config = _ws_bwd_config(D, Sq, Sk, has_lo, has_hi)
+    # the WS kernel loads each head's lse2 / Delta rows by TMA: 16-byte aligned rows, so padded to 4 floats
+    delta, lse2 = bwd_preprocess(out, do, lse, dlse, bd, _cdiv(Sq, 4) * 4 if ws_config is not None else None)
     common = dict(
         Sq=Sq,
         Sk=Sk,
@@ -548,6 +632,18 @@ def _backward_impl(
     )
     if FORCE_ATOMIC is not None and not (deterministic or _deterministic_env()):
         atomic = FORCE_ATOMIC
+    if ws_config is not None:
+        dqa = torch.zeros((B, Hq, Sq, D), device=q.device, dtype=torch.float32)
+        try:
+            _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, lo_i, hi_i, has_lo, has_hi, ws_config)
+        except Exception as exc:  # a Triton whose Gluon does not take the kernel: warn once, use the Triton kernels
+            if type(exc).__name__ != "CompilationError":
+                raise
+            _disable_ws(exc, backward=True)
+            delta, lse2 = bwd_preprocess(out, do, lse, dlse, bd)  # unpadded rows for the Triton kernels
+        else:
+            dq.copy_(dqa)  # the kernel already applied the scale
+            return dq, dk, dv
     use_tma = _TMA_BWD_DEFAULT and _tma_ok(q, D, bd) and _tma_ok(do, D, bd)
     # the float32 accumulator is ours (contiguous): TMA needs only a CUDA tensor and D == BLOCK_D (rows of
     # 4*D bytes, a multiple of 16); it measured faster than scalar atomics at D=128 only

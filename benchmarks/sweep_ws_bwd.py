@@ -1,0 +1,135 @@
+"""Sweep of the warp-specialised backward (`kernels.flash_bwd_ws`) beside the Triton backward, cuDNN and FA2.
+
+Each case: bf16, batch x S = 16K tokens, heads x D = 2048 (the attention table's shapes; --gqa: Hq=32, Hkv=8).
+Every variant is first checked against the float64 oracle on the same inputs (max |error| of dq, dk, dv, next
+to the Triton backward's), then timed with `triton.testing.do_bench` (the backward alone: `triton_backward` on
+fixed inputs; peers: `autograd.grad` with retain_graph, as in `longctx bench attention`). Backward TFLOP/s =
+2.5 x 4 B H S^2 D (halved for causal).
+
+    python benchmarks/sweep_ws_bwd.py --d 128 --s 4096,16384 --causal 0,1 --ws "64,2,0;64,2,1"
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import sys
+
+import torch
+
+
+def _cases(args):
+    for d in [int(x) for x in args.d.split(",")]:
+        for s in [int(x) for x in args.s.split(",")]:
+            for c in [int(x) for x in args.causal.split(",")]:
+                yield d, s, bool(c)
+
+
+def _oracle(q, k, v, do, scale, causal, heads=4):
+    """float64 dq, dk, dv of the first batch element's first ``heads`` query heads (GQA by repeat)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    group = hq // hkv
+    qs = q[:1, :heads].double().requires_grad_()
+    kv_heads = slice(0, max(1, heads // group))
+    ks = k[:1, kv_heads].double().requires_grad_()
+    vs = v[:1, kv_heads].double().requires_grad_()
+    kr = ks.repeat_interleave(group, 1)[:, :heads]
+    vr = vs.repeat_interleave(group, 1)[:, :heads]
+    s = (qs @ kr.transpose(-1, -2)) * scale
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    out = torch.softmax(s, -1) @ vr
+    return torch.autograd.grad(out, (qs, ks, vs), do[:1, :heads].double())
+
+
+def _case(args, d: int, s: int, causal: bool) -> dict:
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from longctx.masks import Band
+    from longctx.ops import triton_flash as tf
+
+    peers = [p for p in args.peers.split(",") if p]
+    ws_cfgs = [tuple(int(x) for x in c.split(",")) for c in args.ws.split(";") if c]
+    hq = 32 if args.gqa else 2048 // d
+    hkv = 8 if args.gqa else hq
+    b = max(1, 16384 // s)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
+    do = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    scale = 1.0 / math.sqrt(d)
+    band = Band(None, 0) if causal else Band(None, None)
+    flops = 2.5 * 4 * b * hq * s * s * d / (2 if causal else 1)
+    out, lse = tf.triton_forward(q, k, v, scale=scale, band=band)
+    group = hq // hkv
+    heads = min(hq, 4 if group == 1 else group)
+    ref = _oracle(q, k, v, do, scale, causal, heads) if s <= args.oracle_max_s else None
+
+    def run(ws, cfg=None):
+        tf.FORCE_WS_BWD = ws
+        if cfg is not None:
+            tf.WS_BWD_CONFIG[d] = (cfg[0], cfg[1], bool(cfg[2]))
+        return tf.triton_backward(do, q, k, v, out, lse, scale=scale, band=band)
+
+    def peer(backend):
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        with sdpa_kernel(backend):
+            o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, scale=scale,
+                                                                 enable_gqa=hkv != hq)  # fmt: skip
+        return lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
+
+    variants = {}
+    if "triton" in peers:
+        variants["triton"] = functools.partial(run, False)
+    for cfg in ws_cfgs:
+        variants["ws{},{},{}".format(*cfg)] = functools.partial(run, True, cfg)
+    if "cudnn" in peers and not args.gqa:
+        variants["cudnn"] = peer(SDPBackend.CUDNN_ATTENTION)
+    if "fa2" in peers and not args.gqa:
+        variants["fa2"] = peer(SDPBackend.FLASH_ATTENTION)
+    line = {"d": d, "s": s, "causal": causal, "gqa": args.gqa}
+    for name, fn in variants.items():
+        try:
+            res = fn()
+            if ref is not None and (name == "triton" or name.startswith("ws")):
+                kvh = ref[1].shape[1]
+                got = (res[0][:1, :heads], res[1][:1, :kvh], res[2][:1, :kvh])
+                line[name + "_err"] = [float((a.double() - r).abs().max()) for a, r in zip(got, ref)]
+            ms = triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep)
+            line[name] = round(flops / ms / 1e9, 1)
+        except Exception as exc:  # report and go on with the other variants
+            line[name] = f"ERROR {type(exc).__name__}: {str(exc)[:400]}"
+        finally:
+            tf.FORCE_WS_BWD = None
+    return line
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--d", default="128")
+    ap.add_argument("--s", default="4096,8192,16384")
+    ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--gqa", action="store_true", help="Hq=32, Hkv=8 at D=128 instead of Hkv = Hq")
+    ap.add_argument("--ws", default="64,2,0;64,2,1", help="warp-specialised configs BLOCK_M,STAGES,EARLY_DV;...")
+    ap.add_argument("--peers", default="triton,cudnn,fa2", help="also time: triton, cudnn, fa2")
+    ap.add_argument("--oracle-max-s", type=int, default=4096, help="float64 oracle only up to this length")
+    ap.add_argument("--warmup", type=int, default=25)
+    ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    rows = []
+    for d, s, causal in _cases(args):
+        rows.append(_case(args, d, s, causal))
+        print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
