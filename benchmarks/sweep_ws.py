@@ -79,27 +79,37 @@ def _case(args, d: int, s: int, causal: bool) -> dict:
     return line
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def sweep_args(description: str, ws: str, ws_help: str, peers: str, peers_help: str) -> argparse.ArgumentParser:
+    """The arguments every warp-specialised sweep takes (this one and sweep_ws_bwd.py)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--d", default="128")
     ap.add_argument("--s", default="4096,8192,16384")
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--gqa", action="store_true", help="Hq=32, Hkv=8 at D=128 instead of Hkv = Hq")
-    ap.add_argument("--ws", default="128,2,1;128,2,0", help="warp-specialised configs BLOCK_N,STAGES,PIPE;...")
-    ap.add_argument("--peers", default="triton,cudnn", help="also time: triton (the Triton forward), cudnn")
+    ap.add_argument("--ws", default=ws, help=ws_help)
+    ap.add_argument("--peers", default=peers, help=peers_help)
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
+    return ap
 
+
+def run_sweep(args, case) -> int:
+    """``case(args, d, s, causal)`` for every (D, S, causal) asked for; one JSON line each, all in --json."""
     rows = []
     for d, s, causal in _cases(args):
-        rows.append(_case(args, d, s, causal))
+        rows.append(case(args, d, s, causal))
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def main(argv=None) -> int:
+    ap = sweep_args(__doc__.splitlines()[0], "128,2,1;128,2,0", "warp-specialised configs BLOCK_N,STAGES,PIPE;...",
+                    "triton,cudnn", "also time: triton (the Triton forward), cudnn")  # fmt: skip
+    return run_sweep(ap.parse_args(argv), _case)
 
 
 if __name__ == "__main__":

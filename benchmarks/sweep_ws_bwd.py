@@ -11,20 +11,13 @@ fixed inputs; peers: `autograd.grad` with retain_graph, as in `longctx bench att
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import math
 import sys
 
 import torch
 
-
-def _cases(args):
-    for d in [int(x) for x in args.d.split(",")]:
-        for s in [int(x) for x in args.s.split(",")]:
-            for c in [int(x) for x in args.causal.split(",")]:
-                yield d, s, bool(c)
+from sweep_ws import run_sweep, sweep_args  # benchmarks/ is the script's directory
 
 
 def _oracle(q, k, v, do, scale, causal, heads=4):
@@ -108,27 +101,10 @@ def _case(args, d: int, s: int, causal: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--d", default="128")
-    ap.add_argument("--s", default="4096,8192,16384")
-    ap.add_argument("--causal", default="0,1")
-    ap.add_argument("--gqa", action="store_true", help="Hq=32, Hkv=8 at D=128 instead of Hkv = Hq")
-    ap.add_argument("--ws", default="64,2,0;64,2,1", help="warp-specialised configs BLOCK_M,STAGES,EARLY_DV;...")
-    ap.add_argument("--peers", default="triton,cudnn,fa2", help="also time: triton, cudnn, fa2")
+    ap = sweep_args(__doc__.splitlines()[0], "64,2,0;64,2,1", "warp-specialised configs BLOCK_M,STAGES,EARLY_DV;...",
+                    "triton,cudnn,fa2", "also time: triton, cudnn, fa2")  # fmt: skip
     ap.add_argument("--oracle-max-s", type=int, default=4096, help="float64 oracle only up to this length")
-    ap.add_argument("--warmup", type=int, default=25)
-    ap.add_argument("--rep", type=int, default=100)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-
-    rows = []
-    for d, s, causal in _cases(args):
-        rows.append(_case(args, d, s, causal))
-        print(json.dumps(rows[-1]), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
+    return run_sweep(ap.parse_args(argv), _case)
 
 
 if __name__ == "__main__":

@@ -45,19 +45,15 @@ def _compile(D: int, causal: bool, block_n: int, stages: int, pipe: bool):
     try:
         from triton._C.libtriton import native_specialize_impl
         from triton.backends.compiler import BaseBackend, GPUTarget
-        from triton.experimental.gluon import language as gl
         from triton.experimental.gluon._runtime import GluonASTSource
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     except ImportError as exc:  # another Triton version: the internals this test uses moved
         pytest.skip(f"Triton internals for offline compilation not found: {exc}")
     from longctx.kernels import flash_fwd_ws as ws
 
     t = torch.empty(1, 1, 256, D, dtype=torch.bfloat16)
 
-    def desc(rows):
-        lay = gl.NVMMASharedLayout.get_default_for([1, 1, rows, D], gl.bfloat16)
-        d = TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, D], lay)
-        return native_specialize_impl(BaseBackend, d, False, True, True)[0]
+    def desc(rows):  # the launcher's own descriptor, specialised as the JIT would
+        return native_specialize_impl(BaseBackend, tf._gluon_desc(t, rows), False, True, True)[0]
 
     consts = dict(HEAD_DIM=D, BLOCK_D=D, HAS_LO=False, HAS_HI=causal, LONGEST_FIRST=causal, BLOCK_N=block_n,
                   STAGES=stages, PIPE=pipe, CONSUMER_REGS=240, PRODUCER_REGS=24)  # fmt: skip

@@ -29,17 +29,6 @@ BANDS = {"full": (None, None), "causal": (None, 0), "window": (-300, 0), "two_si
 CONFIGS = {"64x2": (64, 2, False), "64x2e": (64, 2, True), "64x3": (64, 3, False)}
 
 
-@pytest.fixture
-def force_ws_bwd():
-    from longctx.ops import triton_flash as tf
-
-    saved = tf.FORCE_WS_BWD, dict(tf.WS_BWD_CONFIG)
-    yield tf
-    tf.FORCE_WS_BWD = saved[0]
-    tf.WS_BWD_CONFIG.clear()
-    tf.WS_BWD_CONFIG.update(saved[1])
-
-
 def _grads(tf, q, k, v, do, band, scale):
     out, lse = tf.triton_forward(q, k, v, scale=scale, band=band)
     return tf.triton_backward(do, q, k, v, out, lse, scale=scale, band=band)
@@ -65,8 +54,8 @@ def _check(tf, q, k, v, do, band, scale):
     return grads
 
 
-def test_ws_bwd_is_taken(force_ws_bwd, monkeypatch):
-    tf = force_ws_bwd
+def test_ws_bwd_is_taken(ws_switches, monkeypatch):
+    tf = ws_switches
     calls = []
     real = tf._backward_ws
     monkeypatch.setattr(tf, "_backward_ws", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
@@ -85,8 +74,8 @@ def test_ws_bwd_is_taken(force_ws_bwd, monkeypatch):
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 @pytest.mark.parametrize("band", list(BANDS))
 @pytest.mark.parametrize("sq,sk", [(1000, 1000), (129, 2049), (2048, 300), (17, 40)], ids=str)
-def test_ws_bwd_matches_oracle(force_ws_bwd, dtype, D, cfg, band, sq, sk):
-    tf = force_ws_bwd
+def test_ws_bwd_matches_oracle(ws_switches, dtype, D, cfg, band, sq, sk):
+    tf = ws_switches
     tf.WS_BWD_CONFIG[D] = CONFIGS[cfg]
     tf.FORCE_WS_BWD = True
     lo, hi = BANDS[band]
@@ -102,9 +91,9 @@ def test_ws_bwd_matches_oracle(force_ws_bwd, dtype, D, cfg, band, sq, sk):
 
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("hkv", [1, 8])
-def test_ws_bwd_mqa_and_long(force_ws_bwd, D, hkv):
+def test_ws_bwd_mqa_and_long(ws_switches, D, hkv):
     """MQA (one kv head, 8 query heads in the group loop) and MHA at 4100 (many query tiles, ragged tail)."""
-    tf = force_ws_bwd
+    tf = ws_switches
     tf.FORCE_WS_BWD = True
     g = torch.Generator(device="cuda").manual_seed(D + hkv)
     q = torch.randn(1, 8, 4100, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -114,9 +103,9 @@ def test_ws_bwd_mqa_and_long(force_ws_bwd, D, hkv):
     _check(tf, q, k, v, do, tf.Band(None, 0), 1.0 / math.sqrt(D))
 
 
-def test_ws_bwd_bshd_layout(force_ws_bwd):
+def test_ws_bwd_bshd_layout(ws_switches):
     """flash_attn_func's (B, S, H, D) layout: strided views in, gradients in the same layout out."""
-    tf = force_ws_bwd
+    tf = ws_switches
     tf.FORCE_WS_BWD = True
     B, S, H, D = 2, 777, 4, 128
     q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(4))
@@ -124,8 +113,8 @@ def test_ws_bwd_bshd_layout(force_ws_bwd):
     assert dq.stride() == q.stride() and dk.stride() == k.stride()
 
 
-def test_ws_bwd_matches_deterministic_path(force_ws_bwd):
-    tf = force_ws_bwd
+def test_ws_bwd_matches_deterministic_path(ws_switches):
+    tf = ws_switches
     g = torch.Generator(device="cuda").manual_seed(3)
     q, k, v, do = (torch.randn(2, 4, 1500, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
     band = tf.Band(-600, 0)

@@ -26,19 +26,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a
 BANDS = {"full": (None, None), "causal": (None, 0), "window": (-300, 0), "two_sided": (-77, 130)}
 
 
-@pytest.fixture
-def force_ws():
-    from longctx.ops import triton_flash as tf
-
-    saved = tf.FORCE_WS, dict(tf.WS_CONFIG)
-    yield tf
-    tf.FORCE_WS = saved[0]
-    tf.WS_CONFIG.clear()
-    tf.WS_CONFIG.update(saved[1])
-
-
-def test_ws_is_taken(force_ws, monkeypatch):
-    tf = force_ws
+def test_ws_is_taken(ws_switches, monkeypatch):
+    tf = ws_switches
     calls = []
     real = tf._forward_ws
     monkeypatch.setattr(tf, "_forward_ws", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
@@ -53,10 +42,10 @@ def test_ws_is_taken(force_ws, monkeypatch):
 @pytest.mark.parametrize("cfg", [(128, 2, True), (128, 2, False), (64, 3, True)], ids=["128x2p", "128x2", "64x3p"])
 @pytest.mark.parametrize("band", list(BANDS))
 @pytest.mark.parametrize("sq,sk", [(1000, 1000), (129, 2049), (2048, 300), (17, 40)], ids=str)
-def test_ws_matches_oracle(force_ws, dtype, D, cfg, band, sq, sk):
+def test_ws_matches_oracle(ws_switches, dtype, D, cfg, band, sq, sk):
     from longctx.reference.naive import naive_attention
 
-    tf = force_ws
+    tf = ws_switches
     tf.WS_CONFIG[D] = cfg
     lo, hi = BANDS[band]
     g = torch.Generator(device="cuda").manual_seed(sq * 7 + sk)
@@ -82,8 +71,8 @@ def test_ws_matches_oracle(force_ws, dtype, D, cfg, band, sq, sk):
     assert torch.all(out[~fin] == 0)  # rows that see no key give 0
 
 
-def test_ws_bshd_layout(force_ws):
-    tf = force_ws
+def test_ws_bshd_layout(ws_switches):
+    tf = ws_switches
     B, S, H, D = 2, 777, 4, 128
     x = [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     q, k, v = (t.transpose(1, 2) for t in x)  # (B, H, S, D) views of the flash_attn_func layout

@@ -57,8 +57,8 @@ DS_SLOTS = gl.constexpr(2)  # depth of the dS^T exchange buffer
 def _program(Hkv):
     """(batch, kv head, first key row) of this CTA. Grid (key tiles, B * Hkv), key tiles fastest: the CTAs that
     run at the same time share one or two heads, so their Q / dO stream and their dQ accumulator stay in L2
-    (with the heads fastest, each of ~132 resident CTAs walked a different head: 243 against 364 TFLOP/s at
-    D=64 8K / 16K, NOTES.md session 6)."""
+    (with the heads fastest, each of ~132 resident CTAs walked a different head, and D=64 8K ran at 243 TFLOP/s
+    against 392 in this order; NOTES.md, session 6)."""
     pid_bh = gl.program_id(1)
     off_b = pid_bh // Hkv
     off_kvh = pid_bh % Hkv

@@ -335,29 +335,31 @@ def _disable_ws(exc: Exception, backward: bool = False) -> None:
     )
 
 
-def _forward_ws(q, k, v, out, lse, scale, lo_i, hi_i, has_lo, has_hi, config) -> None:
-    """Launch `flash_fwd_ws.attn_fwd_ws_kernel` (conditions: `_ws_ok`; config from `_ws_config`)."""
+def _gluon_desc(t: torch.Tensor, rows: int):
+    """Host-built TMA descriptor of a (B, H, S, D) fp16/bf16 tensor for the Gluon kernels: block (1, 1, rows, D),
+    any strides (TMA-loadable ones: `_ws_inputs_ok`); rows past S load as zeros."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    block = [1, 1, rows, t.shape[3]]
+    gdt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, gdt))
+
+
+def _forward_ws(q, k, v, out, lse, scale, lo_i, hi_i, has_lo, has_hi, config) -> None:
+    """Launch `flash_fwd_ws.attn_fwd_ws_kernel` (conditions: `_ws_ok`; config from `_ws_config`)."""
     from longctx.kernels import flash_fwd_ws
 
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     block_n, stages, pipe = config
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-
-    def desc(t, rows):
-        block = [1, 1, rows, D]
-        return TensorDescriptor(
-            t, list(t.shape), list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, gdt)
-        )
 
     rows = flash_fwd_ws.WG_ROWS * flash_fwd_ws.NUM_CONSUMERS
     longest_first = has_hi and not has_lo
     grid = (B * Hq, _cdiv(Sq, rows)) if longest_first else (_cdiv(Sq, rows), B * Hq)
     flash_fwd_ws.attn_fwd_ws_kernel[grid](
-        desc(q, int(flash_fwd_ws.WG_ROWS)), desc(k, block_n), desc(v, block_n), out, lse, *out.stride(),
+        _gluon_desc(q, int(flash_fwd_ws.WG_ROWS)), _gluon_desc(k, block_n), _gluon_desc(v, block_n), out, lse,
+        *out.stride(),
         Hq, Sq, Sk, Hq // Hkv, lo_i, hi_i, float(scale) * 1.4426950408889634,
         HEAD_DIM=D, BLOCK_D=D, HAS_LO=has_lo, HAS_HI=has_hi, LONGEST_FIRST=longest_first,
         BLOCK_N=block_n, STAGES=stages, PIPE=pipe, CONSUMER_REGS=240, PRODUCER_REGS=24,
@@ -370,24 +372,18 @@ def _forward_ws(q, k, v, out, lse, scale, lo_i, hi_i, has_lo, has_hi, config) ->
 # `deterministic=True` keeps the Triton kernels). LONGCTX_TRITON_WS_BWD=0 keeps the Triton backward everywhere.
 _WS_BWD_DEFAULT = os.environ.get("LONGCTX_TRITON_WS_BWD", "1") != "0"
 # head dim -> (BLOCK_M, STAGES, EARLY_DV): query tile, ring depth, dV's product issued before dS^T is computed
-# (EARLY_DV: the same speed within noise, and dS from the bf16 P; 3 stages: no gain; session 6 sweeps).
+# (EARLY_DV: the same speed within noise, and dS from the bf16 P; 3 stages: no gain; session 6 sweeps). No other
+# rule: in the session-6 sweep (H100, bf16, one call beside the Triton backward and FA2) it was faster at every case
+# measured, D in {64, 128}, S = 2K-16K, dense and causal, GQA 4K-16K (D=128: 297-435 TFLOP/s against 247-396 for
+# the Triton backward; D=64: 282-392 against 227-316).
 WS_BWD_CONFIG: dict[int, tuple[int, int, bool]] = {64: (64, 2, False), 128: (64, 2, False)}
 # For tuning sessions: None follows the rules, True / False forces the warp-specialised backward on / off.
 FORCE_WS_BWD: bool | None = None
 
 
-def _ws_bwd_config(D: int, Sq: int, Sk: int, has_lo: bool, has_hi: bool) -> tuple[int, int, bool] | None:
-    """The warp-specialised backward's config for these inputs, or None where the Triton backward is used.
-
-    Session 6 sweep (H100, bf16, one call beside the Triton backward and FA2): it was faster at every case
-    measured, D in {64, 128}, S = 2K-16K, dense and causal, GQA 4K-16K (D=128 2K-16K: 297-435 TFLOP/s against
-    247-396 for the Triton backward; D=64: 282-392 against 227-316), so the rule is only the config table."""
-    return WS_BWD_CONFIG.get(D)
-
-
 def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, lo_i, hi_i, has_lo, has_hi, config) -> None:
     """Launch `flash_bwd_ws.attn_bwd_ws_kernel`: dK, dV into ``dk`` / ``dv``, scale * dS K added into ``dqa``
-    (float32, zeroed, contiguous). Conditions: `_ws_inputs_ok` for q, k, v and dO; config from `_ws_bwd_config`."""
+    (float32, zeroed, contiguous). Conditions: `_ws_inputs_ok` for q, k, v and dO; config from `WS_BWD_CONFIG`."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -396,13 +392,6 @@ def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, lo_i, hi_i, has_l
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     block_m, stages, early_dv = config
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-
-    def desc(t, rows):
-        block = [1, 1, rows, D]
-        return TensorDescriptor(
-            t, list(t.shape), list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, gdt)
-        )
 
     def desc_rows(t):  # (B, Hq, padded Sq) float32, contiguous, read as one flat vector
         flat = t.view(-1)
@@ -412,7 +401,8 @@ def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, lo_i, hi_i, has_l
 
     block_n = int(flash_bwd_ws.WG_ROWS) * int(flash_bwd_ws.NUM_CONSUMERS)
     flash_bwd_ws.attn_bwd_ws_kernel[(_cdiv(Sk, block_n), B * Hkv)](
-        desc(q, block_m), desc(k, block_n), desc(v, block_n), desc(do, block_m), desc_rows(lse2), desc_rows(delta),
+        _gluon_desc(q, block_m), _gluon_desc(k, block_n), _gluon_desc(v, block_n), _gluon_desc(do, block_m),
+        desc_rows(lse2), desc_rows(delta),
         dk, dv, dqa, *dk.stride(), *dv.stride(), *dqa.stride()[:3],
         Hq, Hkv, Sq, Sk, Hq // Hkv, lo_i, hi_i, lse2.shape[2], float(scale) * 1.4426950408889634, float(scale),
         BLOCK_D=D, HAS_LO=has_lo, HAS_HI=has_hi, BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv,
@@ -596,7 +586,7 @@ def _backward_impl(
         and B * Hkv <= 65535  # the second grid dimension
         and _ws_inputs_ok(q, k, v, do)
     ):
-        ws_config = _ws_bwd_config(D, Sq, Sk, has_lo, has_hi)
+        ws_config = WS_BWD_CONFIG.get(D)
     # the WS kernel loads each head's lse2 / Delta rows by TMA: 16-byte aligned rows, so padded to 4 floats
     delta, lse2 = bwd_preprocess(out, do, lse, dlse, bd, _cdiv(Sq, 4) * 4 if ws_config is not None else None)
     common = dict(

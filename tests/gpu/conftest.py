@@ -1,0 +1,18 @@
+"""Fixtures shared by the GPU test modules."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def ws_switches(monkeypatch):
+    """`ops.triton_flash` with the warp-specialised kernels' switches and config tables free to change in the test:
+    FORCE_WS / WS_CONFIG (forward) and FORCE_WS_BWD / WS_BWD_CONFIG (backward) are restored afterwards."""
+    from longctx.ops import triton_flash as tf
+
+    for name in ("FORCE_WS", "FORCE_WS_BWD"):
+        monkeypatch.setattr(tf, name, getattr(tf, name))
+    for name in ("WS_CONFIG", "WS_BWD_CONFIG"):
+        monkeypatch.setattr(tf, name, dict(getattr(tf, name)))
+    return tf
