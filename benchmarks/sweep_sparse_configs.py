@@ -47,6 +47,9 @@ FWD_VARIANTS: dict[str, tuple[dict, tuple[int, int, int, int]]] = {
         {"grid_swap": True, "prefetch_idx": True, "tma": True, "pipe_qk": True, "reverse_m": True},
         (128, 64, 8, 3),
     ),
+    # the warp-specialised Gluon kernel (`kernels.flash_sparse_ws`); "ws_config": its (BLOCK_N, STAGES, PIPE)
+    "ws": ({"ws": True}, (128, 64, 8, 3)),
+    "ws/2st": ({"ws": True, "ws_config": (128, 2, True)}, (128, 64, 8, 3)),
 }
 # name -> (VARIANT flags, {"dkdv": tile, "dq": tile}); atomic variants launch no dQ kernel.
 _B0 = {"dkdv": (64, 128, 8, 2), "dq": (128, 64, 8, 3)}
@@ -62,6 +65,10 @@ BWD_VARIANTS: dict[str, tuple[dict, dict]] = {
     "grid+idx+atomic-tma/dkdv32x128x3": ({**_GI, "atomic_dq": "tma"}, _B32),
     "grid+idx+atomic-ptr/dkdv32x128x3": ({**_GI, "atomic_dq": "ptr"}, _B32),
     "grid+idx+rev/dkdv32x128x3": ({**_GI, "reverse_m": True}, _B32),
+    # the warp-specialised Gluon kernel; "ws_config": its (BLOCK_M, STAGES, EARLY_DV)
+    "ws": ({"ws_bwd": True}, _B3),
+    "ws/3st": ({"ws_bwd": True, "ws_config": (64, 3, False)}, _B3),
+    "ws/early": ({"ws_bwd": True, "ws_config": (64, 2, True)}, _B3),
 }
 _OFF = {
     "grid_swap": False,
@@ -71,6 +78,8 @@ _OFF = {
     "pipe_qk": False,
     "reverse_m": False,
     "atomic_dq": "0",
+    "ws": False,
+    "ws_bwd": False,
 }
 S_DEFAULT, H, D = 16384, 16, 128
 # --dry-run (CPU, TRITON_INTERPRET=1, tiny shapes) checks this script's logic without a GPU
@@ -78,10 +87,15 @@ DEV, DTYPE = "cuda", torch.bfloat16
 
 
 def _set_variant(ts, flags: dict, tiles: dict) -> None:
+    flags = dict(flags)
+    ws_config = flags.pop("ws_config", None)
     ts.VARIANT.update(_OFF)
     ts.VARIANT.update(flags)
     ts.FORCE_CONFIG.clear()
     ts.FORCE_CONFIG.update(tiles)
+    ts.WS_FORCE_CONFIG.clear()
+    if ws_config is not None:
+        ts.WS_FORCE_CONFIG["fwd" if flags.get("ws") else "bwd"] = ws_config
 
 
 def _mask(name: str, S: int, device: str):
@@ -228,8 +242,9 @@ def _start_precompile(cases: list[str], S: int, workers: int):
     major, minor = torch.cuda.get_device_capability()
     # the two layouts compile the same kernels (same specialisation): one of them is enough
     cases = [c for c in cases if not (c == "layout0.5" and "layout0.1" in cases)]
-    jobs = [(c, "fwd", v, S, major * 10 + minor) for c in cases for v in FWD_VARIANTS]
-    jobs += [(c, "bwd", v, S, major * 10 + minor) for c in cases for v in BWD_VARIANTS]
+    # (the Gluon kernels compile in the main process: the stand-in driver cannot launch them)
+    jobs = [(c, "fwd", v, S, major * 10 + minor) for c in cases for v in FWD_VARIANTS if not v.startswith("ws")]
+    jobs += [(c, "bwd", v, S, major * 10 + minor) for c in cases for v in BWD_VARIANTS if not v.startswith("ws")]
     pool = mp.get_context("spawn").Pool(workers)
     return pool, pool.map_async(_precompile, jobs, chunksize=1)
 

@@ -2,6 +2,8 @@
 # Session 7 on the H100 (benchmarks/NOTES.md, "Session 7").
 #   PART=t1: the D=128 and GQA rows of the attention table with the warp-specialised backward (ours / cuDNN / FA2
 #       in one call), then the GPU tests of the dense kernels.
+#   PART=s1: the warp-specialised block-sparse kernels (kernels/flash_sparse_ws.py): their GPU tests and the block-sparse
+#       ones, then the variant sweep beside the Triton sparse kernels and FlexAttention (S=16K, D=128).
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" sweep_out
 LOG="$OUT/sweep.txt"
@@ -17,6 +19,17 @@ t1)
     tests/gpu/test_ws_bwd_gpu.py tests/gpu/test_ws_gpu.py tests/gpu/test_backends_gpu.py \
     >"$OUT/gpu_tests_s7_t1.txt" 2>&1
   grep -E "^FAILED|passed|failed" "$OUT/gpu_tests_s7_t1.txt" | tail -12 | cut -c1-200
+  ;;
+s1)
+  clocks
+  LONGCTX_TRITON_AUTOTUNE=0 timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu --maxfail=25 \
+    tests/gpu/test_sparse_ws_gpu.py tests/gpu/test_sparse_gpu.py >"$OUT/gpu_tests_s7_s1.txt" 2>&1
+  grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpu_tests_s7_s1.txt" | tail -30 | cut -c1-300
+  timeout 330 python3 benchmarks/sweep_sparse_configs.py --out "$OUT" --budget-s 300 \
+    --fwd-variants "grid+idx+tma/128x64x3,ws,ws/2st" --bwd-variants "grid+idx/dkdv64x128x3,ws,ws/3st,ws/early" \
+    >>"$LOG" 2>&1
+  clocks
+  tail -40 "$OUT/sweep_sparse.md"
   ;;
 *)
   echo "sweep_s7.sh: unknown PART=${PART}" >&2

@@ -219,18 +219,24 @@ def test_fullgraph_compile_block_mask(name):
         assert (a - b).abs().max().item() <= 1e-2 * max(1.0, b.abs().max().item()), n
 
 
+# the Triton kernels' variants (the warp-specialised kernels, which D=128 on Hopper takes by default, switched off;
+# tests/gpu/test_sparse_ws_gpu.py tests those)
+_TRITON = dict(ws=False, ws_bwd=False)
 SPARSE_VARIANTS = {
-    "all-atomic-tma": dict(grid_swap=True, prefetch_idx=True, tma=True, pipe_qk=True, reverse_m=True, atomic_dq="tma"),
-    "atomic-ptr": dict(grid_swap=True, prefetch_idx=True, atomic_dq="ptr"),
-    "dq-kernel-tma": dict(prefetch_idx=True, tma=True, tma_dq=True, reverse_m=True),
+    "defaults": dict(_TRITON),
+    "all-atomic-tma": dict(
+        _TRITON, grid_swap=True, prefetch_idx=True, tma=True, pipe_qk=True, reverse_m=True, atomic_dq="tma"
+    ),
+    "atomic-ptr": dict(_TRITON, grid_swap=True, prefetch_idx=True, atomic_dq="ptr"),
+    "dq-kernel-tma": dict(_TRITON, prefetch_idx=True, tma=True, tma_dq=True, reverse_m=True),
 }
 
 
 @pytest.mark.parametrize("variant", list(SPARSE_VARIANTS))
 @pytest.mark.parametrize("name", ["docs_causal", "general", "layout"])
 def test_triton_sparse_variants_against_oracle(name, variant, monkeypatch):
-    """The kernel variants of longctx.ops.triton_sparse.VARIANT (TMA descriptors and the TMA reduce run only
-    on the GPU), ragged S, GQA, D=128 so that the descriptor paths are taken."""
+    """The Triton kernels' variants of longctx.ops.triton_sparse.VARIANT (TMA descriptors and the TMA reduce run
+    only on the GPU), ragged S, GQA, D=128 so that the descriptor paths are taken."""
     from longctx.ops import triton_sparse as ts
 
     monkeypatch.setattr(ts, "VARIANT", {**ts.VARIANT, **SPARSE_VARIANTS[variant]})

@@ -109,13 +109,15 @@ def _producer(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem, do
 
 @gluon.jit
 def _tile(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty, ds_ready, ds_free,
-          lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, start_m, Sq, Sk, lo, hi, qk_scale, sm_scale,
+          lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, start_m, keep, Sq, Sk, lo, hi, qk_scale, sm_scale,
           WG: gl.constexpr,
           s_layout: gl.constexpr, op_layout: gl.constexpr, dq_layout: gl.constexpr, MASKED: gl.constexpr,
           HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
           STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
     """One query tile [start_m, start_m + BLOCK_M) against this warpgroup's 64 keys; ``i`` counts query tiles
-    in the producer's order (ring slot, barrier phases)."""
+    in the producer's order (ring slot, barrier phases). MASKED: False (whole tiles inside the band), True (the
+    band, Sq and Sk applied here) or 2 (``keep``, a (64, BLOCK_M) visibility tile of the caller: block-sparse
+    masks, `flash_sparse_ws`)."""
     dtype: gl.constexpr = q_smem.dtype
     s = i % STAGES
     ph = (i // STAGES) & 1
@@ -133,7 +135,9 @@ def _tile(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_read
     sT, _, _ = warpgroup_mma_wait(1, deps=(sT, k_w, q_buf))
     lse2 = lse2_smem.index(s).load(col_layout)
     pT = gl.exp2(sT * qk_scale - lse2[None, :])
-    if MASKED:
+    if MASKED == 2:
+        pT = gl.where(keep, pT, 0.0)
+    elif MASKED:
         diff = offs_n[:, None] - offs_m[None, :]  # j - i
         keep = (offs_m[None, :] < Sq) & (offs_n[:, None] < Sk)
         if HAS_LO:
@@ -208,7 +212,7 @@ def _run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready
     """Query tiles [start, end) of one query head."""
     for start_m in range(start, end, BLOCK_M):
         dk, dv = _tile(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty, ds_ready,
-                       ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, start_m, Sq, Sk, lo, hi, qk_scale,
+                       ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, start_m, 0, Sq, Sk, lo, hi, qk_scale,
                        sm_scale, WG, s_layout, op_layout, dq_layout, MASKED, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D,
                        STAGES, DQ_SPLIT_M, EARLY_DV)
         i += 1
@@ -261,7 +265,15 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, k
                          qk_scale, sm_scale, WG, s_layout, op_layout, dq_layout, True, HAS_LO, HAS_HI,
                          BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
 
-    # epilogue: dK carries the softmax scale (s = scale * q.k), dV does not; key rows past Sk are not stored
+    _store_dkdv(dk, dv, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
+                stride_dvd, off_b, off_kvh, my_n, Sk, sm_scale, acc_layout, BLOCK_D)
+
+
+@gluon.jit
+def _store_dkdv(dk, dv, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
+                stride_dvd, off_b, off_kvh, my_n, Sk, sm_scale, acc_layout: gl.constexpr, BLOCK_D: gl.constexpr):
+    """Epilogue of one warpgroup: dK carries the softmax scale (s = scale * q.k), dV does not; key rows past Sk
+    are not stored."""
     rows = my_n + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
     mask = (rows[:, None] < Sk) & (cols[None, :] < BLOCK_D)

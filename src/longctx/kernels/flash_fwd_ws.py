@@ -81,6 +81,19 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, k_
 
 
 @gluon.jit
+def _softmax_keep(qk, m_i, l_i, keep, qk_scale):
+    """Online softmax of one tile of raw scores where only ``keep`` (broadcast to the tile) is visible."""
+    sc = gl.where(keep, qk * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(sc, 1))
+    # a row with nothing visible yet keeps m = -inf: subtract 0 instead, exp2(-inf) = 0
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(sc - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, alpha, l_i
+
+
+@gluon.jit
 def _softmax(qk, m_i, l_i, offs_m, start_n, Sk, lo, hi, qk_scale, s_layout: gl.constexpr, MASKED: gl.constexpr,
              HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, BLOCK_N: gl.constexpr):
     """Online softmax of one tile of raw scores: (p, new max, alpha = rescale of the old state, new sum)."""
@@ -92,17 +105,12 @@ def _softmax(qk, m_i, l_i, offs_m, start_n, Sk, lo, hi, qk_scale, s_layout: gl.c
             keep = keep & (diff >= lo)
         if HAS_HI:
             keep = keep & (diff <= hi)
-        sc = gl.where(keep, qk * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, 1))
-        # a row with nothing visible yet keeps m = -inf: subtract 0 instead, exp2(-inf) = 0
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(sc - m_use[:, None])
+        p, m_new, alpha, l_i = _softmax_keep(qk, m_i, l_i, keep, qk_scale)
     else:
         m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-        m_use = m_new
-        p = gl.exp2(qk * qk_scale - m_use[:, None])
-    alpha = gl.exp2(m_i - m_use)
-    l_i = l_i * alpha + gl.sum(p, 1)
+        p = gl.exp2(qk * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, alpha, l_i
 
 
@@ -209,7 +217,6 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     off_b, off_h, off_kvh, start_m = _program(Sq, Hq, GROUP, LONGEST_FIRST, BLOCK_M)
     row_last = gl.minimum(start_m + BLOCK_M, Sq) - 1
@@ -239,7 +246,17 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                                     full_hi, k_end, Sk, lo, hi, qk_scale, s_layout, p_layout, True,
                                     HAS_LO, HAS_HI, BLOCK_N, BLOCK_D, STAGES)
 
-    # epilogue: rows that saw no key have l = 0 -> output 0, lse -inf; lse in natural log
+    _epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od, off_b, off_h, Hq, Sq, my_start,
+              o_layout, HEAD_DIM, BLOCK_D)
+
+
+@gluon.jit
+def _epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od, off_b, off_h, Hq, Sq, my_start,
+              o_layout: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr):
+    """Output and lse of one warpgroup's 64 rows: rows that saw no key have l = 0 -> output 0, lse -inf; the lse
+    in natural log."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    offs_m = my_start + gl.arange(0, WG_ROWS, layout=l_i.type.layout)
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)

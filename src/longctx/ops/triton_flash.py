@@ -320,18 +320,23 @@ def _ws_inputs_ok(*tensors: torch.Tensor) -> bool:
 def _disable_ws(exc: Exception, backward: bool = False) -> None:
     """A warp-specialised kernel did not compile with this Triton: warn once, use the Triton kernel from now."""
     global _WS_DEFAULT, _WS_BWD_DEFAULT
-    import warnings
 
     if backward:
         _WS_BWD_DEFAULT = False
     else:
         _WS_DEFAULT = False
-    which = "backward" if backward else "forward"
+    warn_ws_fallback("backward" if backward else "forward", exc)
+
+
+def warn_ws_fallback(which: str, exc: Exception) -> None:
+    """The warning of a warp-specialised kernel that does not compile (shared with the block-sparse launchers)."""
+    import warnings
+
     warnings.warn(
         f"longctx: the warp-specialised {which} (Gluon) does not compile with this Triton; using the Triton {which} "
         f"instead ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
 
 
@@ -344,6 +349,16 @@ def _gluon_desc(t: torch.Tensor, rows: int):
     block = [1, 1, rows, t.shape[3]]
     gdt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, gdt))
+
+
+def _gluon_rows_desc(t: torch.Tensor, rows: int):
+    """1-D TMA descriptor over a contiguous float32 (B, H, padded S) tensor (the backward's lse2 / Delta, each
+    head's rows padded to a multiple of 4 floats: `bwd_preprocess`'s row_stride), read ``rows`` at a time."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    flat = t.view(-1)
+    return TensorDescriptor(flat, [flat.numel()], [1], [rows], gl.NVMMASharedLayout.get_default_for([rows], gl.float32))
 
 
 def _forward_ws(q, k, v, out, lse, scale, lo_i, hi_i, has_lo, has_hi, config) -> None:
@@ -384,25 +399,16 @@ FORCE_WS_BWD: bool | None = None
 def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, lo_i, hi_i, has_lo, has_hi, config) -> None:
     """Launch `flash_bwd_ws.attn_bwd_ws_kernel`: dK, dV into ``dk`` / ``dv``, scale * dS K added into ``dqa``
     (float32, zeroed, contiguous). Conditions: `_ws_inputs_ok` for q, k, v and dO; config from `WS_BWD_CONFIG`."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from longctx.kernels import flash_bwd_ws
 
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     block_m, stages, early_dv = config
 
-    def desc_rows(t):  # (B, Hq, padded Sq) float32, contiguous, read as one flat vector
-        flat = t.view(-1)
-        return TensorDescriptor(
-            flat, [flat.numel()], [1], [block_m], gl.NVMMASharedLayout.get_default_for([block_m], gl.float32)
-        )
-
     block_n = int(flash_bwd_ws.WG_ROWS) * int(flash_bwd_ws.NUM_CONSUMERS)
     flash_bwd_ws.attn_bwd_ws_kernel[(_cdiv(Sk, block_n), B * Hkv)](
         _gluon_desc(q, block_m), _gluon_desc(k, block_n), _gluon_desc(v, block_n), _gluon_desc(do, block_m),
-        desc_rows(lse2), desc_rows(delta),
+        _gluon_rows_desc(lse2, block_m), _gluon_rows_desc(delta, block_m),
         dk, dv, dqa, *dk.stride(), *dv.stride(), *dqa.stride()[:3],
         Hq, Hkv, Sq, Sk, Hq // Hkv, lo_i, hi_i, lse2.shape[2], float(scale) * 1.4426950408889634, float(scale),
         BLOCK_D=D, HAS_LO=has_lo, HAS_HI=has_hi, BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv,

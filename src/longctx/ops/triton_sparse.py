@@ -94,6 +94,10 @@ VARIANT: dict = {
     # "0": separate dQ kernel (deterministic); "ptr": dQ by float32 atomics in the dK/dV kernel; "tma": the same
     # through a TMA reduce (CUDA only; "ptr" elsewhere). Never under deterministic=True / LONGCTX_DETERMINISTIC=1.
     "atomic_dq": os.environ.get("LONGCTX_SPARSE_ATOMIC_DQ", "0").strip().lower(),
+    # the warp-specialised kernels (`longctx.kernels.flash_sparse_ws`, Gluon, Hopper) for the forward and for the
+    # backward (dQ by atomics: never under deterministic=True); `_ws_config` says which inputs take them
+    "ws": _flag("LONGCTX_SPARSE_WS", True),
+    "ws_bwd": _flag("LONGCTX_SPARSE_WS_BWD", True),
 }
 
 
@@ -115,6 +119,9 @@ def _tiles_from_env(text: str) -> dict[str, tuple[int, int, int, int]]:
 # For tuning sessions: kind ("fwd", "dkdv", "dq") -> (BLOCK_M, BLOCK_N, num_warps, num_stages) forced, no
 # autotuning (also from ``LONGCTX_SPARSE_TILES="fwd=128,64,8,3;dkdv=32,128,8,3"``). Empty in normal use.
 FORCE_CONFIG: dict[str, tuple[int, int, int, int]] = _tiles_from_env(os.environ.get("LONGCTX_SPARSE_TILES", ""))
+# For tuning sessions: "fwd" -> (BLOCK_N, STAGES, PIPE), "bwd" -> (BLOCK_M, STAGES, EARLY_DV) of the warp-specialised
+# kernels, instead of the dense kernels' tables. Empty in normal use.
+WS_FORCE_CONFIG: dict[str, tuple[int, int, bool]] = {}
 # Tensor descriptor loads also run in the Triton interpreter (not its TMA reduce); tests of the TMA variants set
 # this to run them there. Off: under the interpreter the pointer path runs.
 TMA_IN_INTERPRETER = False
@@ -225,6 +232,66 @@ def _check(q, k, v, meta: list) -> None:
         raise ValueError(f"the mask was built for Sq={meta[1]}, Sk={meta[2]}; got Sq={q.shape[2]}, Sk={k.shape[2]}")
 
 
+def _ws_config(kind: str, n_heads: int, mask_bs: int, *tensors: torch.Tensor) -> tuple | None:
+    """The warp-specialised kernel's config for these inputs ("fwd": the dense forward's `WS_CONFIG`, "bwd": the
+    dense backward's `WS_BWD_CONFIG`), or None where the Triton kernels run: the variant switched off, a mask block
+    that is not a multiple of the kernels' 128 rows, more than 65535 heads (the grid's second dimension), or
+    inputs the Gluon kernels do not take (`triton_flash._ws_inputs_ok`: fp16/bf16, head dim 64 or 128, sm_90,
+    TMA-loadable strides)."""
+    if not VARIANT["ws" if kind == "fwd" else "ws_bwd"] or mask_bs % 128 or n_heads > 65535:
+        return None
+    if not _tf._ws_inputs_ok(*tensors):
+        return None
+    if kind in WS_FORCE_CONFIG:
+        return WS_FORCE_CONFIG[kind]
+    return (_tf.WS_CONFIG if kind == "fwd" else _tf.WS_BWD_CONFIG)[tensors[0].shape[3]]
+
+
+def _ws_failed(kind: str, exc: Exception) -> None:
+    """A Gluon kernel that does not compile with this Triton: warn once, use the Triton kernels from now."""
+    if type(exc).__name__ != "CompilationError":
+        raise exc
+    VARIANT["ws" if kind == "fwd" else "ws_bwd"] = False
+    _tf.warn_ws_fallback(f"block-sparse {'forward' if kind == 'fwd' else 'backward'}", exc)
+
+
+def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs: int, config) -> None:
+    """Launch `flash_sparse_ws.sparse_fwd_ws_kernel` (conditions and config: `_ws_config`)."""
+    from longctx.kernels import flash_sparse_ws as sws
+
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    block_n, stages, pipe = config
+    sws.sparse_fwd_ws_kernel[(_cdiv(Sq, int(sws.CTA_ROWS)), B * Hq)](
+        _tf._gluon_desc(q, int(sws.WG_ROWS)), _tf._gluon_desc(k, block_n), _tf._gluon_desc(v, block_n), out, lse,
+        *out.stride(), *margs,
+        Hq=Hq, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, qk_scale=scale * _LOG2E,
+        HEAD_DIM=D, BLOCK_D=D, MASK_BS=mask_bs, EVEN_SK=Sk % mask_bs == 0,
+        BLOCK_N=block_n, STAGES=stages, PIPE=pipe, CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168,
+        **mkw,
+    )  # fmt: skip
+
+
+def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale: float, targs: list, tkw: dict, mask_bs: int, config):
+    """Launch `flash_sparse_ws.sparse_bwd_ws_kernel`: dK, dV into ``dk`` / ``dv``, scale * dS K added into ``dqa``
+    (float32, zeroed, contiguous); lse2 / Delta with rows padded to 4 floats (`triton_flash.bwd_preprocess`)."""
+    from longctx.kernels import flash_sparse_ws as sws
+
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    block_m, stages, early_dv = config
+    rows = int(sws.CTA_ROWS)
+    sws.sparse_bwd_ws_kernel[(_cdiv(Sk, rows), B * Hkv)](
+        _tf._gluon_desc(q, block_m), _tf._gluon_desc(k, rows), _tf._gluon_desc(v, rows), _tf._gluon_desc(do, block_m),
+        _tf._gluon_rows_desc(lse2, block_m), _tf._gluon_rows_desc(delta, block_m),
+        dk, dv, dqa, *dk.stride(), *dv.stride(), *dqa.stride()[:3], *targs,
+        Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, stride_lse=lse2.shape[2], qk_scale=scale * _LOG2E,
+        sm_scale=scale, BLOCK_D=D, MASK_BS=mask_bs, EVEN=Sq % mask_bs == 0 and Sk % mask_bs == 0,
+        BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv, CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4,
+        maxnreg=168, **tkw,
+    )  # fmt: skip
+
+
 def _forward_impl(q, k, v, scale: float, mt: tuple, meta: list) -> tuple[torch.Tensor, torch.Tensor]:
     _check(q, k, v, meta)
     from longctx.kernels import configs
@@ -238,6 +305,13 @@ def _forward_impl(q, k, v, scale: float, mt: tuple, meta: list) -> tuple[torch.T
         return out, lse
     bd = configs.block_d(D)
     margs, mkw = _mask_args(mt, meta, B, Hq, transposed=False)
+    ws = _ws_config("fwd", B * Hq, mask_bs, q, k, v)
+    if ws is not None:
+        try:
+            _forward_ws(q, k, v, out, lse, scale, margs, mkw, mask_bs, ws)
+            return out, lse
+        except Exception as exc:  # Gluon is experimental: another Triton may not compile the kernel
+            _ws_failed("fwd", exc)
     # Sq or Sk below 16: no TMA (the dense launcher's ptxas crash at D=256; nothing to gain on such inputs)
     use_tma = VARIANT["tma"] and min(Sq, Sk) >= 16 and _tma_ok(k, D, bd) and _tma_ok(v, D, bd)
     if use_tma:
@@ -284,7 +358,21 @@ def _backward_impl(do, q, k, v, out, lse, dlse, scale: float, mt: tuple, meta: l
     bd = configs.block_d(D)
     if _tf._interpret():
         _tf._patch_interpreter_for_numpy2()
-    delta, lse2 = _tf.bwd_preprocess(out, do, lse, dlse, bd)  # (B, Hq, Sq) each
+    nondet = not (deterministic or _tf._deterministic_env())
+    ws = _ws_config("bwd", B * Hkv, mask_bs, q, k, v, do) if nondet else None
+    # (B, Hq, Sq) each; for the warp-specialised kernel each head's rows padded to 4 floats (TMA alignment)
+    delta, lse2 = _tf.bwd_preprocess(out, do, lse, dlse, bd, _cdiv(Sq, 4) * 4 if ws is not None else None)
+    if ws is not None:
+        dqa = torch.zeros((B, Hq, Sq, D), device=q.device, dtype=torch.float32)
+        targs, tkw = _mask_args(mt, meta, B, Hq, transposed=True)
+        try:
+            _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, targs, tkw, mask_bs, ws)
+        except Exception as exc:
+            _ws_failed("bwd", exc)
+            delta, lse2 = _tf.bwd_preprocess(out, do, lse, dlse, bd)  # unpadded rows for the Triton kernels
+        else:
+            dq.copy_(dqa)  # the kernel applied the scale
+            return dq, dk, dv
     swap = VARIANT["grid_swap"]
     common = dict(
         Sq=Sq,
@@ -303,7 +391,7 @@ def _backward_impl(do, q, k, v, out, lse, dlse, scale: float, mt: tuple, meta: l
     # dQ by atomics inside the dK/dV kernel (a variant, off by default): 5 matmuls per tile pair instead of 7,
     # but not bitwise repeatable; at head dims above 128 the kernel would not fit shared memory.
     atomic = 0
-    if VARIANT["atomic_dq"] in ("ptr", "tma") and not (deterministic or _tf._deterministic_env()) and bd <= 128:
+    if VARIANT["atomic_dq"] in ("ptr", "tma") and nondet and bd <= 128:
         atomic = 2 if VARIANT["atomic_dq"] == "tma" and not _tf._interpret() and _tma_ok(q, D, bd) else 1
     dqa = torch.zeros((B, Hq, Sq, D), device=q.device, dtype=torch.float32) if atomic else dq  # (B, Hq, Sq, D)
     if atomic == 2:

@@ -1,0 +1,458 @@
+"""Block-sparse FlashAttention for Hopper, warp-specialised, in Gluon: the kernels of `flash_fwd_ws` and
+`flash_bwd_ws` walking the block lists of a `BlockMask` instead of a band's tile ranges.
+
+The dense warp-specialised kernels' partitions, barriers and tile steps are reused as they are (`_scores`,
+`_softmax`, `_pv`, `_consume_run_pipelined` and `_epilogue` of the forward; `_tile` of the backward, whose
+``MASKED=2`` takes a visibility tile from here). What changes is which tiles the producer loads and the consumers
+consume, and the element mask of partial blocks (`flash_sparse._visible`, the Triton kernels' own rule, called
+from Gluon):
+
+- forward: one CTA = 128 query rows of one query head (two consumer warpgroups of 64 rows); the producer loads
+  the K/V sub-tiles of the query block's full kv blocks, then of its partial ones. Full blocks run the
+  pipelined loop without any mask (the ragged end of Sk aside); partial blocks apply the mask.
+- backward: one CTA = 128 keys of one kv head; for every query head of the GQA group, the producer streams the
+  query tiles of the kv block's full query blocks, then of its partial ones (the transposed lists); dQ is added
+  with float32 atomics, as in `flash_bwd_ws` (so not bitwise repeatable: ``deterministic=True`` keeps the
+  Triton kernels of `flash_sparse`).
+
+Both need the mask's block size to be a multiple of 128 (a CTA's rows / keys lie in one mask block). The lists,
+MASK_KIND and the per-token tensors are those of `flash_sparse` (see its docstring).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from longctx.kernels import flash_bwd_ws as bws
+from longctx.kernels import flash_fwd_ws as fws
+from longctx.kernels.flash_sparse import _visible
+
+# fmt: off
+
+WG_ROWS = fws.WG_ROWS
+NUM_CONSUMERS = fws.NUM_CONSUMERS
+CTA_ROWS = gl.constexpr(128)  # rows (forward) / keys (backward) of one CTA
+
+
+@gluon.jit
+def _lists(NUM, IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq, off_b, off_h, blk):
+    """(full count, full list row, partial count, partial list row) of mask block ``blk`` of (batch, head)."""
+    nb = off_b.to(gl.int64) * stride_nb + off_h.to(gl.int64) * stride_nh + blk
+    ib = off_b.to(gl.int64) * stride_ib + off_h.to(gl.int64) * stride_ih + blk.to(gl.int64) * stride_iq
+    return gl.load(FULL_NUM + nb), FULL_IDX + ib, gl.load(NUM + nb), IDX + ib
+
+
+# -- forward --------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _fwd_program(Hq):
+    """(batch, query head, first row); grid (query tiles, B * Hq), query tiles fastest (the CTAs in flight share
+    one head's K/V in L2)."""
+    pid_bh = gl.program_id(1)
+    return pid_bh // Hq, pid_bh % Hq, gl.program_id(0) * CTA_ROWS
+
+
+@gluon.jit
+def _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, off_b, off_kvh, IDX_row,
+                   n_tiles, i, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    SUB: gl.constexpr = MASK_BS // BLOCK_N
+    for j in range(n_tiles):
+        start_n = gl.load(IDX_row + j // SUB) * MASK_BS + (j % SUB) * BLOCK_N
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        mbarrier.wait(k_empty.index(s), ph ^ 1)
+        mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
+        fws._tma_load(desc_k, [off_b, off_kvh, start_n, 0], k_ready.index(s), k_smem.index(s))
+        mbarrier.wait(v_empty.index(s), ph ^ 1)
+        mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
+        fws._tma_load(desc_v, [off_b, off_kvh, start_n, 0], v_ready.index(s), v_smem.index(s))
+        i += 1
+    return i
+
+
+@gluon.jit
+def _fwd_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                  KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
+                  Hq, GROUP, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: Q of both consumers, then the K/V sub-tiles of the full kv blocks, then of the partial ones."""
+    off_b, off_h, start_m = _fwd_program(Hq)
+    off_kvh = off_h // GROUP
+    n_full, FULL_row, n_part, PART_row = _lists(KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib,
+                                                stride_ih, stride_iq, off_b, off_h, start_m // MASK_BS)
+    for w in gl.static_range(NUM_CONSUMERS):
+        bar = q_bar.index(w)
+        mbarrier.expect(bar, desc_q.block_type.nbytes)
+        fws._tma_load(desc_q, [off_b, off_h, start_m + w * WG_ROWS, 0], bar, q_smem.index(w))
+    SUB: gl.constexpr = MASK_BS // BLOCK_N
+    i = 0
+    i = _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, off_b, off_kvh,
+                       FULL_row, n_full * SUB, i, MASK_BS, BLOCK_N, STAGES)
+    _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, off_b, off_kvh,
+                   PART_row, n_part * SUB, i, MASK_BS, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, offs_m, qd, qp,
+                    IDX_row, n_tiles, qb, KDOC_b, KPOS_b, TILE_IDS_bh, stride_tq, TILES,
+                    Sk, lo, hi, kv_global, q_global, qk_scale,
+                    s_layout: gl.constexpr, p_layout: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
+                    HAS_GLOBAL: gl.constexpr, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                    STAGES: gl.constexpr):
+    """The listed sub-tiles with the element mask of MASK_KIND (0: the ragged end of Sk only)."""
+    SUB: gl.constexpr = MASK_BS // BLOCK_N
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    for j in range(n_tiles):
+        kb = gl.load(IDX_row + j // SUB)
+        cols = kb * MASK_BS + (j % SUB) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
+        kd = gl.zeros([BLOCK_N], gl.int32, layout=col_s)
+        kp = gl.zeros([BLOCK_N], gl.int32, layout=col_s)
+        if MASK_KIND == 1:
+            if HAS_DOC:
+                kd = gl.load(KDOC_b + cols, mask=cols < Sk, other=-2)
+            kp = gl.load(KPOS_b + cols, mask=cols < Sk, other=0)
+        keep = _visible(offs_m[:, None], cols[None, :], qd[:, None], kd[None, :], qp[:, None], kp[None, :], qb, kb,
+                        TILE_IDS_bh, stride_tq, TILES, Sk, lo, hi, kv_global, q_global,
+                        MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS)
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        qk = fws._scores(q, k_smem, k_ready, k_empty, s, ph, zero, BLOCK_N, BLOCK_D)
+        p, m_i, alpha, l_i = fws._softmax_keep(qk, m_i, l_i, keep, qk_scale)
+        acc, p_op = fws._rescale_pack(acc, alpha, p, p_layout, k_smem.dtype)
+        acc = fws._pv(acc, p_op, v_smem, v_ready, v_empty, s, ph, BLOCK_N, BLOCK_D)
+        i += 1
+    return acc, l_i, m_i, i
+
+
+@gluon.jit
+def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
+                  stride_ob, stride_oh, stride_om, stride_od,
+                  KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
+                  QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
+                  Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG: gl.constexpr,
+                  MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
+                  EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  STAGES: gl.constexpr, PIPE: gl.constexpr):
+    """One warpgroup: 64 query rows against the listed kv blocks; writes their output and lse."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    SUB: gl.constexpr = MASK_BS // BLOCK_N
+
+    off_b, off_h, start_m = _fwd_program(Hq)
+    qb = start_m // MASK_BS
+    n_full, FULL_row, n_part, PART_row = _lists(KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib,
+                                                stride_ih, stride_iq, off_b, off_h, qb)
+    my_start = start_m + WG * WG_ROWS
+    offs_m = my_start + gl.arange(0, WG_ROWS, layout=row_s)
+    qd = gl.zeros([WG_ROWS], gl.int32, layout=row_s)
+    qp = gl.zeros([WG_ROWS], gl.int32, layout=row_s)
+    if MASK_KIND == 1:
+        if HAS_DOC:
+            qd = gl.load(QDOC + off_b.to(gl.int64) * stride_qdoc + offs_m, mask=offs_m < Sq, other=-1)
+        qp = gl.load(QPOS + off_b.to(gl.int64) * stride_qdoc + offs_m, mask=offs_m < Sq, other=0)
+    TILE_IDS_bh = TILE_IDS + off_b.to(gl.int64) * stride_tb + off_h.to(gl.int64) * stride_th
+    KDOC_b = KDOC + off_b.to(gl.int64) * stride_kdoc
+    KPOS_b = KPOS + off_b.to(gl.int64) * stride_kdoc
+
+    m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
+    acc = gl.zeros([WG_ROWS, BLOCK_D], gl.float32, layout=o_layout)
+    q = q_smem.index(WG).reshape([WG_ROWS, BLOCK_D])
+    mbarrier.wait(q_bar.index(WG), 0)
+    i = 0
+    # -- full blocks: no element mask (the runs of the dense kernel only count tiles here) --
+    if EVEN_SK:
+        if PIPE:
+            acc, l_i, m_i, i = fws._consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty,
+                                                          v_ready, v_empty, 0, n_full * SUB * BLOCK_N, qk_scale,
+                                                          s_layout, p_layout, BLOCK_N, BLOCK_D, STAGES)
+        else:
+            acc, l_i, m_i, i = fws._consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
+                                                v_empty, offs_m, 0, n_full * SUB * BLOCK_N, Sk, 0, 0, qk_scale,
+                                                s_layout, p_layout, False, False, False, BLOCK_N, BLOCK_D, STAGES)
+    else:
+        # the last kv block reaches past Sk: its keys there arrive as zeros and must be masked
+        acc, l_i, m_i, i = _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                                           offs_m, qd, qp, FULL_row, n_full * SUB, qb, KDOC_b, KPOS_b, TILE_IDS_bh,
+                                           stride_tq, TILES, Sk, lo, hi, kv_global, q_global, qk_scale,
+                                           s_layout, p_layout, 0, False, False, MASK_BS, BLOCK_N, BLOCK_D, STAGES)
+    # -- partial blocks: the element mask --
+    acc, l_i, m_i, i = _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                                       offs_m, qd, qp, PART_row, n_part * SUB, qb, KDOC_b, KPOS_b, TILE_IDS_bh,
+                                       stride_tq, TILES, Sk, lo, hi, kv_global, q_global, qk_scale,
+                                       s_layout, p_layout, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N, BLOCK_D,
+                                       STAGES)
+    fws._epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od, off_b, off_h, Hq, Sq, my_start,
+                  o_layout, HEAD_DIM, BLOCK_D)
+
+
+@gluon.jit
+def sparse_fwd_ws_kernel(
+    desc_q, desc_k, desc_v, O, LSE,
+    stride_ob, stride_oh, stride_om, stride_od,
+    KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
+    QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
+    Hq, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr,
+    HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr, EVEN_SK: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """Grid: (cdiv(Sq, 128), B * Hq); num_warps=4 (consumer 0) plus the workers' 4 + 1 warps. Descriptors as
+    `flash_fwd_ws.attn_fwd_ws_kernel`'s; the mask arguments as `flash_sparse.sparse_fwd_kernel`'s."""
+    dtype: gl.constexpr = desc_q.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for w in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(q_bar.index(w), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(k_empty.index(s), count=NUM_CONSUMERS)
+        mbarrier.init(v_empty.index(s), count=NUM_CONSUMERS)
+
+    gl.warp_specialize([
+        (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
+                         stride_ob, stride_oh, stride_om, stride_od,
+                         KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
+                         QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
+                         stride_tq, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 0,
+                         MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE)),
+        (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
+                         stride_ob, stride_oh, stride_om, stride_od,
+                         KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
+                         QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
+                         stride_tq, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 1,
+                         MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE)),
+        (_fwd_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                         KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
+                         Hq, GROUP, MASK_BS, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# -- backward -------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _bwd_load_list(desc_q, desc_do, desc_lse2, desc_delta, q_smem, do_smem, lse2_smem, delta_smem, q_ready,
+                   do_ready, q_empty, off_b, off_h, row0, IDX_row, n_tiles, i,
+                   MASK_BS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    SUB: gl.constexpr = MASK_BS // BLOCK_M
+    for j in range(n_tiles):
+        start_m = gl.load(IDX_row + j // SUB) * MASK_BS + (j % SUB) * BLOCK_M
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        mbarrier.wait(q_empty.index(s), ph ^ 1)
+        mbarrier.expect(q_ready.index(s), desc_q.block_type.nbytes + desc_lse2.block_type.nbytes)
+        bws._tma_load(desc_q, [off_b, off_h, start_m, 0], q_ready.index(s), q_smem.index(s))
+        bws._tma_load(desc_lse2, [row0 + start_m], q_ready.index(s), lse2_smem.index(s))
+        mbarrier.expect(do_ready.index(s), desc_do.block_type.nbytes + desc_delta.block_type.nbytes)
+        bws._tma_load(desc_do, [off_b, off_h, start_m, 0], do_ready.index(s), do_smem.index(s))
+        bws._tma_load(desc_delta, [row0 + start_m], do_ready.index(s), delta_smem.index(s))
+        i += 1
+    return i
+
+
+@gluon.jit
+def _bwd_producer(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem, do_smem, k_smem, v_smem, lse2_smem,
+                  delta_smem, kv_bar, q_ready, do_ready, q_empty,
+                  Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
+                  Hq, Hkv, GROUP, stride_lse,
+                  MASK_BS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: K and V of the CTA, then, per query head of the group, Q / lse2 and dO / Delta of the query tiles
+    of the kv block's full query blocks, then of its partial ones."""
+    off_b, off_kvh, start_n = bws._program(Hkv)
+    mbarrier.expect(kv_bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
+    bws._tma_load(desc_k, [off_b, off_kvh, start_n, 0], kv_bar, k_smem)
+    bws._tma_load(desc_v, [off_b, off_kvh, start_n, 0], kv_bar, v_smem)
+    SUB: gl.constexpr = MASK_BS // BLOCK_M
+    i = 0
+    for g in range(GROUP):
+        off_h = off_kvh * GROUP + g
+        row0 = (off_b * Hq + off_h) * stride_lse
+        n_full, FULL_row, n_part, PART_row = _lists(Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh,
+                                                    stride_ib, stride_ih, stride_ik, off_b, off_h, start_n // MASK_BS)
+        i = _bwd_load_list(desc_q, desc_do, desc_lse2, desc_delta, q_smem, do_smem, lse2_smem, delta_smem, q_ready,
+                           do_ready, q_empty, off_b, off_h, row0, FULL_row, n_full * SUB, i, MASK_BS, BLOCK_M, STAGES)
+        i = _bwd_load_list(desc_q, desc_do, desc_lse2, desc_delta, q_smem, do_smem, lse2_smem, delta_smem, q_ready,
+                           do_ready, q_empty, off_b, off_h, row0, PART_row, n_part * SUB, i, MASK_BS, BLOCK_M, STAGES)
+
+
+@gluon.jit
+def _bwd_run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty, ds_ready, ds_free,
+             lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, kd, kp, IDX_row, n_tiles, kb,
+             QDOC_b, QPOS_b, TILE_IDS_bh, stride_tq, TILES, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, sm_scale,
+             WG: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr, dq_layout: gl.constexpr,
+             MASKED: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
+             MASK_BS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
+             DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
+    """The listed query tiles of one query head; MASKED: the element mask of MASK_KIND and the bounds (0: the
+    bounds only), else none."""
+    SUB: gl.constexpr = MASK_BS // BLOCK_M
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    for j in range(n_tiles):
+        qb = gl.load(IDX_row + j // SUB)
+        start_m = qb * MASK_BS + (j % SUB) * BLOCK_M
+        if MASKED:
+            rows = start_m + gl.arange(0, BLOCK_M, layout=col_s)
+            qd = gl.zeros([BLOCK_M], gl.int32, layout=col_s)
+            qp = gl.zeros([BLOCK_M], gl.int32, layout=col_s)
+            if MASK_KIND == 1:
+                if HAS_DOC:
+                    qd = gl.load(QDOC_b + rows, mask=rows < Sq, other=-1)
+                qp = gl.load(QPOS_b + rows, mask=rows < Sq, other=0)
+            # rows past Sq read another head's (finite) lse2 / Delta: their P must be 0 (dQ has no such rows)
+            keep = _visible(rows[None, :], offs_n[:, None], qd[None, :], kd[:, None], qp[None, :], kp[:, None], qb,
+                            kb, TILE_IDS_bh, stride_tq, TILES, Sk, lo, hi, kv_global, q_global,
+                            MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS) & (rows[None, :] < Sq)
+            dk, dv = bws._tile(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty,
+                               ds_ready, ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, start_m, keep,
+                               Sq, Sk, lo, hi, qk_scale, sm_scale, WG, s_layout, op_layout, dq_layout, 2, False, False,
+                               BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
+        else:
+            dk, dv = bws._tile(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty,
+                               ds_ready, ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, start_m, 0,
+                               Sq, Sk, lo, hi, qk_scale, sm_scale, WG, s_layout, op_layout, dq_layout, False, False,
+                               False, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
+        i += 1
+    return dk, dv, i
+
+
+@gluon.jit
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty,
+                  ds_ready, ds_free, DK, DV, DQA,
+                  stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                  stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                  stride_dqab, stride_dqah, stride_dqam,
+                  Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
+                  QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
+                  Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale, WG: gl.constexpr,
+                  MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
+                  EVEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
+                  DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
+    """One warpgroup: dK and dV of 64 keys, summed over the group's query heads; its share of dQ."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    if DQ_SPLIT_M:
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
+    else:
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D // 2, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    SUB: gl.constexpr = MASK_BS // BLOCK_M
+
+    off_b, off_kvh, start_n = bws._program(Hkv)
+    kb = start_n // MASK_BS
+    my_n = start_n + WG * WG_ROWS
+    offs_n = my_n + gl.arange(0, WG_ROWS, layout=row_s)
+    kd = gl.zeros([WG_ROWS], gl.int32, layout=row_s)
+    kp = gl.zeros([WG_ROWS], gl.int32, layout=row_s)
+    if MASK_KIND == 1:
+        if HAS_DOC:
+            kd = gl.load(KDOC + off_b.to(gl.int64) * stride_kdoc + offs_n, mask=offs_n < Sk, other=-2)
+        kp = gl.load(KPOS + off_b.to(gl.int64) * stride_kdoc + offs_n, mask=offs_n < Sk, other=0)
+    QDOC_b = QDOC + off_b.to(gl.int64) * stride_qdoc
+    QPOS_b = QPOS + off_b.to(gl.int64) * stride_qdoc
+    k_all = k_smem.reshape([CTA_ROWS, BLOCK_D])
+    v_all = v_smem.reshape([CTA_ROWS, BLOCK_D])
+    k_w = k_all.slice(WG * WG_ROWS, WG_ROWS, dim=0)
+    v_w = v_all.slice(WG * WG_ROWS, WG_ROWS, dim=0)
+    dk = gl.zeros([WG_ROWS, BLOCK_D], gl.float32, layout=acc_layout)
+    dv = gl.zeros([WG_ROWS, BLOCK_D], gl.float32, layout=acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    i = 0
+    for g in range(GROUP):
+        off_h = off_kvh * GROUP + g
+        DQA_bh = DQA + off_b.to(gl.int64) * stride_dqab + off_h.to(gl.int64) * stride_dqah
+        TILE_IDS_bh = TILE_IDS + off_b.to(gl.int64) * stride_tb + off_h.to(gl.int64) * stride_th
+        n_full, FULL_row, n_part, PART_row = _lists(Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh,
+                                                    stride_ib, stride_ih, stride_ik, off_b, off_h, kb)
+        # full blocks: no element mask where Sq and Sk end on block boundaries (else the bounds)
+        dk, dv, i = _bwd_run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty,
+                             ds_ready, ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, kd, kp, FULL_row,
+                             n_full * SUB, kb, QDOC_b, QPOS_b, TILE_IDS_bh, stride_tq, TILES, Sq, Sk, lo, hi,
+                             kv_global, q_global, qk_scale, sm_scale, WG, s_layout, op_layout, dq_layout, not EVEN,
+                             0, False, False, MASK_BS, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
+        dk, dv, i = _bwd_run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty,
+                             ds_ready, ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, kd, kp, PART_row,
+                             n_part * SUB, kb, QDOC_b, QPOS_b, TILE_IDS_bh, stride_tq, TILES, Sq, Sk, lo, hi,
+                             kv_global, q_global, qk_scale, sm_scale, WG, s_layout, op_layout, dq_layout, True,
+                             MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
+
+    bws._store_dkdv(dk, dv, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
+                    stride_dvn, stride_dvd, off_b, off_kvh, my_n, Sk, sm_scale, acc_layout, BLOCK_D)
+
+
+@gluon.jit
+def sparse_bwd_ws_kernel(
+    desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, DK, DV, DQA,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_dqab, stride_dqah, stride_dqam,
+    Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
+    QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
+    Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, stride_lse, qk_scale, sm_scale,
+    BLOCK_D: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
+    HAS_GLOBAL: gl.constexpr, EVEN: gl.constexpr,
+    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, EARLY_DV: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """Grid: (cdiv(Sk, 128), B * Hkv); num_warps=4 plus the workers' 4 + 1 warps. Descriptors, lse2 / Delta and
+    DQA as `flash_bwd_ws.attn_bwd_ws_kernel`'s; the transposed block lists and the mask arguments as
+    `flash_sparse.sparse_bwd_dkdv_kernel`'s. EVEN: Sq and Sk are multiples of MASK_BS."""
+    dtype: gl.constexpr = desc_q.dtype
+    DQ_SPLIT_M: gl.constexpr = BLOCK_M == CTA_ROWS
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
+    k_smem = gl.allocate_shared_memory(dtype, desc_k.block_type.shape, desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, desc_v.block_type.shape, desc_v.layout)
+    lse2_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + desc_lse2.block_type.shape, desc_lse2.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + desc_delta.block_type.shape, desc_delta.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CTA_ROWS, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [bws.DS_SLOTS, CTA_ROWS, BLOCK_M], ds_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [bws.DS_SLOTS, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [bws.DS_SLOTS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(s), count=1)
+        mbarrier.init(do_ready.index(s), count=1)
+        mbarrier.init(q_empty.index(s), count=NUM_CONSUMERS)
+    for s in gl.static_range(bws.DS_SLOTS):
+        mbarrier.init(ds_ready.index(s), count=NUM_CONSUMERS)
+        mbarrier.init(ds_free.index(s), count=NUM_CONSUMERS)
+
+    gl.warp_specialize([
+        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready,
+                         q_empty, ds_ready, ds_free, DK, DV, DQA, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, stride_dqab, stride_dqah, stride_dqam,
+                         Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
+                         QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
+                         stride_tq, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale, 0,
+                         MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M,
+                         EARLY_DV)),
+        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready,
+                         q_empty, ds_ready, ds_free, DK, DV, DQA, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                         stride_dvb, stride_dvh, stride_dvn, stride_dvd, stride_dqab, stride_dqah, stride_dqam,
+                         Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
+                         QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
+                         stride_tq, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale, 1,
+                         MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M,
+                         EARLY_DV)),
+        (_bwd_producer, (desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem, do_smem, k_smem, v_smem,
+                         lse2_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty,
+                         Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
+                         Hq, Hkv, GROUP, stride_lse, MASK_BS, BLOCK_M, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
