@@ -4,6 +4,8 @@
 #       in one call), then the GPU tests of the dense kernels.
 #   PART=s1: the warp-specialised block-sparse kernels (kernels/flash_sparse_ws.py): their GPU tests and the block-sparse
 #       ones, then the variant sweep beside the Triton sparse kernels and FlexAttention (S=16K, D=128).
+#   PART=m1: the mask table (longctx bench masks, beside FlexAttention) with the warp-specialised sparse kernels, then
+#       the GPU tests of the dense warp-specialised kernels (their helpers were factored out for the sparse ones).
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" sweep_out
 LOG="$OUT/sweep.txt"
@@ -30,6 +32,15 @@ s1)
     >>"$LOG" 2>&1
   clocks
   tail -40 "$OUT/sweep_sparse.md"
+  ;;
+m1)
+  clocks
+  timeout 360 python3 -m longctx bench masks --out-dir "$OUT" --tag _s7 >>"$LOG" 2>&1
+  clocks
+  grep -E "^\| (sliding|documents|random|causal)|x " "$LOG" | tail -12
+  LONGCTX_TRITON_AUTOTUNE=0 timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu --maxfail=25 \
+    tests/gpu/test_ws_gpu.py tests/gpu/test_ws_bwd_gpu.py >"$OUT/gpu_tests_s7_m1.txt" 2>&1
+  grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpu_tests_s7_m1.txt" | tail -30 | cut -c1-300
   ;;
 *)
   echo "sweep_s7.sh: unknown PART=${PART}" >&2
