@@ -50,6 +50,7 @@ FWD_VARIANTS: dict[str, tuple[dict, tuple[int, int, int, int]]] = {
     # the warp-specialised Gluon kernel (`kernels.flash_sparse_ws`); "ws_config": its (BLOCK_N, STAGES, PIPE)
     "ws": ({"ws": True}, (128, 64, 8, 3)),
     "ws/2st": ({"ws": True, "ws_config": (128, 2, True)}, (128, 64, 8, 3)),
+    "ws+sched": ({"ws": True, "ws_sched": True}, (128, 64, 8, 3)),
 }
 # name -> (VARIANT flags, {"dkdv": tile, "dq": tile}); atomic variants launch no dQ kernel.
 _B0 = {"dkdv": (64, 128, 8, 2), "dq": (128, 64, 8, 3)}
@@ -69,6 +70,8 @@ BWD_VARIANTS: dict[str, tuple[dict, dict]] = {
     "ws": ({"ws_bwd": True}, _B3),
     "ws/3st": ({"ws_bwd": True, "ws_config": (64, 3, False)}, _B3),
     "ws/early": ({"ws_bwd": True, "ws_config": (64, 2, True)}, _B3),
+    "ws+sched": ({"ws_bwd": True, "ws_sched": True}, _B3),
+    "ws/3st+sched": ({"ws_bwd": True, "ws_sched": True, "ws_config": (64, 3, False)}, _B3),
 }
 _OFF = {
     "grid_swap": False,
@@ -80,6 +83,7 @@ _OFF = {
     "atomic_dq": "0",
     "ws": False,
     "ws_bwd": False,
+    "ws_sched": False,
 }
 S_DEFAULT, H, D = 16384, 16, 128
 # --dry-run (CPU, TRITON_INTERPRET=1, tiny shapes) checks this script's logic without a GPU

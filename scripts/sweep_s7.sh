@@ -4,6 +4,7 @@
 #       in one call), then the GPU tests of the dense kernels.
 #   PART=s1: the warp-specialised block-sparse kernels (kernels/flash_sparse_ws.py): their GPU tests and the block-sparse
 #       ones, then the variant sweep beside the Triton sparse kernels and FlexAttention (S=16K, D=128).
+#   PART=s2: the work-ordered schedule of the warp-specialised sparse kernels (VARIANT ws_sched): GPU tests, sweep.
 #   PART=m1: the mask table (longctx bench masks, beside FlexAttention) with the warp-specialised sparse kernels, then
 #       the GPU tests of the dense warp-specialised kernels (their helpers were factored out for the sparse ones).
 set -uo pipefail
@@ -33,9 +34,19 @@ s1)
   clocks
   tail -40 "$OUT/sweep_sparse.md"
   ;;
+s2)
+  clocks
+  LONGCTX_TRITON_AUTOTUNE=0 timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu --maxfail=25 \
+    tests/gpu/test_sparse_ws_gpu.py >"$OUT/gpu_tests_s7_s2.txt" 2>&1
+  grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpu_tests_s7_s2.txt" | tail -30 | cut -c1-300
+  timeout 330 python3 benchmarks/sweep_sparse_configs.py --out "$OUT" --budget-s 300 --workers 0 \
+    --fwd-variants "ws,ws+sched,ws/2st" --bwd-variants "ws,ws+sched,ws/3st,ws/3st+sched" >>"$LOG" 2>&1
+  clocks
+  tail -40 "$OUT/sweep_sparse.md"
+  ;;
 m1)
   clocks
-  timeout 360 python3 -m longctx bench masks --out-dir "$OUT" --tag _s7 >>"$LOG" 2>&1
+  timeout 360 python3 -m longctx.bench.masks --out-dir "$OUT" --tag _s7 >>"$LOG" 2>&1
   clocks
   grep -E "^\| (sliding|documents|random|causal)|x " "$LOG" | tail -12
   LONGCTX_TRITON_AUTOTUNE=0 timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu --maxfail=25 \

@@ -139,7 +139,7 @@ def test_ws_bwd_compiles_for_sm90(D, causal, tmp_path, sm90_compile):
 _SPARSE_TYPES = {"O": "*bf16", "LSE": "*fp32", "DK": "*bf16", "DV": "*bf16", "DQA": "*fp32", "TILES": "*u8",
                  "qk_scale": "fp32", "sm_scale": "fp32"}  # fmt: skip
 _SPARSE_TYPES.update({n: "*i32" for n in ("KV_NUM", "KV_IDX", "Q_NUM", "Q_IDX", "FULL_NUM", "FULL_IDX", "QDOC",
-                                          "KDOC", "QPOS", "KPOS", "TILE_IDS")})  # fmt: skip
+                                          "KDOC", "QPOS", "KPOS", "TILE_IDS", "SCHED")})  # fmt: skip
 
 
 # Stack bytes allowed in the block-sparse kernels (Triton 3.6, this signature). Measured: the forward spills 96 bytes
@@ -157,7 +157,7 @@ def test_sparse_ws_compiles_for_sm90(D, kind, even, tmp_path, sm90_compile):
     from longctx.kernels import flash_sparse_ws as ws
 
     t = torch.empty(1, 1, 256, D, dtype=torch.bfloat16)
-    mask = dict(MASK_BS=128, MASK_KIND=kind, HAS_DOC=kind == 1, HAS_GLOBAL=kind == 1)
+    mask = dict(MASK_BS=128, MASK_KIND=kind, HAS_DOC=kind == 1, HAS_GLOBAL=kind == 1, USE_SCHED=not even)
     block_n, stages, pipe = tf.WS_CONFIG[D]
     consts = dict(HEAD_DIM=D, BLOCK_D=D, EVEN_SK=even, BLOCK_N=block_n, STAGES=stages, PIPE=pipe,
                   CONSUMER_REGS=240, PRODUCER_REGS=24, **mask)  # fmt: skip
@@ -175,3 +175,26 @@ def test_sparse_ws_compiles_for_sm90(D, kind, even, tmp_path, sm90_compile):
              "desc_do": tf._gluon_desc(t, block_m), "desc_lse2": desc_rows, "desc_delta": desc_rows}  # fmt: skip
     usage = _check_resources(sm90_compile(ws.sparse_bwd_ws_kernel, consts, descs, _SPARSE_TYPES), tmp_path)
     assert all(local == 0 and stack <= SPARSE_STACK_BOUND["bwd", D] for stack, local in usage), usage
+
+
+def test_sparse_ws_schedule_puts_the_longest_ctas_first():
+    """`triton_sparse._schedule`: a permutation of the grid, work non-increasing by power-of-two bucket, the grid's
+    own order inside a bucket (packed documents: the first key blocks of the long document come first)."""
+    import longctx
+    from longctx import block_sparse as bsm
+    from longctx.ops import triton_sparse as ts
+
+    S, B, Hq, Hkv = 2048, 2, 4, 2
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([256, 1536, 256]))
+    bm = longctx.block_mask(bsm.document_mask(ids) & bsm.causal_mask, None, None, S, S, block_size=128)
+    args, _ = ts._mask_args(bm.kernel_tensors(), bm.kernel_meta(), B, Hq, transposed=True)
+    n_tiles = S // 128
+    order = ts._schedule(args[0], args[2], n_tiles, 128, 128, Hq // Hkv)
+    assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(B * Hkv * n_tiles))
+    work = (args[0] + args[2]).reshape(B, Hkv, Hq // Hkv, -1).sum(2).reshape(-1)[order.long()]
+    buckets = torch.log2(work.float() + 1).floor()
+    assert bool((buckets[:-1] >= buckets[1:]).all())
+    assert order[0].item() == 2  # key block 2 (first of the long document) of batch 0, kv head 0: 12 blocks x 2
+    for b in buckets.unique():
+        grid_pos = order[buckets == b]
+        assert bool((grid_pos[:-1] < grid_pos[1:]).all()), "stable inside a bucket"

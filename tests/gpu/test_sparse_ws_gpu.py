@@ -127,3 +127,13 @@ def test_ws_agrees_with_the_triton_kernels_at_4k(name, spy, monkeypatch):
     for n, a, b in zip(("out", "dq", "dk", "dv"), *res):
         err = (a - b).abs().max().item()
         assert err <= 2e-2 * max(1.0, b.abs().max().item()), f"{n}: {err:.3e}"
+
+
+@pytest.mark.parametrize("name,S", [("docs_causal", 1000), ("general", 1024), ("tiny_docs", 1024)])
+def test_ws_work_ordered_schedule(name, S, spy, monkeypatch):
+    """The CTAs in order of work (`VARIANT["ws_sched"]`, `triton_sparse._schedule`): the same results."""
+    monkeypatch.setitem(ts.VARIANT, "ws_sched", True)
+    bm = _block_mask(name, S, S)
+    q, k, v = _inputs(2, 8, 2, S, S, 128, torch.bfloat16, seed=18)
+    _check(q, k, v, bm)
+    assert spy == {"fwd": 1, "bwd": 1}

@@ -46,11 +46,30 @@ def _lists(NUM, IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride
 
 
 @gluon.jit
-def _fwd_program(Hq):
+def _work_item(SCHED, USE_SCHED: gl.constexpr):
+    """(tile, head) of this CTA: its grid position, or with USE_SCHED the entry ``tile + n_tiles * head`` of the
+    launcher's schedule at its flat grid position (CTAs with the most blocks first: `triton_sparse._schedule`)."""
+    if USE_SCHED:
+        n_tiles = gl.num_programs(0)
+        e = gl.load(SCHED + gl.program_id(0) + gl.program_id(1) * n_tiles)
+        return e % n_tiles, e // n_tiles
+    else:
+        return gl.program_id(0), gl.program_id(1)
+
+
+@gluon.jit
+def _fwd_program(SCHED, Hq, USE_SCHED: gl.constexpr):
     """(batch, query head, first row); grid (query tiles, B * Hq), query tiles fastest (the CTAs in flight share
     one head's K/V in L2)."""
-    pid_bh = gl.program_id(1)
-    return pid_bh // Hq, pid_bh % Hq, gl.program_id(0) * CTA_ROWS
+    pid_m, pid_bh = _work_item(SCHED, USE_SCHED)
+    return pid_bh // Hq, pid_bh % Hq, pid_m * CTA_ROWS
+
+
+@gluon.jit
+def _bwd_program(SCHED, Hkv, USE_SCHED: gl.constexpr):
+    """(batch, kv head, first key row); grid (key tiles, B * Hkv), key tiles fastest (see `flash_bwd_ws._program`)."""
+    pid_n, pid_bh = _work_item(SCHED, USE_SCHED)
+    return pid_bh // Hkv, pid_bh % Hkv, pid_n * CTA_ROWS
 
 
 @gluon.jit
@@ -74,9 +93,10 @@ def _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_
 @gluon.jit
 def _fwd_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                   KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
-                  Hq, GROUP, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                  SCHED, Hq, GROUP, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  USE_SCHED: gl.constexpr):
     """One warp: Q of both consumers, then the K/V sub-tiles of the full kv blocks, then of the partial ones."""
-    off_b, off_h, start_m = _fwd_program(Hq)
+    off_b, off_h, start_m = _fwd_program(SCHED, Hq, USE_SCHED)
     off_kvh = off_h // GROUP
     n_full, FULL_row, n_part, PART_row = _lists(KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib,
                                                 stride_ih, stride_iq, off_b, off_h, start_m // MASK_BS)
@@ -130,10 +150,10 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_em
                   stride_ob, stride_oh, stride_om, stride_od,
                   KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                   QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-                  Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG: gl.constexpr,
+                  SCHED, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG: gl.constexpr,
                   MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
                   EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  STAGES: gl.constexpr, PIPE: gl.constexpr):
+                  STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr):
     """One warpgroup: 64 query rows against the listed kv blocks; writes their output and lse."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
@@ -141,7 +161,7 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_em
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     SUB: gl.constexpr = MASK_BS // BLOCK_N
 
-    off_b, off_h, start_m = _fwd_program(Hq)
+    off_b, off_h, start_m = _fwd_program(SCHED, Hq, USE_SCHED)
     qb = start_m // MASK_BS
     n_full, FULL_row, n_part, PART_row = _lists(KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib,
                                                 stride_ih, stride_iq, off_b, off_h, qb)
@@ -195,10 +215,10 @@ def sparse_fwd_ws_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
     QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-    Hq, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale,
+    SCHED, Hq, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr,
     HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr, EVEN_SK: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """Grid: (cdiv(Sq, 128), B * Hq); num_warps=4 (consumer 0) plus the workers' 4 + 1 warps. Descriptors as
@@ -225,17 +245,19 @@ def sparse_fwd_ws_kernel(
                          stride_ob, stride_oh, stride_om, stride_od,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                         stride_tq, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 0,
-                         MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE)),
+                         stride_tq, SCHED, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 0,
+                         MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
+                         USE_SCHED)),
         (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
                          stride_ob, stride_oh, stride_om, stride_od,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                         stride_tq, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 1,
-                         MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE)),
+                         stride_tq, SCHED, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 1,
+                         MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
+                         USE_SCHED)),
         (_fwd_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
-                         Hq, GROUP, MASK_BS, BLOCK_N, STAGES)),
+                         SCHED, Hq, GROUP, MASK_BS, BLOCK_N, STAGES, USE_SCHED)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -266,11 +288,11 @@ def _bwd_load_list(desc_q, desc_do, desc_lse2, desc_delta, q_smem, do_smem, lse2
 def _bwd_producer(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem, do_smem, k_smem, v_smem, lse2_smem,
                   delta_smem, kv_bar, q_ready, do_ready, q_empty,
                   Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
-                  Hq, Hkv, GROUP, stride_lse,
-                  MASK_BS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+                  SCHED, Hq, Hkv, GROUP, stride_lse,
+                  MASK_BS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, USE_SCHED: gl.constexpr):
     """One warp: K and V of the CTA, then, per query head of the group, Q / lse2 and dO / Delta of the query tiles
     of the kv block's full query blocks, then of its partial ones."""
-    off_b, off_kvh, start_n = bws._program(Hkv)
+    off_b, off_kvh, start_n = _bwd_program(SCHED, Hkv, USE_SCHED)
     mbarrier.expect(kv_bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
     bws._tma_load(desc_k, [off_b, off_kvh, start_n, 0], kv_bar, k_smem)
     bws._tma_load(desc_v, [off_b, off_kvh, start_n, 0], kv_bar, v_smem)
@@ -335,10 +357,10 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_sme
                   stride_dqab, stride_dqah, stride_dqam,
                   Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
                   QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-                  Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale, WG: gl.constexpr,
+                  SCHED, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale, WG: gl.constexpr,
                   MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
                   EVEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-                  DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
+                  DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, USE_SCHED: gl.constexpr):
     """One warpgroup: dK and dV of 64 keys, summed over the group's query heads; its share of dQ."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
@@ -350,7 +372,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_sme
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     SUB: gl.constexpr = MASK_BS // BLOCK_M
 
-    off_b, off_kvh, start_n = bws._program(Hkv)
+    off_b, off_kvh, start_n = _bwd_program(SCHED, Hkv, USE_SCHED)
     kb = start_n // MASK_BS
     my_n = start_n + WG * WG_ROWS
     offs_n = my_n + gl.arange(0, WG_ROWS, layout=row_s)
@@ -400,10 +422,10 @@ def sparse_bwd_ws_kernel(
     stride_dqab, stride_dqah, stride_dqam,
     Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
     QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-    Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, stride_lse, qk_scale, sm_scale,
+    SCHED, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, stride_lse, qk_scale, sm_scale,
     BLOCK_D: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
     HAS_GLOBAL: gl.constexpr, EVEN: gl.constexpr,
-    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, EARLY_DV: gl.constexpr,
+    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, EARLY_DV: gl.constexpr, USE_SCHED: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """Grid: (cdiv(Sk, 128), B * Hkv); num_warps=4 plus the workers' 4 + 1 warps. Descriptors, lse2 / Delta and
@@ -440,19 +462,19 @@ def sparse_bwd_ws_kernel(
                          stride_dvb, stride_dvh, stride_dvn, stride_dvd, stride_dqab, stride_dqah, stride_dqam,
                          Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                         stride_tq, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale, 0,
-                         MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M,
-                         EARLY_DV)),
+                         stride_tq, SCHED, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale,
+                         0, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M,
+                         EARLY_DV, USE_SCHED)),
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready,
                          q_empty, ds_ready, ds_free, DK, DV, DQA, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                          stride_dvb, stride_dvh, stride_dvn, stride_dvd, stride_dqab, stride_dqah, stride_dqam,
                          Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                         stride_tq, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale, 1,
-                         MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M,
-                         EARLY_DV)),
+                         stride_tq, SCHED, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale,
+                         1, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M,
+                         EARLY_DV, USE_SCHED)),
         (_bwd_producer, (desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem, do_smem, k_smem, v_smem,
                          lse2_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty,
                          Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
-                         Hq, Hkv, GROUP, stride_lse, MASK_BS, BLOCK_M, STAGES)),
+                         SCHED, Hq, Hkv, GROUP, stride_lse, MASK_BS, BLOCK_M, STAGES, USE_SCHED)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -98,6 +98,8 @@ VARIANT: dict = {
     # backward (dQ by atomics: never under deterministic=True); `_ws_config` says which inputs take them
     "ws": _flag("LONGCTX_SPARSE_WS", True),
     "ws_bwd": _flag("LONGCTX_SPARSE_WS_BWD", True),
+    # their CTAs in order of work, the most blocks first (`_schedule`), instead of the grid's order
+    "ws_sched": _flag("LONGCTX_SPARSE_WS_SCHED"),
 }
 
 
@@ -255,6 +257,20 @@ def _ws_failed(kind: str, exc: Exception) -> None:
     _tf.warn_ws_fallback(f"block-sparse {'forward' if kind == 'fwd' else 'backward'}", exc)
 
 
+def _schedule(num: torch.Tensor, fnum: torch.Tensor, n_tiles: int, rows: int, mask_bs: int, group: int):
+    """The order of a warp-specialised kernel's CTAs when their work is uneven (packed documents of mixed lengths:
+    the first key block of a long document sees all of it): entry ``tile + n_tiles * head`` at each flat grid
+    position, the CTAs with the most mask blocks first, so that no long one starts in the last wave. Work is
+    bucketed by powers of two and the sort is stable, so within a bucket the grid's own order (tiles fastest,
+    one head's CTAs together in L2) stays. num / fnum: (B, H, n_blocks) block counts, H summed in groups of
+    ``group`` (the query heads of one kv head, backward)."""
+    B, H, nb = num.shape
+    work = (num + fnum).reshape(B, H // group, group, nb).sum(2)  # (B, grid heads, mask blocks)
+    blk = torch.arange(n_tiles, device=num.device) * rows // mask_bs
+    key = torch.log2(work[:, :, blk].reshape(-1).float() + 1.0).floor()
+    return torch.argsort(-key, stable=True).to(torch.int32)
+
+
 def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs: int, config) -> None:
     """Launch `flash_sparse_ws.sparse_fwd_ws_kernel` (conditions and config: `_ws_config`)."""
     from longctx.kernels import flash_sparse_ws as sws
@@ -262,10 +278,12 @@ def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     block_n, stages, pipe = config
-    sws.sparse_fwd_ws_kernel[(_cdiv(Sq, int(sws.CTA_ROWS)), B * Hq)](
+    n_tiles = _cdiv(Sq, int(sws.CTA_ROWS))
+    sched = _schedule(margs[0], margs[2], n_tiles, int(sws.CTA_ROWS), mask_bs, 1) if VARIANT["ws_sched"] else lse
+    sws.sparse_fwd_ws_kernel[(n_tiles, B * Hq)](
         _tf._gluon_desc(q, int(sws.WG_ROWS)), _tf._gluon_desc(k, block_n), _tf._gluon_desc(v, block_n), out, lse,
-        *out.stride(), *margs,
-        Hq=Hq, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, qk_scale=scale * _LOG2E,
+        *out.stride(), *margs, sched,
+        USE_SCHED=VARIANT["ws_sched"], Hq=Hq, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, qk_scale=scale * _LOG2E,
         HEAD_DIM=D, BLOCK_D=D, MASK_BS=mask_bs, EVEN_SK=Sk % mask_bs == 0,
         BLOCK_N=block_n, STAGES=stages, PIPE=pipe, CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168,
         **mkw,
@@ -281,14 +299,16 @@ def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale: float, targs: lis
     Hkv, Sk = k.shape[1], k.shape[2]
     block_m, stages, early_dv = config
     rows = int(sws.CTA_ROWS)
-    sws.sparse_bwd_ws_kernel[(_cdiv(Sk, rows), B * Hkv)](
+    n_tiles = _cdiv(Sk, rows)
+    sched = _schedule(targs[0], targs[2], n_tiles, rows, mask_bs, Hq // Hkv) if VARIANT["ws_sched"] else lse2
+    sws.sparse_bwd_ws_kernel[(n_tiles, B * Hkv)](
         _tf._gluon_desc(q, block_m), _tf._gluon_desc(k, rows), _tf._gluon_desc(v, rows), _tf._gluon_desc(do, block_m),
         _tf._gluon_rows_desc(lse2, block_m), _tf._gluon_rows_desc(delta, block_m),
-        dk, dv, dqa, *dk.stride(), *dv.stride(), *dqa.stride()[:3], *targs,
+        dk, dv, dqa, *dk.stride(), *dv.stride(), *dqa.stride()[:3], *targs, sched,
         Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, stride_lse=lse2.shape[2], qk_scale=scale * _LOG2E,
-        sm_scale=scale, BLOCK_D=D, MASK_BS=mask_bs, EVEN=Sq % mask_bs == 0 and Sk % mask_bs == 0,
-        BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv, CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4,
-        maxnreg=168, **tkw,
+        sm_scale=scale, USE_SCHED=VARIANT["ws_sched"], BLOCK_D=D, MASK_BS=mask_bs,
+        EVEN=Sq % mask_bs == 0 and Sk % mask_bs == 0, BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv,
+        CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168, **tkw,
     )  # fmt: skip
 
 
