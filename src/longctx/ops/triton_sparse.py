@@ -24,6 +24,12 @@ Variants (`VARIANT`; the kernels' constexpr flags, described in `longctx.kernels
 environment at import: on by default (measured faster) ``LONGCTX_SPARSE_GRID_SWAP``, ``..._PREFETCH_IDX`` and
 ``..._TMA`` (set to 0 to switch off); off by default (measured slower) ``..._TMA_DQ=1``, ``..._PIPE_QK=1``,
 ``..._REVERSE_M=1`` and ``LONGCTX_SPARSE_ATOMIC_DQ=ptr|tma`` (never under ``deterministic=True``).
+The warp-specialised kernels (`longctx.kernels.flash_sparse_ws`, Gluon) serve fp16/bf16 inputs with head dim 64 or
+128 on Hopper when the mask's block size is a multiple of 128 (`_ws_config`): forward 1.31-1.48x FlexAttention in
+the H100 mask table of session 7, against 1.03-1.17x for the Triton forward. Their backward adds dQ with atomics,
+so ``deterministic=True`` keeps the Triton kernels. ``LONGCTX_SPARSE_WS=0`` / ``LONGCTX_SPARSE_WS_BWD=0`` switch
+them off; ``LONGCTX_SPARSE_WS_SCHED=1`` launches their CTAs in order of work (`_schedule`; measured: +5% on the
+packed-documents backward, up to -15% on random layouts' forward, so off by default).
 `FORCE_CONFIG` pins tiles per kernel
 (``LONGCTX_SPARSE_TILES="fwd=128,64,8,3;dkdv=32,128,8,3"``) for tuning sessions;
 benchmarks/sweep_sparse_configs.py compares the variants against FlexAttention.
