@@ -247,16 +247,15 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                                     HAS_LO, HAS_HI, BLOCK_N, BLOCK_D, STAGES)
 
     _epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od, off_b, off_h, Hq, Sq, my_start,
-              o_layout, HEAD_DIM, BLOCK_D)
+              offs_m, o_layout, HEAD_DIM, BLOCK_D)
 
 
 @gluon.jit
 def _epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od, off_b, off_h, Hq, Sq, my_start,
-              o_layout: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr):
-    """Output and lse of one warpgroup's 64 rows: rows that saw no key have l = 0 -> output 0, lse -inf; the lse
-    in natural log."""
+              offs_m, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr):
+    """Output and lse of one warpgroup's 64 rows (``offs_m``, starting at ``my_start``): rows that saw no key have
+    l = 0 -> output 0, lse -inf; the lse in natural log."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    offs_m = my_start + gl.arange(0, WG_ROWS, layout=l_i.type.layout)
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)

@@ -206,7 +206,7 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_em
                                        s_layout, p_layout, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N, BLOCK_D,
                                        STAGES)
     fws._epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od, off_b, off_h, Hq, Sq, my_start,
-                  o_layout, HEAD_DIM, BLOCK_D)
+                  offs_m, o_layout, HEAD_DIM, BLOCK_D)
 
 
 @gluon.jit
