@@ -43,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from longctx.kernels.flash_fwd import _tile_ranges
+from longctx.kernels.flash_fwd_ws import wgmma_layout
 
 # fmt: off
 
@@ -229,13 +230,13 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, k
               HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
               STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
     """One warpgroup: dK and dV of 64 keys, summed over the group's query heads; its share of dQ."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_M)
+    acc_layout: gl.constexpr = wgmma_layout(BLOCK_D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     if DQ_SPLIT_M:
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
+        dq_layout: gl.constexpr = wgmma_layout(BLOCK_D)
     else:
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D // 2, 16])
+        dq_layout: gl.constexpr = wgmma_layout(BLOCK_D // 2)
 
     off_b, off_kvh, start_n = _program(Hkv)
     my_n = start_n + WG * WG_ROWS
@@ -286,31 +287,11 @@ def _store_dkdv(dk, dv, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, 
 
 
 @gluon.jit
-def attn_bwd_ws_kernel(
-    desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, DK, DV, DQA,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_dqab, stride_dqah, stride_dqam,
-    Hq, Hkv, Sq, Sk, GROUP, lo, hi, stride_lse, qk_scale, sm_scale,
-    BLOCK_D: gl.constexpr, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
-    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, EARLY_DV: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-):
-    """Grid: (cdiv(Sk, 128), B * Hkv); launched with num_warps=4 (consumer 0) plus the workers' 4 + 1 warps.
-
-    desc_q / desc_do: 4-D over (B, Hq, Sq, D), block (1, 1, BLOCK_M, D); desc_k / desc_v over (B, Hkv, Sk, D),
-    block (1, 1, 128, D). desc_lse2 / desc_delta: 1-D over the (B, Hq, stride_lse) float32 lse2 and Delta of
-    the preprocessing kernel, block (BLOCK_M,); stride_lse is Sq rounded up to a multiple of 4 (a TMA box must
-    start 16-byte aligned: Sq = 129 failed with an illegal instruction), the padding zeros. A tile's rows past
-    Sq read padding or the next head's values, always finite; only masked runs hold such rows, and the mask
-    zeroes their P. DQA is a
-    (B, Hq, Sq, D) float32 accumulator, zeroed, unit stride on D (it receives scale * dS K). The head dim is
-    not padded: BLOCK_D is the head dim (64 or 128).
-    """
+def _shared(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """The CTA's shared memory: the ring of STAGES slots of Q / lse2 and dO / Delta, K and V of the CTA's 128 keys,
+    the DS_SLOTS-deep dS^T exchange tile, and their mbarriers, initialised."""
     dtype: gl.constexpr = desc_q.dtype
     BLOCK_N: gl.constexpr = WG_ROWS * NUM_CONSUMERS
-    # dQ split between the warpgroups by rows when the query tile has 128 of them, else by head-dim halves
-    DQ_SPLIT_M: gl.constexpr = BLOCK_M == BLOCK_N
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
     k_smem = gl.allocate_shared_memory(dtype, desc_k.block_type.shape, desc_k.layout)
@@ -333,6 +314,37 @@ def attn_bwd_ws_kernel(
     for s in gl.static_range(DS_SLOTS):
         mbarrier.init(ds_ready.index(s), count=NUM_CONSUMERS)
         mbarrier.init(ds_free.index(s), count=NUM_CONSUMERS)
+    return (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty,
+            ds_ready, ds_free)
+
+
+@gluon.jit
+def attn_bwd_ws_kernel(
+    desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, DK, DV, DQA,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_dqab, stride_dqah, stride_dqam,
+    Hq, Hkv, Sq, Sk, GROUP, lo, hi, stride_lse, qk_scale, sm_scale,
+    BLOCK_D: gl.constexpr, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
+    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, EARLY_DV: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """Grid: (cdiv(Sk, 128), B * Hkv); launched with num_warps=4 (consumer 0) plus the workers' 4 + 1 warps.
+
+    desc_q / desc_do: 4-D over (B, Hq, Sq, D), block (1, 1, BLOCK_M, D); desc_k / desc_v over (B, Hkv, Sk, D),
+    block (1, 1, 128, D). desc_lse2 / desc_delta: 1-D over the (B, Hq, stride_lse) float32 lse2 and Delta of
+    the preprocessing kernel, block (BLOCK_M,); stride_lse is Sq rounded up to a multiple of 4 (a TMA box must
+    start 16-byte aligned: Sq = 129 failed with an illegal instruction), the padding zeros. A tile's rows past
+    Sq read padding or the next head's values, always finite; only masked runs hold such rows, and the mask
+    zeroes their P. DQA is a
+    (B, Hq, Sq, D) float32 accumulator, zeroed, unit stride on D (it receives scale * dS K). The head dim is
+    not padded: BLOCK_D is the head dim (64 or 128).
+    """
+    BLOCK_N: gl.constexpr = WG_ROWS * NUM_CONSUMERS
+    # dQ split between the warpgroups by rows when the query tile has 128 of them, else by head-dim halves
+    DQ_SPLIT_M: gl.constexpr = BLOCK_M == BLOCK_N
+    (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty, ds_ready,
+     ds_free) = _shared(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, BLOCK_M, STAGES)
 
     gl.warp_specialize([
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready,

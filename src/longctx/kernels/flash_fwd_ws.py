@@ -39,6 +39,12 @@ WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one m64 wgmma r
 NUM_CONSUMERS = gl.constexpr(2)
 
 
+@gluon.constexpr_function
+def wgmma_layout(n):
+    """Register layout of a warpgroup's 64 x n wgmma accumulator (its 4 warps stacked along the rows)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
 @gluon.jit
 def _program(Sq, Hq, GROUP, LONGEST_FIRST: gl.constexpr, BLOCK_M: gl.constexpr):
     """(batch, query head, kv head, first row) of this CTA; causal-like bands run their longest tiles first."""
@@ -213,8 +219,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
               STAGES: gl.constexpr, PIPE: gl.constexpr):
     """One warpgroup: 64 query rows against the CTA's key tiles; writes their output and lse."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(BLOCK_D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
@@ -271,19 +277,9 @@ def _epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
 
 
 @gluon.jit
-def attn_fwd_ws_kernel(
-    desc_q, desc_k, desc_v, O, LSE,
-    stride_ob, stride_oh, stride_om, stride_od,
-    Hq, Sq, Sk, GROUP, lo, hi, qk_scale,
-    HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
-    HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, LONGEST_FIRST: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-):
-    """Grid: (B * Hq, cdiv(Sq, 128)) with LONGEST_FIRST, else (cdiv(Sq, 128), B * Hq); launched with num_warps=4
-    (consumer 0) plus the workers' 4 + 1 warps. desc_q has block (1, 1, 64, BLOCK_D), desc_k / desc_v
-    (1, 1, BLOCK_N, BLOCK_D); O is written through pointers with its own strides, LSE is (B, Hq, Sq) float32."""
-    BLOCK_M: gl.constexpr = WG_ROWS * NUM_CONSUMERS
+def _shared(desc_q, desc_k, desc_v, STAGES: gl.constexpr):
+    """The CTA's shared memory: Q of both consumers, the K / V ring of STAGES slots, and their mbarriers,
+    initialised (a slot's "empty" barrier completes when both consumers released it)."""
     dtype: gl.constexpr = desc_q.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
@@ -300,6 +296,24 @@ def attn_fwd_ws_kernel(
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(k_empty.index(s), count=NUM_CONSUMERS)
         mbarrier.init(v_empty.index(s), count=NUM_CONSUMERS)
+    return q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty
+
+
+@gluon.jit
+def attn_fwd_ws_kernel(
+    desc_q, desc_k, desc_v, O, LSE,
+    stride_ob, stride_oh, stride_om, stride_od,
+    Hq, Sq, Sk, GROUP, lo, hi, qk_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
+    HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """Grid: (B * Hq, cdiv(Sq, 128)) with LONGEST_FIRST, else (cdiv(Sq, 128), B * Hq); launched with num_warps=4
+    (consumer 0) plus the workers' 4 + 1 warps. desc_q has block (1, 1, 64, BLOCK_D), desc_k / desc_v
+    (1, 1, BLOCK_N, BLOCK_D); O is written through pointers with its own strides, LSE is (B, Hq, Sq) float32."""
+    BLOCK_M: gl.constexpr = WG_ROWS * NUM_CONSUMERS
+    q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty = _shared(desc_q, desc_k, desc_v, STAGES)
 
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,

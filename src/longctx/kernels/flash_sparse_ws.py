@@ -155,8 +155,8 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_em
                   EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
                   STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr):
     """One warpgroup: 64 query rows against the listed kv blocks; writes their output and lse."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
+    s_layout: gl.constexpr = fws.wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = fws.wgmma_layout(BLOCK_D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     SUB: gl.constexpr = MASK_BS // BLOCK_N
@@ -223,22 +223,7 @@ def sparse_fwd_ws_kernel(
 ):
     """Grid: (cdiv(Sq, 128), B * Hq); num_warps=4 (consumer 0) plus the workers' 4 + 1 warps. Descriptors as
     `flash_fwd_ws.attn_fwd_ws_kernel`'s; the mask arguments as `flash_sparse.sparse_fwd_kernel`'s."""
-    dtype: gl.constexpr = desc_q.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for w in gl.static_range(NUM_CONSUMERS):
-        mbarrier.init(q_bar.index(w), count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(s), count=1)
-        mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(k_empty.index(s), count=NUM_CONSUMERS)
-        mbarrier.init(v_empty.index(s), count=NUM_CONSUMERS)
+    q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty = fws._shared(desc_q, desc_k, desc_v, STAGES)
 
     gl.warp_specialize([
         (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
@@ -362,13 +347,13 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_sme
                   EVEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
                   DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, USE_SCHED: gl.constexpr):
     """One warpgroup: dK and dV of 64 keys, summed over the group's query heads; its share of dQ."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
+    s_layout: gl.constexpr = fws.wgmma_layout(BLOCK_M)
+    acc_layout: gl.constexpr = fws.wgmma_layout(BLOCK_D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     if DQ_SPLIT_M:
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
+        dq_layout: gl.constexpr = fws.wgmma_layout(BLOCK_D)
     else:
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D // 2, 16])
+        dq_layout: gl.constexpr = fws.wgmma_layout(BLOCK_D // 2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     SUB: gl.constexpr = MASK_BS // BLOCK_M
 
@@ -431,30 +416,9 @@ def sparse_bwd_ws_kernel(
     """Grid: (cdiv(Sk, 128), B * Hkv); num_warps=4 plus the workers' 4 + 1 warps. Descriptors, lse2 / Delta and
     DQA as `flash_bwd_ws.attn_bwd_ws_kernel`'s; the transposed block lists and the mask arguments as
     `flash_sparse.sparse_bwd_dkdv_kernel`'s. EVEN: Sq and Sk are multiples of MASK_BS."""
-    dtype: gl.constexpr = desc_q.dtype
     DQ_SPLIT_M: gl.constexpr = BLOCK_M == CTA_ROWS
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
-    k_smem = gl.allocate_shared_memory(dtype, desc_k.block_type.shape, desc_k.layout)
-    v_smem = gl.allocate_shared_memory(dtype, desc_v.block_type.shape, desc_v.layout)
-    lse2_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + desc_lse2.block_type.shape, desc_lse2.layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + desc_delta.block_type.shape, desc_delta.layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CTA_ROWS, BLOCK_M], dtype)
-    ds_smem = gl.allocate_shared_memory(dtype, [bws.DS_SLOTS, CTA_ROWS, BLOCK_M], ds_layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [bws.DS_SLOTS, 1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [bws.DS_SLOTS, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(s), count=1)
-        mbarrier.init(do_ready.index(s), count=1)
-        mbarrier.init(q_empty.index(s), count=NUM_CONSUMERS)
-    for s in gl.static_range(bws.DS_SLOTS):
-        mbarrier.init(ds_ready.index(s), count=NUM_CONSUMERS)
-        mbarrier.init(ds_free.index(s), count=NUM_CONSUMERS)
+    (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty, ds_ready,
+     ds_free) = bws._shared(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, BLOCK_M, STAGES)
 
     gl.warp_specialize([
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready,
