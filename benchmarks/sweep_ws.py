@@ -25,12 +25,10 @@ def _cases(args):
                 yield d, s, bool(c)
 
 
-def _case(args, d: int, s: int, causal: bool) -> dict:
-    import triton.testing
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+def case_inputs(args, d: int, s: int, causal: bool):
+    """One case's inputs, shared with sweep_ws_bwd.py: (peers, warp-specialised configs, q, k, v, scale, band,
+    forward FLOPs, the generator that drew q / k / v). bf16, B x S = 16K tokens, heads x D = 2048 (or GQA 32 / 8)."""
     from longctx.masks import Band
-    from longctx.ops import triton_flash as tf
 
     peers = [p for p in args.peers.split(",") if p]
     ws_cfgs = [tuple(int(x) for x in c.split(",")) for c in args.ws.split(";") if c]
@@ -38,12 +36,19 @@ def _case(args, d: int, s: int, causal: bool) -> dict:
     hkv = 8 if args.gqa else hq
     b = max(1, 16384 // s)
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    k = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    scale = 1.0 / math.sqrt(d)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
     band = Band(None, 0) if causal else Band(None, None)
     flops = 4 * b * hq * s * s * d / (2 if causal else 1)
+    return peers, ws_cfgs, q, k, v, 1.0 / math.sqrt(d), band, flops, g
+
+
+def _case(args, d: int, s: int, causal: bool) -> dict:
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from longctx.ops import triton_flash as tf
+
+    peers, ws_cfgs, q, k, v, scale, band, flops, _ = case_inputs(args, d, s, causal)
 
     def run(ws, cfg=None):
         tf.FORCE_WS = ws

@@ -12,12 +12,11 @@ fixed inputs; peers: `autograd.grad` with retain_graph, as in `longctx bench att
 from __future__ import annotations
 
 import functools
-import math
 import sys
 
 import torch
 
-from sweep_ws import run_sweep, sweep_args  # benchmarks/ is the script's directory
+from sweep_ws import case_inputs, run_sweep, sweep_args  # benchmarks/ is the script's directory
 
 
 def _oracle(q, k, v, do, scale, causal, heads=4):
@@ -42,20 +41,12 @@ def _case(args, d: int, s: int, causal: bool) -> dict:
     import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from longctx.masks import Band
     from longctx.ops import triton_flash as tf
 
-    peers = [p for p in args.peers.split(",") if p]
-    ws_cfgs = [tuple(int(x) for x in c.split(",")) for c in args.ws.split(";") if c]
-    hq = 32 if args.gqa else 2048 // d
-    hkv = 8 if args.gqa else hq
-    b = max(1, 16384 // s)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
-    do = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    scale = 1.0 / math.sqrt(d)
-    band = Band(None, 0) if causal else Band(None, None)
-    flops = 2.5 * 4 * b * hq * s * s * d / (2 if causal else 1)
+    peers, ws_cfgs, q, k, v, scale, band, fwd_flops, g = case_inputs(args, d, s, causal)
+    do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    hq, hkv = q.shape[1], k.shape[1]
+    flops = 2.5 * fwd_flops
     out, lse = tf.triton_forward(q, k, v, scale=scale, band=band)
     group = hq // hkv
     heads = min(hq, 4 if group == 1 else group)

@@ -16,3 +16,22 @@ def ws_switches(monkeypatch):
     for name in ("WS_CONFIG", "WS_BWD_CONFIG"):
         monkeypatch.setattr(tf, name, dict(getattr(tf, name)))
     return tf
+
+
+@pytest.fixture
+def count_calls(monkeypatch):
+    """``count_calls(module, name)`` wraps ``module.name`` (a kernel launcher) for the test and returns the list
+    that gets one entry per call: tests assert that an input took the kernel they mean to test."""
+
+    def wrap(module, name: str) -> list:
+        calls: list = []
+        real = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+        return calls
+
+    return wrap

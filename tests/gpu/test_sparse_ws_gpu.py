@@ -21,19 +21,12 @@ pytestmark = [
 
 
 @pytest.fixture
-def spy(monkeypatch):
-    """Counts the warp-specialised launches ("fwd", "bwd"); the variant switches are restored afterwards."""
+def spy(monkeypatch, count_calls):
+    """``spy()``: the warp-specialised launches so far, {"fwd": n, "bwd": m}; the variant switches are restored
+    afterwards."""
     monkeypatch.setattr(ts, "VARIANT", dict(ts.VARIANT, ws=True, ws_bwd=True))
-    calls = {"fwd": 0, "bwd": 0}
-    for kind, name in (("fwd", "_forward_ws"), ("bwd", "_backward_ws")):
-        real = getattr(ts, name)
-
-        def counted(*a, _real=real, _kind=kind, **kw):
-            calls[_kind] += 1
-            return _real(*a, **kw)
-
-        monkeypatch.setattr(ts, name, counted)
-    return calls
+    fwd, bwd = count_calls(ts, "_forward_ws"), count_calls(ts, "_backward_ws")
+    return lambda: {"fwd": len(fwd), "bwd": len(bwd)}
 
 
 def _block_mask(name, Sq, Sk, block_size=128, H=None):
@@ -47,7 +40,7 @@ def test_ws_masks_against_oracle(name, D, S, spy):
     bm = _block_mask(name, S, S)
     q, k, v = _inputs(2, 8, 2, S, S, D, torch.bfloat16, seed=11)
     _check(q, k, v, bm)
-    assert spy == {"fwd": 1, "bwd": 1}
+    assert spy() == {"fwd": 1, "bwd": 1}
 
 
 @pytest.mark.parametrize("name", ["docs_causal", "general", "local_global"])
@@ -55,7 +48,7 @@ def test_ws_float16_mha(name, spy):
     bm = _block_mask(name, 777, 777)
     q, k, v = _inputs(1, 4, 4, 777, 777, 128, torch.float16, seed=12)
     _check(q, k, v, bm)
-    assert spy == {"fwd": 1, "bwd": 1}
+    assert spy() == {"fwd": 1, "bwd": 1}
 
 
 @pytest.mark.parametrize("S", [1024, 1100])
@@ -69,7 +62,7 @@ def test_ws_random_layout_per_head_with_empty_rows(density, S, spy):
     bm = longctx.BlockMask.from_layout(layout.cuda(), 128, S, S)
     q, k, v = _inputs(1, 4, 4, S, S, 128, torch.bfloat16, seed=13)
     _check(q, k, v, bm)
-    assert spy == {"fwd": 1, "bwd": 1}
+    assert spy() == {"fwd": 1, "bwd": 1}
 
 
 @pytest.mark.parametrize("name", ["docs_causal", "general"])
@@ -78,7 +71,7 @@ def test_ws_block_size_256(name, spy):
     bm = _block_mask(name, 1300, 1300, block_size=256)
     q, k, v = _inputs(1, 4, 2, 1300, 1300, 64, torch.bfloat16, seed=14)
     _check(q, k, v, bm)
-    assert spy == {"fwd": 1, "bwd": 1}
+    assert spy() == {"fwd": 1, "bwd": 1}
 
 
 def test_ws_per_head_general_mask_sq_ne_sk_empty_rows(spy):
@@ -86,7 +79,7 @@ def test_ws_per_head_general_mask_sq_ne_sk_empty_rows(spy):
     bm = longctx.block_mask(mm, None, 4, 300, 777, block_size=128, device="cuda")
     q, k, v = _inputs(1, 4, 1, 300, 777, 64, torch.float16, seed=15)
     _check(q, k, v, bm)
-    assert spy == {"fwd": 1, "bwd": 1}
+    assert spy() == {"fwd": 1, "bwd": 1}
 
 
 def test_ws_varlen_sq_ne_sk(spy):
@@ -94,7 +87,7 @@ def test_ws_varlen_sq_ne_sk(spy):
     from test_sparse_gpu import test_varlen_gpu_against_per_document_oracle
 
     test_varlen_gpu_against_per_document_oracle(True, (-1, -1))
-    assert spy["fwd"] >= 1 and spy["bwd"] >= 1
+    assert spy()["fwd"] >= 1 and spy()["bwd"] >= 1
 
 
 def test_deterministic_backward_keeps_the_triton_kernels(spy):
@@ -104,7 +97,7 @@ def test_deterministic_backward_keeps_the_triton_kernels(spy):
     for det in (True, False):
         out = longctx.attention(q, k, v, block_mask=bm, backend="triton_sparse", deterministic=det)
         grads.append(torch.autograd.grad(out.float().square().sum(), (q, k, v)))
-    assert spy == {"fwd": 2, "bwd": 1}
+    assert spy() == {"fwd": 2, "bwd": 1}
     for a, b in zip(*grads):
         assert (a.float() - b.float()).abs().max().item() <= 2e-2 * max(1.0, b.float().abs().max().item())
 
@@ -123,7 +116,7 @@ def test_ws_agrees_with_the_triton_kernels_at_4k(name, spy, monkeypatch):
         monkeypatch.setitem(ts.VARIANT, "ws_bwd", on)
         out = longctx.attention(q, k, v, block_mask=bm, backend="triton_sparse")
         res.append((out.float(), *(g.float() for g in torch.autograd.grad(out, (q, k, v), do))))
-    assert spy == {"fwd": 1, "bwd": 1}
+    assert spy() == {"fwd": 1, "bwd": 1}
     for n, a, b in zip(("out", "dq", "dk", "dv"), *res):
         err = (a - b).abs().max().item()
         assert err <= 2e-2 * max(1.0, b.abs().max().item()), f"{n}: {err:.3e}"
@@ -136,4 +129,4 @@ def test_ws_work_ordered_schedule(name, S, spy, monkeypatch):
     bm = _block_mask(name, S, S)
     q, k, v = _inputs(2, 8, 2, S, S, 128, torch.bfloat16, seed=18)
     _check(q, k, v, bm)
-    assert spy == {"fwd": 1, "bwd": 1}
+    assert spy() == {"fwd": 1, "bwd": 1}

@@ -54,11 +54,9 @@ def _check(tf, q, k, v, do, band, scale):
     return grads
 
 
-def test_ws_bwd_is_taken(ws_switches, monkeypatch):
+def test_ws_bwd_is_taken(ws_switches, count_calls):
     tf = ws_switches
-    calls = []
-    real = tf._backward_ws
-    monkeypatch.setattr(tf, "_backward_ws", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    calls = count_calls(tf, "_backward_ws")
     q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
     tf.FORCE_WS_BWD = None
     _grads(tf, q, q, q, q, tf.Band(None, None), 0.1)

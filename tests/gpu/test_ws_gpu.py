@@ -26,11 +26,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a
 BANDS = {"full": (None, None), "causal": (None, 0), "window": (-300, 0), "two_sided": (-77, 130)}
 
 
-def test_ws_is_taken(ws_switches, monkeypatch):
+def test_ws_is_taken(ws_switches, count_calls):
     tf = ws_switches
-    calls = []
-    real = tf._forward_ws
-    monkeypatch.setattr(tf, "_forward_ws", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    calls = count_calls(tf, "_forward_ws")
     q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
     tf.FORCE_WS = None
     tf.triton_forward(q, q, q, scale=0.1, band=tf.Band(None, None))
