@@ -56,6 +56,7 @@ def _case(args, d: int, s: int, causal: bool) -> dict:
         tf.FORCE_WS_BWD = ws
         if cfg is not None:
             tf.WS_BWD_CONFIG[d] = (cfg[0], cfg[1], bool(cfg[2]))
+            tf.WS_BWD_DQ_TMA = bool(cfg[3]) if len(cfg) > 3 else True
         return tf.triton_backward(do, q, k, v, out, lse, scale=scale, band=band)
 
     def peer(backend):
@@ -69,7 +70,7 @@ def _case(args, d: int, s: int, causal: bool) -> dict:
     if "triton" in peers:
         variants["triton"] = functools.partial(run, False)
     for cfg in ws_cfgs:
-        variants["ws{},{},{}".format(*cfg)] = functools.partial(run, True, cfg)
+        variants["ws" + ",".join(map(str, cfg))] = functools.partial(run, True, cfg)
     if "cudnn" in peers and not args.gqa:
         variants["cudnn"] = peer(SDPBackend.CUDNN_ATTENTION)
     if "fa2" in peers and not args.gqa:
@@ -88,11 +89,13 @@ def _case(args, d: int, s: int, causal: bool) -> dict:
             line[name] = f"ERROR {type(exc).__name__}: {str(exc)[:400]}"
         finally:
             tf.FORCE_WS_BWD = None
+            tf.WS_BWD_DQ_TMA = True
     return line
 
 
 def main(argv=None) -> int:
-    ap = sweep_args(__doc__.splitlines()[0], "64,2,0;64,2,1", "warp-specialised configs BLOCK_M,STAGES,EARLY_DV;...",
+    ap = sweep_args(__doc__.splitlines()[0], "64,2,0;64,2,1", "warp-specialised configs BLOCK_M,STAGES,EARLY_DV[,DQ]"
+                    " (DQ: 1 bulk-reduce dQ, 0 atomics);...",
                     "triton,cudnn,fa2", "also time: triton, cudnn, fa2")  # fmt: skip
     ap.add_argument("--oracle-max-s", type=int, default=4096, help="float64 oracle only up to this length")
     return run_sweep(ap.parse_args(argv), _case)

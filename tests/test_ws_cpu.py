@@ -125,14 +125,28 @@ def test_ws_bwd_compiles_for_sm90(D, causal, tmp_path, sm90_compile):
     # lse2 / Delta: (B, Hq, Sq padded to 4) float32
     desc_rows = tf._gluon_rows_desc(torch.empty(1, 1, 256, dtype=torch.float32), block_m)
     consts = dict(BLOCK_D=D, HAS_LO=False, HAS_HI=causal, BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv,
-                  CONSUMER_REGS=240, PRODUCER_REGS=24)  # fmt: skip
+                  CONSUMER_REGS=240, PRODUCER_REGS=24, DQ_TMA=tf.WS_BWD_DQ_TMA)  # fmt: skip
     descs = {"desc_q": tf._gluon_desc(t, block_m), "desc_k": tf._gluon_desc(t, block_n),
              "desc_v": tf._gluon_desc(t, block_n), "desc_do": tf._gluon_desc(t, block_m),
-             "desc_lse2": desc_rows, "desc_delta": desc_rows}  # fmt: skip
+             "desc_lse2": desc_rows, "desc_delta": desc_rows, "desc_dqa": _dqa_desc(D, block_m)}  # fmt: skip
     types = {"DK": "*bf16", "DV": "*bf16", "DQA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32"}
-    usage = _check_resources(sm90_compile(ws.attn_bwd_ws_kernel, consts, descs, types), tmp_path)
+    k = sm90_compile(ws.attn_bwd_ws_kernel, consts, descs, types)
+    usage = _check_resources(k, tmp_path)
     assert all(local == 0 for _, local in usage), usage
     assert all(stack <= BWD_STACK_BOUND[D] for stack, _ in usage), usage
+    _check_dq_by_bulk_reduction(k)
+
+
+def _dqa_desc(D: int, block_m: int):
+    """The launchers' descriptor of the float32 dQ accumulator (B, Hq, Sq, D)."""
+    return tf._dqa_desc(torch.empty(1, 1, 256, D, dtype=torch.float32), block_m, D)
+
+
+def _check_dq_by_bulk_reduction(k) -> None:
+    """dQ leaves the backward by the copy engine's bulk reduction (tf.WS_BWD_DQ_TMA), never by element atomics."""
+    ptx = k.asm["ptx"]
+    assert "cp.reduce.async.bulk.tensor" in ptx and ".add" in ptx
+    assert not re.search(r"\b(red|atom)\.global", ptx), "element atomics in the backward"
 
 
 # the mask arguments of the block-sparse kernels: pointers (the rest are i32)
@@ -170,11 +184,14 @@ def test_sparse_ws_compiles_for_sm90(D, kind, even, tmp_path, sm90_compile):
     rows = int(ws.CTA_ROWS)
     desc_rows = tf._gluon_rows_desc(torch.empty(1, 1, 256, dtype=torch.float32), block_m)
     consts = dict(BLOCK_D=D, EVEN=even, BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv, CONSUMER_REGS=240,
-                  PRODUCER_REGS=24, **mask)  # fmt: skip
+                  PRODUCER_REGS=24, DQ_TMA=tf.WS_BWD_DQ_TMA, **mask)  # fmt: skip
     descs = {"desc_q": tf._gluon_desc(t, block_m), "desc_k": tf._gluon_desc(t, rows), "desc_v": tf._gluon_desc(t, rows),
-             "desc_do": tf._gluon_desc(t, block_m), "desc_lse2": desc_rows, "desc_delta": desc_rows}  # fmt: skip
-    usage = _check_resources(sm90_compile(ws.sparse_bwd_ws_kernel, consts, descs, _SPARSE_TYPES), tmp_path)
+             "desc_do": tf._gluon_desc(t, block_m), "desc_lse2": desc_rows, "desc_delta": desc_rows,
+             "desc_dqa": _dqa_desc(D, block_m)}  # fmt: skip
+    k = sm90_compile(ws.sparse_bwd_ws_kernel, consts, descs, _SPARSE_TYPES)
+    usage = _check_resources(k, tmp_path)
     assert all(local == 0 and stack <= SPARSE_STACK_BOUND["bwd", D] for stack, local in usage), usage
+    _check_dq_by_bulk_reduction(k)
 
 
 def test_sparse_ws_schedule_puts_the_longest_ctas_first():

@@ -19,7 +19,9 @@ registers) and walks the query tiles that see them, for every query head of the 
       dS^T = P^T * (dP^T - Delta)
       dK_w += dS^T Q            (dS^T from registers)
       dQ   += dS K              (dS^T of both warpgroups through shared memory; each warpgroup computes half of
-                                 the tile's dQ and adds it to a float32 accumulator with atomics)
+                                 the tile's dQ and adds it to a float32 accumulator: by the copy engine's bulk
+                                 reduction from a shared tile, waited for one tile later, or with DQ_TMA=False by
+                                 float32 atomics from registers, 10-23% slower: NOTES.md, session 8)
 
   The dS^T exchange goes through a double-buffered shared tile with "ready" (both halves written) and "free"
   (both dQ products done) mbarriers, so one warpgroup may run up to one query tile ahead of the other.
@@ -32,8 +34,10 @@ TMA: past-Sq query rows are masked in the masked runs (the unmasked run holds wh
 have K = V = 0, so they add nothing to dQ, and their dK / dV are not stored.
 """
 
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -48,6 +52,18 @@ from longctx.kernels.flash_fwd_ws import wgmma_layout
 # fmt: off
 
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # see flash_fwd_ws
+
+
+@builtin
+def _async_atomic_add(tensor_desc, coord, src, _semantic=None):
+    """``tensor_desc[coord] += src`` (a shared-memory tile of the descriptor's block shape) by the copy engine's
+    bulk reduction (cp.reduce.async.bulk.tensor .add), asynchronous: `tma.store_wait` before ``src`` is written
+    again. Triton 3.9's Gluon has it as `tma.async_atomic_add`; 3.6 has only the builder's op."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+_tma_reduce_add = getattr(tma, "async_atomic_add", None) or _async_atomic_add
 
 WG_ROWS = gl.constexpr(64)  # key rows per consumer warpgroup
 NUM_CONSUMERS = gl.constexpr(2)
@@ -111,7 +127,7 @@ def _producer(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem, do
 @gluon.jit
 def _tile(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty, ds_ready, ds_free,
           lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, start_m, keep, Sq, Sk, lo, hi, qk_scale, sm_scale,
-          WG: gl.constexpr,
+          desc_dqa, dq_smem, off_b, off_h, DQ_TMA: gl.constexpr, WG: gl.constexpr,
           s_layout: gl.constexpr, op_layout: gl.constexpr, dq_layout: gl.constexpr, MASKED: gl.constexpr,
           HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
           STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
@@ -194,41 +210,51 @@ def _tile(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_read
     dq = warpgroup_mma(a, b, gl.zeros([dq_m, dq_n], gl.float32, layout=dq_layout), use_acc=False, is_async=True)
     dq, _, _ = warpgroup_mma_wait(0, deps=(dq, a, b))
     mbarrier.arrive(ds_free.index(slot), count=1)
-    rows = row0 + gl.arange(0, dq_m, layout=gl.SliceLayout(1, dq_layout))
-    cols = col0 + gl.arange(0, dq_n, layout=gl.SliceLayout(0, dq_layout))
-    ptrs = DQA_bh + rows[:, None].to(gl.int64) * stride_dqam + cols[None, :]
-    if MASKED:
-        gl.atomic_add(ptrs, dq * sm_scale, mask=(rows[:, None] < Sq) & (cols[None, :] < BLOCK_D), sem="relaxed")
+    if DQ_TMA:
+        # registers -> this warpgroup's shared tile -> the copy engine's bulk reduction; the copy is waited for one
+        # tile later, just before the tile is written again, so the consumer never waits for it (rows past Sq are
+        # clipped by the descriptor)
+        tma.store_wait(0)
+        dq_smem.reshape([dq_m, dq_n]).store(dq * sm_scale)
+        fence_async_shared()
+        _tma_reduce_add(desc_dqa, [off_b, off_h, row0, col0], dq_smem)
     else:
-        gl.atomic_add(ptrs, dq * sm_scale, sem="relaxed")
+        rows = row0 + gl.arange(0, dq_m, layout=gl.SliceLayout(1, dq_layout))
+        cols = col0 + gl.arange(0, dq_n, layout=gl.SliceLayout(0, dq_layout))
+        ptrs = DQA_bh + rows[:, None].to(gl.int64) * stride_dqam + cols[None, :]
+        if MASKED:
+            gl.atomic_add(ptrs, dq * sm_scale, mask=(rows[:, None] < Sq) & (cols[None, :] < BLOCK_D), sem="relaxed")
+        else:
+            gl.atomic_add(ptrs, dq * sm_scale, sem="relaxed")
     return dk, dv
 
 
 @gluon.jit
 def _run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty, ds_ready, ds_free,
          lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, start, end, Sq, Sk, lo, hi, qk_scale, sm_scale,
-         WG: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr, dq_layout: gl.constexpr,
-         MASKED: gl.constexpr, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, BLOCK_M: gl.constexpr,
-         BLOCK_D: gl.constexpr, STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
+         desc_dqa, dq_smem, off_b, off_h, DQ_TMA: gl.constexpr, WG: gl.constexpr, s_layout: gl.constexpr,
+         op_layout: gl.constexpr, dq_layout: gl.constexpr, MASKED: gl.constexpr, HAS_LO: gl.constexpr,
+         HAS_HI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
+         DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
     """Query tiles [start, end) of one query head."""
     for start_m in range(start, end, BLOCK_M):
         dk, dv = _tile(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty, ds_ready,
-                       ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, start_m, 0, Sq, Sk, lo, hi, qk_scale,
-                       sm_scale, WG, s_layout, op_layout, dq_layout, MASKED, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D,
-                       STAGES, DQ_SPLIT_M, EARLY_DV)
+                       ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, start_m, 0, Sq, Sk, lo, hi,
+                       qk_scale, sm_scale, desc_dqa, dq_smem, off_b, off_h, DQ_TMA, WG, s_layout, op_layout, dq_layout,
+                       MASKED, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
         i += 1
     return dk, dv, i
 
 
 @gluon.jit
 def _consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty,
-              ds_ready, ds_free, DK, DV, DQA,
+              ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem,
               stride_dkb, stride_dkh, stride_dkn, stride_dkd,
               stride_dvb, stride_dvh, stride_dvn, stride_dvd,
               stride_dqab, stride_dqah, stride_dqam,
               Hq, Hkv, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale, WG: gl.constexpr,
               HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-              STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
+              STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, DQ_TMA: gl.constexpr):
     """One warpgroup: dK and dV of 64 keys, summed over the group's query heads; its share of dQ."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_M)
     acc_layout: gl.constexpr = wgmma_layout(BLOCK_D)
@@ -255,17 +281,19 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, k
         DQA_bh = DQA + off_b.to(gl.int64) * stride_dqab + off_h.to(gl.int64) * stride_dqah
         dk, dv, i = _run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty, ds_ready,
                          ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, q_lo, full_lo, Sq, Sk, lo, hi,
-                         qk_scale, sm_scale, WG, s_layout, op_layout, dq_layout, True, HAS_LO, HAS_HI,
-                         BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
+                         qk_scale, sm_scale, desc_dqa, dq_smem.index(WG), off_b, off_h, DQ_TMA, WG, s_layout, op_layout,
+                         dq_layout, True, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
         dk, dv, i = _run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty, ds_ready,
                          ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, full_lo, full_hi, Sq, Sk, lo, hi,
-                         qk_scale, sm_scale, WG, s_layout, op_layout, dq_layout, False, HAS_LO, HAS_HI,
-                         BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
+                         qk_scale, sm_scale, desc_dqa, dq_smem.index(WG), off_b, off_h, DQ_TMA, WG, s_layout, op_layout,
+                         dq_layout, False, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
         dk, dv, i = _run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty, ds_ready,
                          ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, full_hi, q_end, Sq, Sk, lo, hi,
-                         qk_scale, sm_scale, WG, s_layout, op_layout, dq_layout, True, HAS_LO, HAS_HI,
-                         BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
+                         qk_scale, sm_scale, desc_dqa, dq_smem.index(WG), off_b, off_h, DQ_TMA, WG, s_layout, op_layout,
+                         dq_layout, True, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
 
+    if DQ_TMA:
+        tma.store_wait(0)  # the last reduction has read its shared tile
     _store_dkdv(dk, dv, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
                 stride_dvd, off_b, off_kvh, my_n, Sk, sm_scale, acc_layout, BLOCK_D)
 
@@ -287,9 +315,11 @@ def _store_dkdv(dk, dv, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, 
 
 
 @gluon.jit
-def _shared(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+def _shared(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, desc_dqa, BLOCK_M: gl.constexpr,
+            STAGES: gl.constexpr, DQ_TMA: gl.constexpr):
     """The CTA's shared memory: the ring of STAGES slots of Q / lse2 and dO / Delta, K and V of the CTA's 128 keys,
-    the DS_SLOTS-deep dS^T exchange tile, and their mbarriers, initialised."""
+    the DS_SLOTS-deep dS^T exchange tile, and their mbarriers, initialised; with DQ_TMA, each consumer's float32
+    dQ tile on its way to the bulk reduction (else ``dq_smem`` is a placeholder)."""
     dtype: gl.constexpr = desc_q.dtype
     BLOCK_N: gl.constexpr = WG_ROWS * NUM_CONSUMERS
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
@@ -314,20 +344,24 @@ def _shared(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, BLOCK_M: gl.
     for s in gl.static_range(DS_SLOTS):
         mbarrier.init(ds_ready.index(s), count=NUM_CONSUMERS)
         mbarrier.init(ds_free.index(s), count=NUM_CONSUMERS)
+    if DQ_TMA:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS] + desc_dqa.block_type.shape, desc_dqa.layout)
+    else:
+        dq_smem = ds_smem
     return (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty,
-            ds_ready, ds_free)
+            ds_ready, ds_free, dq_smem)
 
 
 @gluon.jit
 def attn_bwd_ws_kernel(
-    desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, DK, DV, DQA,
+    desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, DK, DV, DQA, desc_dqa,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_dqab, stride_dqah, stride_dqam,
     Hq, Hkv, Sq, Sk, GROUP, lo, hi, stride_lse, qk_scale, sm_scale,
     BLOCK_D: gl.constexpr, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, EARLY_DV: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_TMA: gl.constexpr = True,
 ):
     """Grid: (cdiv(Sk, 128), B * Hkv); launched with num_warps=4 (consumer 0) plus the workers' 4 + 1 warps.
 
@@ -337,26 +371,28 @@ def attn_bwd_ws_kernel(
     start 16-byte aligned: Sq = 129 failed with an illegal instruction), the padding zeros. A tile's rows past
     Sq read padding or the next head's values, always finite; only masked runs hold such rows, and the mask
     zeroes their P. DQA is a
-    (B, Hq, Sq, D) float32 accumulator, zeroed, unit stride on D (it receives scale * dS K). The head dim is
-    not padded: BLOCK_D is the head dim (64 or 128).
+    (B, Hq, Sq, D) float32 accumulator, zeroed, unit stride on D (it receives scale * dS K); desc_dqa, its 4-D
+    TMA descriptor with block (1, 1, BLOCK_M, D / 2) (or (1, 1, 64, D) when BLOCK_M is 128), is used with DQ_TMA
+    (else DQA is written by atomics). The head dim is not padded: BLOCK_D is the head dim (64 or 128).
     """
     BLOCK_N: gl.constexpr = WG_ROWS * NUM_CONSUMERS
     # dQ split between the warpgroups by rows when the query tile has 128 of them, else by head-dim halves
     DQ_SPLIT_M: gl.constexpr = BLOCK_M == BLOCK_N
     (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty, ds_ready,
-     ds_free) = _shared(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, BLOCK_M, STAGES)
+     ds_free, dq_smem) = _shared(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, desc_dqa, BLOCK_M, STAGES,
+                                 DQ_TMA)
 
     gl.warp_specialize([
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready,
-                     q_empty, ds_ready, ds_free, DK, DV, DQA, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                     stride_dvb, stride_dvh, stride_dvn, stride_dvd, stride_dqab, stride_dqah, stride_dqam,
-                     Hq, Hkv, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale, 0,
-                     HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)),
+                     q_empty, ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem, stride_dkb, stride_dkh, stride_dkn,
+                     stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, stride_dqab, stride_dqah, stride_dqam,
+                     Hq, Hkv, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale, 0, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES,
+                     DQ_SPLIT_M, EARLY_DV, DQ_TMA)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready,
-                     q_empty, ds_ready, ds_free, DK, DV, DQA, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                     stride_dvb, stride_dvh, stride_dvn, stride_dvd, stride_dqab, stride_dqah, stride_dqam,
-                     Hq, Hkv, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale, 1,
-                     HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)),
+                     q_empty, ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem, stride_dkb, stride_dkh, stride_dkn,
+                     stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, stride_dqab, stride_dqah, stride_dqam,
+                     Hq, Hkv, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale, 1, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES,
+                     DQ_SPLIT_M, EARLY_DV, DQ_TMA)),
         (_producer, (desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem, do_smem, k_smem, v_smem,
                      lse2_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty, Sq, Sk, Hq, Hkv, GROUP, lo, hi,
                      stride_lse, HAS_LO, HAS_HI, BLOCK_M, STAGES)),

@@ -12,8 +12,8 @@ from Gluon):
   pipelined loop without any mask (the ragged end of Sk aside); partial blocks apply the mask.
 - backward: one CTA = 128 keys of one kv head; for every query head of the GQA group, the producer streams the
   query tiles of the kv block's full query blocks, then of its partial ones (the transposed lists); dQ is added
-  with float32 atomics, as in `flash_bwd_ws` (so not bitwise repeatable: ``deterministic=True`` keeps the
-  Triton kernels of `flash_sparse`).
+  by the copy engine's bulk reduction, as in `flash_bwd_ws` (so not bitwise repeatable: ``deterministic=True``
+  keeps the Triton kernels of `flash_sparse`).
 
 Both need the mask's block size to be a multiple of 128 (a CTA's rows / keys lie in one mask block). The lists,
 MASK_KIND and the per-token tensors are those of `flash_sparse` (see its docstring).
@@ -296,12 +296,12 @@ def _bwd_producer(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem
 
 @gluon.jit
 def _bwd_run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty, ds_ready, ds_free,
-             lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, kd, kp, IDX_row, n_tiles, kb,
-             QDOC_b, QPOS_b, TILE_IDS_bh, stride_tq, TILES, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, sm_scale,
-             WG: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr, dq_layout: gl.constexpr,
-             MASKED: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
-             MASK_BS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-             DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
+             lse2_smem, delta_smem, DQA_bh, stride_dqam, desc_dqa, dq_smem, off_b, off_h, offs_n, kd, kp, IDX_row,
+             n_tiles, kb, QDOC_b, QPOS_b, TILE_IDS_bh, stride_tq, TILES, Sq, Sk, lo, hi, kv_global, q_global,
+             qk_scale, sm_scale, WG: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr,
+             dq_layout: gl.constexpr, MASKED: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
+             HAS_GLOBAL: gl.constexpr, MASK_BS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
+             STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, DQ_TMA: gl.constexpr):
     """The listed query tiles of one query head; MASKED: the element mask of MASK_KIND and the bounds (0: the
     bounds only), else none."""
     SUB: gl.constexpr = MASK_BS // BLOCK_M
@@ -323,20 +323,22 @@ def _bwd_run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_r
                             MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS) & (rows[None, :] < Sq)
             dk, dv = bws._tile(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty,
                                ds_ready, ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, start_m, keep,
-                               Sq, Sk, lo, hi, qk_scale, sm_scale, WG, s_layout, op_layout, dq_layout, 2, False, False,
-                               BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
+                               Sq, Sk, lo, hi, qk_scale, sm_scale, desc_dqa, dq_smem, off_b, off_h, DQ_TMA, WG,
+                               s_layout, op_layout, dq_layout, 2, False, False, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M,
+                               EARLY_DV)
         else:
             dk, dv = bws._tile(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty,
                                ds_ready, ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, start_m, 0,
-                               Sq, Sk, lo, hi, qk_scale, sm_scale, WG, s_layout, op_layout, dq_layout, False, False,
-                               False, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
+                               Sq, Sk, lo, hi, qk_scale, sm_scale, desc_dqa, dq_smem, off_b, off_h, DQ_TMA, WG,
+                               s_layout, op_layout, dq_layout, False, False, False, BLOCK_M, BLOCK_D, STAGES,
+                               DQ_SPLIT_M, EARLY_DV)
         i += 1
     return dk, dv, i
 
 
 @gluon.jit
 def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty,
-                  ds_ready, ds_free, DK, DV, DQA,
+                  ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem,
                   stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                   stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                   stride_dqab, stride_dqah, stride_dqam,
@@ -345,7 +347,8 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_sme
                   SCHED, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale, WG: gl.constexpr,
                   MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
                   EVEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-                  DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, USE_SCHED: gl.constexpr):
+                  DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, USE_SCHED: gl.constexpr,
+                  DQ_TMA: gl.constexpr):
     """One warpgroup: dK and dV of 64 keys, summed over the group's query heads; its share of dQ."""
     s_layout: gl.constexpr = fws.wgmma_layout(BLOCK_M)
     acc_layout: gl.constexpr = fws.wgmma_layout(BLOCK_D)
@@ -385,23 +388,27 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_sme
                                                     stride_ib, stride_ih, stride_ik, off_b, off_h, kb)
         # full blocks: no element mask where Sq and Sk end on block boundaries (else the bounds)
         dk, dv, i = _bwd_run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty,
-                             ds_ready, ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, kd, kp, FULL_row,
-                             n_full * SUB, kb, QDOC_b, QPOS_b, TILE_IDS_bh, stride_tq, TILES, Sq, Sk, lo, hi,
-                             kv_global, q_global, qk_scale, sm_scale, WG, s_layout, op_layout, dq_layout, not EVEN,
-                             0, False, False, MASK_BS, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
+                             ds_ready, ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, desc_dqa,
+                             dq_smem.index(WG), off_b, off_h, offs_n, kd, kp, FULL_row, n_full * SUB, kb, QDOC_b,
+                             QPOS_b, TILE_IDS_bh, stride_tq, TILES, Sq, Sk, lo, hi, kv_global, q_global, qk_scale,
+                             sm_scale, WG, s_layout, op_layout, dq_layout, not EVEN, 0, False, False, MASK_BS, BLOCK_M,
+                             BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV, DQ_TMA)
         dk, dv, i = _bwd_run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty,
-                             ds_ready, ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, kd, kp, PART_row,
-                             n_part * SUB, kb, QDOC_b, QPOS_b, TILE_IDS_bh, stride_tq, TILES, Sq, Sk, lo, hi,
-                             kv_global, q_global, qk_scale, sm_scale, WG, s_layout, op_layout, dq_layout, True,
-                             MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
+                             ds_ready, ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, desc_dqa,
+                             dq_smem.index(WG), off_b, off_h, offs_n, kd, kp, PART_row, n_part * SUB, kb, QDOC_b,
+                             QPOS_b, TILE_IDS_bh, stride_tq, TILES, Sq, Sk, lo, hi, kv_global, q_global, qk_scale,
+                             sm_scale, WG, s_layout, op_layout, dq_layout, True, MASK_KIND, HAS_DOC, HAS_GLOBAL,
+                             MASK_BS, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV, DQ_TMA)
 
+    if DQ_TMA:
+        bws.tma.store_wait(0)  # the last dQ reduction has read its shared tile
     bws._store_dkdv(dk, dv, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                     stride_dvn, stride_dvd, off_b, off_kvh, my_n, Sk, sm_scale, acc_layout, BLOCK_D)
 
 
 @gluon.jit
 def sparse_bwd_ws_kernel(
-    desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, DK, DV, DQA,
+    desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, DK, DV, DQA, desc_dqa,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_dqab, stride_dqah, stride_dqam,
@@ -411,32 +418,35 @@ def sparse_bwd_ws_kernel(
     BLOCK_D: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
     HAS_GLOBAL: gl.constexpr, EVEN: gl.constexpr,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, EARLY_DV: gl.constexpr, USE_SCHED: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_TMA: gl.constexpr = True,
 ):
     """Grid: (cdiv(Sk, 128), B * Hkv); num_warps=4 plus the workers' 4 + 1 warps. Descriptors, lse2 / Delta and
-    DQA as `flash_bwd_ws.attn_bwd_ws_kernel`'s; the transposed block lists and the mask arguments as
-    `flash_sparse.sparse_bwd_dkdv_kernel`'s. EVEN: Sq and Sk are multiples of MASK_BS."""
+    DQA / desc_dqa / DQ_TMA as `flash_bwd_ws.attn_bwd_ws_kernel`'s; the transposed block lists and the mask
+    arguments as `flash_sparse.sparse_bwd_dkdv_kernel`'s. EVEN: Sq and Sk are multiples of MASK_BS."""
     DQ_SPLIT_M: gl.constexpr = BLOCK_M == CTA_ROWS
     (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty, ds_ready,
-     ds_free) = bws._shared(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, BLOCK_M, STAGES)
+     ds_free, dq_smem) = bws._shared(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, desc_dqa, BLOCK_M,
+                                     STAGES, DQ_TMA)
 
     gl.warp_specialize([
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready,
-                         q_empty, ds_ready, ds_free, DK, DV, DQA, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                         q_empty, ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem, stride_dkb, stride_dkh,
+                         stride_dkn, stride_dkd,
                          stride_dvb, stride_dvh, stride_dvn, stride_dvd, stride_dqab, stride_dqah, stride_dqam,
                          Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                          stride_tq, SCHED, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale,
                          0, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M,
-                         EARLY_DV, USE_SCHED)),
+                         EARLY_DV, USE_SCHED, DQ_TMA)),
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready,
-                         q_empty, ds_ready, ds_free, DK, DV, DQA, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                         q_empty, ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem, stride_dkb, stride_dkh,
+                         stride_dkn, stride_dkd,
                          stride_dvb, stride_dvh, stride_dvn, stride_dvd, stride_dqab, stride_dqah, stride_dqam,
                          Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                          stride_tq, SCHED, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale,
                          1, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M,
-                         EARLY_DV, USE_SCHED)),
+                         EARLY_DV, USE_SCHED, DQ_TMA)),
         (_bwd_producer, (desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem, do_smem, k_smem, v_smem,
                          lse2_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty,
                          Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,

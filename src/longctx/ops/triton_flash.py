@@ -396,6 +396,22 @@ WS_BWD_CONFIG: dict[int, tuple[int, int, bool]] = {64: (64, 2, False), 128: (64,
 FORCE_WS_BWD: bool | None = None
 
 
+# How the warp-specialised backward adds dQ: True, the copy engine's bulk reduction from shared memory (TMA); False,
+# float32 atomics from registers (10-23% slower on an H100: NOTES.md, session 8). For tuning sessions.
+WS_BWD_DQ_TMA = True
+
+
+def _dqa_desc(dqa: torch.Tensor, block_m: int, D: int):
+    """TMA descriptor of the float32 (B, H, Sq, D) dQ accumulator for the bulk reduction: one consumer warpgroup's
+    share of a query tile, (1, 1, block_m, D / 2) (or (1, 1, 64, D) with 128-row tiles: split by rows)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    block = [1, 1, 64, D] if block_m == 128 else [1, 1, block_m, D // 2]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
+    return TensorDescriptor(dqa, list(dqa.shape), list(dqa.stride()), block, layout)
+
+
 def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, lo_i, hi_i, has_lo, has_hi, config) -> None:
     """Launch `flash_bwd_ws.attn_bwd_ws_kernel`: dK, dV into ``dk`` / ``dv``, scale * dS K added into ``dqa``
     (float32, zeroed, contiguous). Conditions: `_ws_inputs_ok` for q, k, v and dO; config from `WS_BWD_CONFIG`."""
@@ -409,10 +425,11 @@ def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, lo_i, hi_i, has_l
     flash_bwd_ws.attn_bwd_ws_kernel[(_cdiv(Sk, block_n), B * Hkv)](
         _gluon_desc(q, block_m), _gluon_desc(k, block_n), _gluon_desc(v, block_n), _gluon_desc(do, block_m),
         _gluon_rows_desc(lse2, block_m), _gluon_rows_desc(delta, block_m),
-        dk, dv, dqa, *dk.stride(), *dv.stride(), *dqa.stride()[:3],
+        dk, dv, dqa, _dqa_desc(dqa, block_m, D) if WS_BWD_DQ_TMA else dqa,
+        *dk.stride(), *dv.stride(), *dqa.stride()[:3],
         Hq, Hkv, Sq, Sk, Hq // Hkv, lo_i, hi_i, lse2.shape[2], float(scale) * 1.4426950408889634, float(scale),
         BLOCK_D=D, HAS_LO=has_lo, HAS_HI=has_hi, BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv,
-        CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168,
+        CONSUMER_REGS=240, PRODUCER_REGS=24, DQ_TMA=WS_BWD_DQ_TMA, num_warps=4, maxnreg=168,
     )  # fmt: skip
 
 

@@ -310,11 +310,12 @@ def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale: float, targs: lis
     sws.sparse_bwd_ws_kernel[(n_tiles, B * Hkv)](
         _tf._gluon_desc(q, block_m), _tf._gluon_desc(k, rows), _tf._gluon_desc(v, rows), _tf._gluon_desc(do, block_m),
         _tf._gluon_rows_desc(lse2, block_m), _tf._gluon_rows_desc(delta, block_m),
-        dk, dv, dqa, *dk.stride(), *dv.stride(), *dqa.stride()[:3], *targs, sched,
+        dk, dv, dqa, _tf._dqa_desc(dqa, block_m, D) if _tf.WS_BWD_DQ_TMA else dqa,
+        *dk.stride(), *dv.stride(), *dqa.stride()[:3], *targs, sched,
         Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, stride_lse=lse2.shape[2], qk_scale=scale * _LOG2E,
         sm_scale=scale, USE_SCHED=VARIANT["ws_sched"], BLOCK_D=D, MASK_BS=mask_bs,
         EVEN=Sq % mask_bs == 0 and Sk % mask_bs == 0, BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv,
-        CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168, **tkw,
+        CONSUMER_REGS=240, PRODUCER_REGS=24, DQ_TMA=_tf.WS_BWD_DQ_TMA, num_warps=4, maxnreg=168, **tkw,
     )  # fmt: skip
 
 
