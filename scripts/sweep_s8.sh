@@ -5,6 +5,7 @@
 #   PART=d2: mode 4 (the bulk reduction waited for one tile later) beside 0 and 2, and its GPU tests.
 #   PART=m2: the mask table with the bulk-reduced dQ in the sparse backward too; D=128 16K beside cuDNN / FA2
 #       (bulk reduction and atomics); the GPU tests of the sparse and dense warp-specialised backward.
+#   PART=x1: benchmarks/diag_masks.py (what partial blocks, the CTA order and scattered blocks cost).
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" sweep_out
 LOG="$OUT/sweep.txt"
@@ -52,6 +53,10 @@ m2)
     tests/gpu/test_sparse_ws_gpu.py tests/gpu/test_ws_bwd_gpu.py tests/gpu/test_sparse_gpu.py \
     >"$OUT/gpu_tests_s8_m2.txt" 2>&1
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpu_tests_s8_m2.txt" | tail -30 | cut -c1-300
+  ;;
+x1)
+  timeout 300 python3 benchmarks/diag_masks.py --json "$OUT/x1_diag.json" >>"$LOG" 2>&1
+  cat "$LOG"
   ;;
 *)
   echo "sweep_s8.sh: unknown PART=${PART}" >&2
