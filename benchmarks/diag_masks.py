@@ -75,6 +75,7 @@ def main(argv=None) -> int:
                 return ts.sparse_forward(a, b, c, scale=scale, block_mask=bm)[0]
             return ts.triton_sparse_attention(a, b, c, scale=scale, block_mask=bm)[0]
 
+        default = ts.VARIANT["ws_sched"]
         for sched in (False, True):
             ts.VARIANT["ws_sched"] = sched
             try:
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
             except Exception as exc:  # report and go on
                 row = {"mask": name, "sched": sched, "error": f"{type(exc).__name__}: {exc}"[:300]}
             finally:
-                ts.VARIANT["ws_sched"] = False
+                ts.VARIANT["ws_sched"] = default
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.json:

@@ -247,3 +247,49 @@ def test_bad_inputs():
         longctx.BlockMask.from_layout(torch.ones(3, 3, dtype=torch.bool), 16, seq_len_q=100)
     with pytest.raises(ValueError, match="length"):
         longctx.block_mask(bsm.document_mask(torch.zeros(10, dtype=torch.long)), None, None, 64, 64, device="cpu")
+
+
+def _interval_cases():
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([1, 7, 30, 12]))
+    for lo, hi in [(None, 0), (None, None), (-5, 0), (-3, 2), (2, 5)]:
+        yield f"docs[{lo},{hi}]", bsm.DocBand(q_doc=ids, k_doc=ids, lo=lo, hi=hi), 50, 50
+        yield f"band[{lo},{hi}]", bsm.DocBand(lo=lo, hi=hi), 37, 53
+    # Sq != Sk per document, bottom-right aligned positions (the varlen rule)
+    qlen, klen = torch.tensor([3, 10, 1]), torch.tensor([5, 10, 4])
+    qd, kd = torch.repeat_interleave(torch.arange(3), qlen), torch.repeat_interleave(torch.arange(3), klen)
+    qs, ks = torch.cumsum(qlen, 0) - qlen, torch.cumsum(klen, 0) - klen
+    qp, kp = torch.arange(14) - qs[qd] + (klen - qlen)[qd], torch.arange(19) - ks[kd]
+    yield "varlen causal", bsm.DocBand(q_doc=qd, k_doc=kd, q_pos=qp, k_pos=kp, hi=0), 14, 19
+    yield "varlen window", bsm.DocBand(q_doc=qd, k_doc=kd, q_pos=qp, k_pos=kp, lo=-2, hi=0), 14, 19
+    # a query document with no keys
+    yield "missing doc", bsm.DocBand(q_doc=torch.tensor([0, 0, 1, 1, 2, 2]), k_doc=torch.tensor([0, 0, 2, 2])), 6, 4
+    two = torch.stack([ids, torch.repeat_interleave(torch.arange(2), torch.tensor([25, 25]))])
+    yield "per-batch docs", bsm.DocBand(q_doc=two, k_doc=two, hi=0), 50, 50
+
+
+@pytest.mark.parametrize("name,rule,sq,sk", list(_interval_cases()), ids=[c[0] for c in _interval_cases()])
+def test_docband_intervals_match_the_rule(name, rule, sq, sk):
+    """`DocBand.intervals` (what MASK_KIND 3 kernels test): per query the keys it sees, per key the queries that
+    see it, each exactly the rule's visible set."""
+    row_lo, col_lo, row_hi, col_hi = rule.intervals(sq, sk, "cpu")
+    qd, kd, qp, kp = rule.tensors(sq, sk, "cpu")
+    qi, kj = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    for b in range(qd.shape[0]):
+        ref = rule.visible(qd[b][:, None], kd[b][None, :], qp[b][:, None], kp[b][None, :], qi, kj)
+        assert torch.equal((kj >= row_lo[b][:, None]) & (kj <= row_hi[b][:, None]), ref)
+        assert torch.equal((qi >= col_lo[b][None, :]) & (qi <= col_hi[b][None, :]), ref)
+
+
+def test_docband_intervals_only_where_the_rule_is_one():
+    """Interleaved documents or global tokens keep the general rule (kernel mask_kind 1); packed documents and
+    bands take the intervals (mask_kind 3)."""
+    assert (
+        bsm.DocBand(q_doc=torch.tensor([0, 1, 0, 1]), k_doc=torch.tensor([0, 1, 0, 1]), hi=0).intervals(4, 4, "cpu")
+        is None
+    )
+    assert bsm.DocBand(hi=0, kv_global=2).intervals(8, 8, "cpu") is None
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([100, 200, 212]))
+    packed = longctx.block_mask(bsm.document_mask(ids) & bsm.causal_mask, None, None, 512, 512, block_size=128)
+    assert packed.kernel_meta()[3] == 3
+    lg = longctx.block_mask(bsm.local_global_mask(64, 16), None, None, 512, 512, block_size=128)
+    assert lg.kernel_meta()[3] == 1

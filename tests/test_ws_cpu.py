@@ -163,7 +163,9 @@ SPARSE_STACK_BOUND = {("fwd", 64): 0, ("fwd", 128): 128, ("bwd", 64): 64, ("bwd"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,even", [(1, True), (2, False)], ids=["analytic-even", "tiles-ragged"])
+@pytest.mark.parametrize(
+    "kind,even", [(1, True), (2, False), (3, False)], ids=["analytic-even", "tiles-ragged", "intervals-ragged"]
+)
 @pytest.mark.parametrize("D", [64, 128])
 def test_sparse_ws_compiles_for_sm90(D, kind, even, tmp_path, sm90_compile):
     """The block-sparse warp-specialised kernels (`kernels.flash_sparse_ws`) with the dense kernels' configs, within
@@ -171,7 +173,7 @@ def test_sparse_ws_compiles_for_sm90(D, kind, even, tmp_path, sm90_compile):
     from longctx.kernels import flash_sparse_ws as ws
 
     t = torch.empty(1, 1, 256, D, dtype=torch.bfloat16)
-    mask = dict(MASK_BS=128, MASK_KIND=kind, HAS_DOC=kind == 1, HAS_GLOBAL=kind == 1, USE_SCHED=not even)
+    mask = dict(MASK_BS=128, MASK_KIND=kind, HAS_DOC=kind in (1, 3), HAS_GLOBAL=kind == 1, USE_SCHED=not even)
     block_n, stages, pipe = tf.WS_CONFIG[D]
     consts = dict(HEAD_DIM=D, BLOCK_D=D, EVEN_SK=even, BLOCK_N=block_n, STAGES=stages, PIPE=pipe,
                   CONSUMER_REGS=240, PRODUCER_REGS=24, **mask)  # fmt: skip
@@ -215,3 +217,27 @@ def test_sparse_ws_schedule_puts_the_longest_ctas_first():
     for b in buckets.unique():
         grid_pos = order[buckets == b]
         assert bool((grid_pos[:-1] < grid_pos[1:]).all()), "stable inside a bucket"
+
+
+@pytest.mark.parametrize(
+    "setting,has_doc,expected",
+    [("auto", True, True), ("auto", False, False), (True, False, True), (False, True, False)],
+)
+def test_sparse_ws_schedule_rule(setting, has_doc, expected, monkeypatch):
+    """`triton_sparse._use_schedule`: by default only masks with document ids take the work order (their CTAs'
+    work is uneven); ``LONGCTX_SPARSE_WS_SCHED=1`` / ``0`` (VARIANT True / False) forces it either way."""
+    from longctx.ops import triton_sparse as ts
+
+    monkeypatch.setitem(ts.VARIANT, "ws_sched", setting)
+    assert ts._use_schedule({"HAS_DOC": has_doc, "MASK_KIND": 1}) is expected
+
+
+def test_sparse_ws_schedule_setting_from_env(monkeypatch):
+    from longctx.ops import triton_sparse as ts
+
+    monkeypatch.delenv("LONGCTX_SPARSE_WS_SCHED", raising=False)
+    assert ts._tristate("LONGCTX_SPARSE_WS_SCHED") == "auto"
+    monkeypatch.setenv("LONGCTX_SPARSE_WS_SCHED", "1")
+    assert ts._tristate("LONGCTX_SPARSE_WS_SCHED") is True
+    monkeypatch.setenv("LONGCTX_SPARSE_WS_SCHED", "0")
+    assert ts._tristate("LONGCTX_SPARSE_WS_SCHED") is False

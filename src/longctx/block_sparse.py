@@ -117,6 +117,46 @@ class DocBand:
     def bounds(self) -> tuple[int, int]:
         return (-BIG if self.lo is None else int(self.lo), BIG if self.hi is None else int(self.hi))
 
+    def intervals(self, sq: int, sk: int, device) -> tuple[torch.Tensor, ...] | None:
+        """The rule as per-token intervals where it is one: ``(row_lo, col_lo, row_hi, col_hi)``, int32 (Bd, S),
+        query i seeing exactly the keys ``row_lo[i] <= j <= row_hi[i]`` and key j seen by exactly the queries
+        ``col_lo[j] <= i <= col_hi[j]`` (empty: lo > hi). That holds without global rows / columns when every
+        document is one contiguous run of tokens (ids non-decreasing) whose positions step by one (the index
+        itself, or the place inside the document): then a row's keys in its document within the band are a
+        range. None otherwise. The kernels then test a partial tile's elements against two numbers per row (or
+        column) read once per CTA, instead of reading both sides' ids and positions for every tile."""
+        if self.kv_global or self.q_global or sq == 0 or sk == 0:
+            return None
+        qd, kd, qp, kp = (t.to(torch.int64) for t in self.tensors(sq, sk, device))
+
+        def runs_ok(d, p):  # ids non-decreasing; positions +1 inside a document
+            if d.shape[-1] < 2:
+                return True
+            same = d[:, 1:] == d[:, :-1]
+            return bool(((d[:, 1:] >= d[:, :-1]) & (~same | (p[:, 1:] - p[:, :-1] == 1))).all())
+
+        if not (runs_ok(qd, qp) and runs_ok(kd, kp)):
+            return None
+        lo, hi = self.bounds()
+
+        def side(d_self, p_self, d_other, p_other, n_other, a, b):
+            # tokens of the other side in the same document: [start, end); inside it p_other = index + shift.
+            # Visible: a <= p_other - p_self <= b (keys of a query: a, b = lo, hi; queries of a key: -hi, -lo).
+            start = torch.searchsorted(d_other.contiguous(), d_self.contiguous(), right=False)
+            end = torch.searchsorted(d_other.contiguous(), d_self.contiguous(), right=True)
+            first = start.clamp(max=n_other - 1)
+            shift = torch.gather(p_other, 1, first) - first
+            v_lo = torch.maximum(start, p_self + a - shift)
+            v_hi = torch.minimum(end - 1, p_self + b - shift)
+            empty = (end == start) | (v_lo > v_hi)
+            v_lo = torch.where(empty, n_other, v_lo).clamp(-1, n_other)
+            v_hi = torch.where(empty, -1, v_hi).clamp(-1, n_other)
+            return v_lo.to(torch.int32).contiguous(), v_hi.to(torch.int32).contiguous()
+
+        row_lo, row_hi = side(qd, qp, kd, kp, sk, lo, hi)
+        col_lo, col_hi = side(kd, kp, qd, qp, sq, -hi, -lo)
+        return row_lo, col_lo, row_hi, col_hi
+
     def visible(self, qd, kd, qp, kp, qi, kj) -> torch.Tensor:
         """Element rule on broadcastable per-token tensors (documents, positions and absolute indices)."""
         lo, hi = self.bounds()
@@ -346,6 +386,7 @@ class BlockMask:
         self.full_q_num_blocks, self.full_q_indices = _lists(full.transpose(-1, -2))
         self.q_num_blocks, self.q_indices = _lists(part.transpose(-1, -2))
         # built here, not on first use, so that torch.compile only reads them (no side effect to trace)
+        self._intervals = None if analytic is None else analytic.intervals(seq_len_q, seq_len_kv, self.device)
         self._kernel_tensors = self._make_kernel_tensors()
 
     # -- construction --
@@ -449,7 +490,10 @@ class BlockMask:
     def _make_kernel_tensors(self) -> tuple[torch.Tensor, ...]:
         dev = self.device
         i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=dev)  # noqa: E731
-        docs = self.doc_tensors() if self.analytic is not None else (i32(1, 1),) * 4
+        if self._intervals is not None:
+            docs = self._intervals
+        else:
+            docs = self.doc_tensors() if self.analytic is not None else (i32(1, 1),) * 4
         if self.tiles is not None:
             tiles, tile_ids = self.tiles.contiguous().view(torch.uint8), self.tile_ids
         else:
@@ -471,15 +515,19 @@ class BlockMask:
     def kernel_tensors(self) -> tuple[torch.Tensor, ...]:
         """The 14 tensors the Triton kernels read, in this order: ``kv_num_blocks, kv_indices,
         full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks, full_q_indices``, the
-        analytic rule's ``q_doc, k_doc, q_pos, k_pos`` (int32 (Bd, S); (1, 1) zeros without a rule), the stored
+        analytic rule's ``q_doc, k_doc, q_pos, k_pos`` (int32 (Bd, S); (1, 1) zeros without a rule) or, where the
+        rule is one (`DocBand.intervals`), its ``row_lo, col_lo, row_hi, col_hi`` in their places, the stored
         partial tiles as uint8 (n, bs, bs) and ``tile_ids`` (zeros without stored tiles)."""
         return self._kernel_tensors
 
     def kernel_meta(self) -> list[int]:
         """The ints that go with `kernel_tensors`: ``[block_size, seq_len_q, seq_len_kv, mask_kind, lo, hi,
-        kv_global, q_global, has_doc]``; mask_kind 0 layout (full blocks only), 1 analytic rule, 2 stored tiles."""
+        kv_global, q_global, has_doc]``; mask_kind 0 layout (full blocks only), 1 analytic rule, 2 stored tiles,
+        3 the analytic rule as per-token intervals."""
         kind, lo, hi, kvg, qg, has_doc = 0, 0, 0, 0, 0, 0
-        if self.analytic is not None:
+        if self._intervals is not None:
+            kind, has_doc = 3, int(self.analytic.has_doc)
+        elif self.analytic is not None:
             rule = self.analytic
             kind, (lo, hi), kvg, qg, has_doc = 1, rule.bounds(), rule.kv_global, rule.q_global, int(rule.has_doc)
         elif self.tiles is not None:

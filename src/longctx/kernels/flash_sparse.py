@@ -18,6 +18,9 @@ MASK_KIND of partial blocks:
            visible = (q_doc == k_doc and lo <= k_pos - q_pos <= hi) or k_idx < kv_global or q_idx < q_global
        (causal, sliding windows, packed documents / varlen, prefix-LM, local+global)
     2  stored tiles: one byte per entry of each partial block, ``TILE_IDS[b, h, qb, kb]`` indexes them
+    3  kind 1 where it is an interval per token (`block_sparse.DocBand.intervals`: no global tokens, contiguous
+       documents): the QDOC / QPOS slots hold each query's first / last visible key, KDOC / KPOS each key's
+       first / last visible query (HAS_DOC set, so both are read); visible = both tests hold
 
 Scores are in base 2 (``qk_scale = scale * log2(e)``, exp2); the lse is stored in natural log, converted
 once in the forward's epilogue. The backward reads ``LSE2`` (base 2, +inf on rows that see nothing) and
@@ -58,6 +61,10 @@ def _visible(qi, kj, qd, kd, qp, kp, qb, kb, TILE_IDS_bh, stride_tq, TILES, Sk, 
         if HAS_GLOBAL:
             vis = vis | (kj < kv_global) | (qi < q_global)
         keep = keep & vis
+    elif MASK_KIND == 3:
+        # the rule as per-token intervals (`DocBand.intervals`): qd / qp hold each query's first / last visible
+        # key, kd / kp each key's first / last query (either side may pass -BIG / BIG where it was not read)
+        keep = keep & (kj >= qd) & (kj <= qp) & (qi >= kd) & (qi <= kp)
     elif MASK_KIND == 2:
         tid = tl.load(TILE_IDS_bh + qb * stride_tq + kb).to(tl.int64)
         t = tl.load(TILES + tid * (MASK_BS * MASK_BS) + (qi - qb * MASK_BS) * MASK_BS + (kj - kb * MASK_BS))
@@ -115,7 +122,7 @@ def _fwd_blocks(
             # per-key document ids / positions, as (1, BLOCK_N) rows (zeros when unused)
             kd = tl.zeros([1, BLOCK_N], dtype=tl.int32)
             kp = tl.zeros([1, BLOCK_N], dtype=tl.int32)
-            if MASK_KIND == 1:
+            if MASK_KIND == 1 or MASK_KIND == 3:
                 if HAS_DOC:
                     kd = tl.load(KDOC_b + cols, mask=cols < Sk, other=-2)[None, :]
                 kp = tl.load(KPOS_b + cols, mask=cols < Sk, other=0)[None, :]
@@ -258,7 +265,7 @@ def sparse_fwd_kernel(
     TILE_IDS_bh = TILE_IDS + off_b.to(tl.int64) * stride_tb + off_h.to(tl.int64) * stride_th
     KDOC_b = KDOC + off_b.to(tl.int64) * stride_kdoc
     KPOS_b = KPOS + off_b.to(tl.int64) * stride_kdoc
-    if MASK_KIND == 1:
+    if MASK_KIND == 1 or MASK_KIND == 3:
         if HAS_DOC:
             qd = tl.load(QDOC + off_b.to(tl.int64) * stride_qdoc + offs_m, mask=row_ok, other=-1)
         else:
@@ -329,7 +336,7 @@ def _dq_blocks(
             # per-key document ids / positions, as (1, BLOCK_N) rows (zeros when unused)
             kd = tl.zeros([1, BLOCK_N], dtype=tl.int32)
             kp = tl.zeros([1, BLOCK_N], dtype=tl.int32)
-            if MASK_KIND == 1:
+            if MASK_KIND == 1 or MASK_KIND == 3:
                 if HAS_DOC:
                     kd = tl.load(KDOC_b + cols, mask=cols < Sk, other=-2)[None, :]
                 kp = tl.load(KPOS_b + cols, mask=cols < Sk, other=0)[None, :]
@@ -410,7 +417,7 @@ def sparse_bwd_dq_kernel(
     TILE_IDS_bh = TILE_IDS + off_b.to(tl.int64) * stride_tb + off_h.to(tl.int64) * stride_th
     KDOC_b = KDOC + off_b.to(tl.int64) * stride_kdoc
     KPOS_b = KPOS + off_b.to(tl.int64) * stride_kdoc
-    if MASK_KIND == 1:
+    if MASK_KIND == 1 or MASK_KIND == 3:
         if HAS_DOC:
             qd = tl.load(QDOC + off_b.to(tl.int64) * stride_qdoc + offs_m, mask=row_ok, other=-1)
         else:
@@ -472,7 +479,7 @@ def _dkdv_blocks(
             # per-query document ids / positions, as (1, BLOCK_M) rows (zeros when unused)
             qd = tl.zeros([1, BLOCK_M], dtype=tl.int32)
             qp = tl.zeros([1, BLOCK_M], dtype=tl.int32)
-            if MASK_KIND == 1:
+            if MASK_KIND == 1 or MASK_KIND == 3:
                 if HAS_DOC:
                     qd = tl.load(QDOC_b + rows, mask=row_ok, other=-1)[None, :]
                 qp = tl.load(QPOS_b + rows, mask=row_ok, other=0)[None, :]
@@ -539,7 +546,7 @@ def sparse_bwd_dkdv_kernel(
                 + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd, mask=ldk, other=0.0)
     v = tl.load(V + off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh
                 + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd, mask=ldk, other=0.0)
-    if MASK_KIND == 1:
+    if MASK_KIND == 1 or MASK_KIND == 3:
         if HAS_DOC:
             kd = tl.load(KDOC + off_b.to(tl.int64) * stride_kdoc + offs_n, mask=col_ok, other=-2)
         else:

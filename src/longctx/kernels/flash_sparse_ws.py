@@ -16,7 +16,8 @@ from Gluon):
   keeps the Triton kernels of `flash_sparse`).
 
 Both need the mask's block size to be a multiple of 128 (a CTA's rows / keys lie in one mask block). The lists,
-MASK_KIND and the per-token tensors are those of `flash_sparse` (see its docstring).
+MASK_KIND and the per-token tensors are those of `flash_sparse` (see its docstring); with MASK_KIND 3 (intervals)
+each CTA reads its own side's intervals once and the tiles read nothing per token.
 """
 
 from triton.experimental import gluon
@@ -32,6 +33,7 @@ from longctx.kernels.flash_sparse import _visible
 WG_ROWS = fws.WG_ROWS
 NUM_CONSUMERS = fws.NUM_CONSUMERS
 CTA_ROWS = gl.constexpr(128)  # rows (forward) / keys (backward) of one CTA
+BIG = gl.constexpr(1 << 30)  # an unbounded side of a MASK_KIND 3 interval (`block_sparse.BIG`)
 
 
 @gluon.jit
@@ -132,6 +134,10 @@ def _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_rea
             if HAS_DOC:
                 kd = gl.load(KDOC_b + cols, mask=cols < Sk, other=-2)
             kp = gl.load(KPOS_b + cols, mask=cols < Sk, other=0)
+        elif MASK_KIND == 3:
+            # intervals: the rows' [first, last] key (read once per CTA) decide; no per-tile reads
+            kd = gl.full([BLOCK_N], -BIG, gl.int32, layout=col_s)
+            kp = gl.full([BLOCK_N], BIG, gl.int32, layout=col_s)
         keep = _visible(offs_m[:, None], cols[None, :], qd[:, None], kd[None, :], qp[:, None], kp[None, :], qb, kb,
                         TILE_IDS_bh, stride_tq, TILES, Sk, lo, hi, kv_global, q_global,
                         MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS)
@@ -169,7 +175,7 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_em
     offs_m = my_start + gl.arange(0, WG_ROWS, layout=row_s)
     qd = gl.zeros([WG_ROWS], gl.int32, layout=row_s)
     qp = gl.zeros([WG_ROWS], gl.int32, layout=row_s)
-    if MASK_KIND == 1:
+    if MASK_KIND == 1 or MASK_KIND == 3:
         if HAS_DOC:
             qd = gl.load(QDOC + off_b.to(gl.int64) * stride_qdoc + offs_m, mask=offs_m < Sq, other=-1)
         qp = gl.load(QPOS + off_b.to(gl.int64) * stride_qdoc + offs_m, mask=offs_m < Sq, other=0)
@@ -317,6 +323,10 @@ def _bwd_run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_r
                 if HAS_DOC:
                     qd = gl.load(QDOC_b + rows, mask=rows < Sq, other=-1)
                 qp = gl.load(QPOS_b + rows, mask=rows < Sq, other=0)
+            elif MASK_KIND == 3:
+                # intervals: the keys' [first, last] query (read once per CTA) decide; no per-tile reads
+                qd = gl.full([BLOCK_M], -BIG, gl.int32, layout=col_s)
+                qp = gl.full([BLOCK_M], BIG, gl.int32, layout=col_s)
             # rows past Sq read another head's (finite) lse2 / Delta: their P must be 0 (dQ has no such rows)
             keep = _visible(rows[None, :], offs_n[:, None], qd[None, :], kd[:, None], qp[None, :], kp[:, None], qb,
                             kb, TILE_IDS_bh, stride_tq, TILES, Sk, lo, hi, kv_global, q_global,
@@ -366,7 +376,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_sme
     offs_n = my_n + gl.arange(0, WG_ROWS, layout=row_s)
     kd = gl.zeros([WG_ROWS], gl.int32, layout=row_s)
     kp = gl.zeros([WG_ROWS], gl.int32, layout=row_s)
-    if MASK_KIND == 1:
+    if MASK_KIND == 1 or MASK_KIND == 3:
         if HAS_DOC:
             kd = gl.load(KDOC + off_b.to(gl.int64) * stride_kdoc + offs_n, mask=offs_n < Sk, other=-2)
         kp = gl.load(KPOS + off_b.to(gl.int64) * stride_kdoc + offs_n, mask=offs_n < Sk, other=0)

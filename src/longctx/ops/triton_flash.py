@@ -383,8 +383,9 @@ def _forward_ws(q, k, v, out, lse, scale, lo_i, hi_i, has_lo, has_hi, config) ->
 
 
 # The warp-specialised backward (`kernels.flash_bwd_ws`, Gluon; Hopper only): a producer warp streams Q, dO, lse2
-# and Delta to two consumer warpgroups that each own 64 keys; dQ is added with atomics (not deterministic, so
-# `deterministic=True` keeps the Triton kernels). LONGCTX_TRITON_WS_BWD=0 keeps the Triton backward everywhere.
+# and Delta to two consumer warpgroups that each own 64 keys; dQ is added by the copy engine's bulk reduction (in
+# no fixed order, so `deterministic=True` keeps the Triton kernels). LONGCTX_TRITON_WS_BWD=0 keeps the Triton
+# backward everywhere.
 _WS_BWD_DEFAULT = os.environ.get("LONGCTX_TRITON_WS_BWD", "1") != "0"
 # head dim -> (BLOCK_M, STAGES, EARLY_DV): query tile, ring depth, dV's product issued before dS^T is computed
 # (EARLY_DV: the same speed within noise, and dS from the bf16 P; 3 stages: no gain; session 6 sweeps). No other

@@ -26,10 +26,11 @@ environment at import: on by default (measured faster) ``LONGCTX_SPARSE_GRID_SWA
 ``..._REVERSE_M=1`` and ``LONGCTX_SPARSE_ATOMIC_DQ=ptr|tma`` (never under ``deterministic=True``).
 The warp-specialised kernels (`longctx.kernels.flash_sparse_ws`, Gluon) serve fp16/bf16 inputs with head dim 64 or
 128 on Hopper when the mask's block size is a multiple of 128 (`_ws_config`): forward 1.31-1.48x FlexAttention in
-the H100 mask table of session 7, against 1.03-1.17x for the Triton forward. Their backward adds dQ with atomics,
-so ``deterministic=True`` keeps the Triton kernels. ``LONGCTX_SPARSE_WS=0`` / ``LONGCTX_SPARSE_WS_BWD=0`` switch
-them off; ``LONGCTX_SPARSE_WS_SCHED=1`` launches their CTAs in order of work (`_schedule`; measured: +5% on the
-packed-documents backward, up to -15% on random layouts' forward, so off by default).
+the H100 mask table of session 7, against 1.03-1.17x for the Triton forward. Their backward adds dQ by the copy
+engine's bulk reduction (not in a fixed order), so ``deterministic=True`` keeps the Triton kernels.
+``LONGCTX_SPARSE_WS=0`` / ``LONGCTX_SPARSE_WS_BWD=0`` switch them off. Masks with document ids launch their CTAs in
+order of work (`_schedule`, `_use_schedule`: +8-10% on packed documents, up to -15% on random layouts' forward);
+``LONGCTX_SPARSE_WS_SCHED=1`` / ``0`` takes that order always / never.
 `FORCE_CONFIG` pins tiles per kernel
 (``LONGCTX_SPARSE_TILES="fwd=128,64,8,3;dkdv=32,128,8,3"``) for tuning sessions;
 benchmarks/sweep_sparse_configs.py compares the variants against FlexAttention.
@@ -86,6 +87,13 @@ def _flag(name: str, default: bool = False) -> bool:
     return os.environ.get(name, "1" if default else "0").strip().lower() in ("1", "true", "on", "yes")
 
 
+def _tristate(name: str) -> bool | str:
+    """``auto`` (unset or "auto"), else the flag's value."""
+    if os.environ.get(name, "auto").strip().lower() == "auto":
+        return "auto"
+    return _flag(name)
+
+
 # Kernel variants (`longctx.kernels.flash_sparse` describes each), read once from the environment. The first three
 # are on by default (measured faster on every mask case: NOTES.md, "Block-sparse", run 7e); the others measured
 # slower and stay off. benchmarks/sweep_sparse_configs.py sets them directly to compare them.
@@ -101,11 +109,13 @@ VARIANT: dict = {
     # through a TMA reduce (CUDA only; "ptr" elsewhere). Never under deterministic=True / LONGCTX_DETERMINISTIC=1.
     "atomic_dq": os.environ.get("LONGCTX_SPARSE_ATOMIC_DQ", "0").strip().lower(),
     # the warp-specialised kernels (`longctx.kernels.flash_sparse_ws`, Gluon, Hopper) for the forward and for the
-    # backward (dQ by atomics: never under deterministic=True); `_ws_config` says which inputs take them
+    # backward (dQ by a bulk reduction, not in a fixed order: never under deterministic=True); `_ws_config` says
+    # which inputs take them
     "ws": _flag("LONGCTX_SPARSE_WS", True),
     "ws_bwd": _flag("LONGCTX_SPARSE_WS_BWD", True),
-    # their CTAs in order of work, the most blocks first (`_schedule`), instead of the grid's order
-    "ws_sched": _flag("LONGCTX_SPARSE_WS_SCHED"),
+    # their CTAs in order of work, the most blocks first (`_schedule`), instead of the grid's order: "auto" (the
+    # default) for masks with document ids only (`_use_schedule`), True always, False never
+    "ws_sched": _tristate("LONGCTX_SPARSE_WS_SCHED"),
 }
 
 
@@ -218,6 +228,11 @@ def _mask_args(mt: tuple, meta: list, B: int, Hq: int, transposed: bool) -> tupl
             HAS_DOC=bool(has_doc),
             HAS_GLOBAL=bool(kv_global or q_global),
         )
+    elif kind == 3:
+        # per-token intervals in the (Bd, S) int32 slots of the ids and positions (`DocBand.intervals`)
+        s_qdoc = qd.stride(0) if qd.shape[0] > 1 else 0
+        s_kdoc = kd.stride(0) if kd.shape[0] > 1 else 0
+        kw.update(MASK_KIND=3, HAS_DOC=True)
     elif kind == 2:
         tile_ids = tile_ids.expand(B, Hq, *tile_ids.shape[-2:])
         ts = (tile_ids.stride(0), tile_ids.stride(1), tile_ids.stride(2))
@@ -277,6 +292,16 @@ def _schedule(num: torch.Tensor, fnum: torch.Tensor, n_tiles: int, rows: int, ma
     return torch.argsort(-key, stable=True).to(torch.int32)
 
 
+def _use_schedule(kw: dict) -> bool:
+    """Whether the warp-specialised kernels take `_schedule`'s order: by default for masks with document ids,
+    whose CTAs' work ranges from one block to a whole document (the first blocks of a long document started in
+    the last wave: a simulated 5% tail at 16K, and the schedule measured +8-10% on the packed-documents case,
+    while on random layouts it cost up to 15% of the forward by spreading the CTAs in flight over many heads:
+    NOTES.md, sessions 7 and 8)."""
+    sched = VARIANT["ws_sched"]
+    return bool(kw.get("HAS_DOC")) if sched == "auto" else bool(sched)
+
+
 def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs: int, config) -> None:
     """Launch `flash_sparse_ws.sparse_fwd_ws_kernel` (conditions and config: `_ws_config`)."""
     from longctx.kernels import flash_sparse_ws as sws
@@ -285,11 +310,12 @@ def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs
     Hkv, Sk = k.shape[1], k.shape[2]
     block_n, stages, pipe = config
     n_tiles = _cdiv(Sq, int(sws.CTA_ROWS))
-    sched = _schedule(margs[0], margs[2], n_tiles, int(sws.CTA_ROWS), mask_bs, 1) if VARIANT["ws_sched"] else lse
+    use_sched = _use_schedule(mkw)
+    sched = _schedule(margs[0], margs[2], n_tiles, int(sws.CTA_ROWS), mask_bs, 1) if use_sched else lse
     sws.sparse_fwd_ws_kernel[(n_tiles, B * Hq)](
         _tf._gluon_desc(q, int(sws.WG_ROWS)), _tf._gluon_desc(k, block_n), _tf._gluon_desc(v, block_n), out, lse,
         *out.stride(), *margs, sched,
-        USE_SCHED=VARIANT["ws_sched"], Hq=Hq, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, qk_scale=scale * _LOG2E,
+        USE_SCHED=use_sched, Hq=Hq, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, qk_scale=scale * _LOG2E,
         HEAD_DIM=D, BLOCK_D=D, MASK_BS=mask_bs, EVEN_SK=Sk % mask_bs == 0,
         BLOCK_N=block_n, STAGES=stages, PIPE=pipe, CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168,
         **mkw,
@@ -306,14 +332,15 @@ def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale: float, targs: lis
     block_m, stages, early_dv = config
     rows = int(sws.CTA_ROWS)
     n_tiles = _cdiv(Sk, rows)
-    sched = _schedule(targs[0], targs[2], n_tiles, rows, mask_bs, Hq // Hkv) if VARIANT["ws_sched"] else lse2
+    use_sched = _use_schedule(tkw)
+    sched = _schedule(targs[0], targs[2], n_tiles, rows, mask_bs, Hq // Hkv) if use_sched else lse2
     sws.sparse_bwd_ws_kernel[(n_tiles, B * Hkv)](
         _tf._gluon_desc(q, block_m), _tf._gluon_desc(k, rows), _tf._gluon_desc(v, rows), _tf._gluon_desc(do, block_m),
         _tf._gluon_rows_desc(lse2, block_m), _tf._gluon_rows_desc(delta, block_m),
         dk, dv, dqa, _tf._dqa_desc(dqa, block_m, D) if _tf.WS_BWD_DQ_TMA else dqa,
         *dk.stride(), *dv.stride(), *dqa.stride()[:3], *targs, sched,
         Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, stride_lse=lse2.shape[2], qk_scale=scale * _LOG2E,
-        sm_scale=scale, USE_SCHED=VARIANT["ws_sched"], BLOCK_D=D, MASK_BS=mask_bs,
+        sm_scale=scale, USE_SCHED=use_sched, BLOCK_D=D, MASK_BS=mask_bs,
         EVEN=Sq % mask_bs == 0 and Sk % mask_bs == 0, BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv,
         CONSUMER_REGS=240, PRODUCER_REGS=24, DQ_TMA=_tf.WS_BWD_DQ_TMA, num_warps=4, maxnreg=168, **tkw,
     )  # fmt: skip
