@@ -6,6 +6,8 @@
 #   PART=m2: the mask table with the bulk-reduced dQ in the sparse backward too; D=128 16K beside cuDNN / FA2
 #       (bulk reduction and atomics); the GPU tests of the sparse and dense warp-specialised backward.
 #   PART=x1: benchmarks/diag_masks.py (what partial blocks, the CTA order and scattered blocks cost).
+#   PART=x2: after the interval masks (MASK_KIND 3) and the schedule for documents: the mask table, the diagnostic,
+#       the GPU tests of the sparse kernels and the warp-specialised backward.
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" sweep_out
 LOG="$OUT/sweep.txt"
@@ -57,6 +59,18 @@ m2)
 x1)
   timeout 300 python3 benchmarks/diag_masks.py --json "$OUT/x1_diag.json" >>"$LOG" 2>&1
   cat "$LOG"
+  ;;
+x2)
+  clocks
+  timeout 300 python3 -m longctx.bench.masks --out-dir "$OUT" --tag _s8b >>"$LOG" 2>&1
+  clocks
+  grep -E "^\| (sliding|documents|random|causal)|x " "$LOG" | tail -12
+  timeout 120 python3 benchmarks/diag_masks.py --json "$OUT/x2_diag.json" >>"$LOG" 2>&1
+  tail -12 "$LOG"
+  LONGCTX_TRITON_AUTOTUNE=0 timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu --maxfail=25 \
+    tests/gpu/test_sparse_ws_gpu.py tests/gpu/test_sparse_gpu.py tests/gpu/test_ws_bwd_gpu.py \
+    >"$OUT/gpu_tests_s8_x2.txt" 2>&1
+  grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpu_tests_s8_x2.txt" | tail -30 | cut -c1-300
   ;;
 *)
   echo "sweep_s8.sh: unknown PART=${PART}" >&2
