@@ -8,6 +8,7 @@
 #   PART=x1: benchmarks/diag_masks.py (what partial blocks, the CTA order and scattered blocks cost).
 #   PART=x2: after the interval masks (MASK_KIND 3) and the schedule for documents: the mask table, the diagnostic,
 #       the GPU tests of the sparse kernels and the warp-specialised backward.
+#   PART=f1: the final code's GPU tests of the dense kernels (the backward's dQ path changed this session).
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" sweep_out
 LOG="$OUT/sweep.txt"
@@ -71,6 +72,12 @@ x2)
     tests/gpu/test_sparse_ws_gpu.py tests/gpu/test_sparse_gpu.py tests/gpu/test_ws_bwd_gpu.py \
     >"$OUT/gpu_tests_s8_x2.txt" 2>&1
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpu_tests_s8_x2.txt" | tail -30 | cut -c1-300
+  ;;
+f1)
+  LONGCTX_TRITON_AUTOTUNE=0 timeout 420 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu --maxfail=25 \
+    tests/gpu/test_ws_bwd_gpu.py tests/gpu/test_triton_gpu.py tests/gpu/test_ws_gpu.py tests/gpu/test_backends_gpu.py \
+    >"$OUT/gpu_tests_s8_f1.txt" 2>&1
+  grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpu_tests_s8_f1.txt" | tail -30 | cut -c1-300
   ;;
 *)
   echo "sweep_s8.sh: unknown PART=${PART}" >&2

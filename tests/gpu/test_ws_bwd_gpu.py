@@ -122,3 +122,20 @@ def test_ws_bwd_matches_deterministic_path(ws_switches):
     det = tf.triton_backward(do, q, k, v, out, lse, scale=0.1, band=band, deterministic=True)
     for a, b in zip(fast, det):
         assert float((a.float() - b.float()).abs().max()) < 2e-2 * float(b.float().abs().max())
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("band", ["full", "causal", "two_sided"])
+def test_ws_bwd_atomic_dq_matches_oracle(ws_switches, monkeypatch, D, band):
+    """dQ by float32 atomics from registers (``WS_BWD_DQ_TMA = False``, the A/B path of the bulk reduction):
+    the oracle rule, with ragged lengths and GQA."""
+    tf = ws_switches
+    monkeypatch.setattr(tf, "WS_BWD_DQ_TMA", False)
+    tf.FORCE_WS_BWD = True
+    lo, hi = BANDS[band]
+    g = torch.Generator(device="cuda").manual_seed(D)
+    q = torch.randn(2, 4, 1000, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(2, 2, 1000, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(2, 2, 1000, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    do = torch.randn(2, 4, 1000, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    _check(tf, q, k, v, do, tf.Band(lo, hi), 1.0 / math.sqrt(D))
