@@ -44,6 +44,24 @@ def _lists(NUM, IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride
     return gl.load(FULL_NUM + nb), FULL_IDX + ib, gl.load(NUM + nb), IDX + ib
 
 
+@gluon.jit
+def _tokens(DOC_b, POS_b, idx, n, other_doc, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
+            PER_TILE: gl.constexpr):
+    """(doc, pos) of the tokens ``idx`` (one side of `_visible`; zeros where MASK_KIND reads none). PER_TILE: the
+    side read for every tile, which MASK_KIND 3 does not read (its other side's intervals decide alone: the
+    unbounded interval [-BIG, BIG] here). Tokens past ``n`` read ``other_doc`` and position 0."""
+    d = gl.zeros_like(idx)
+    p = gl.zeros_like(idx)
+    if MASK_KIND == 3 and PER_TILE:
+        d = gl.full_like(idx, -BIG)
+        p = gl.full_like(idx, BIG)
+    elif MASK_KIND == 1 or MASK_KIND == 3:
+        if HAS_DOC:
+            d = gl.load(DOC_b + idx, mask=idx < n, other=other_doc)
+        p = gl.load(POS_b + idx, mask=idx < n, other=0)
+    return d, p
+
+
 # -- forward --------------------------------------------------------------------------------------------------
 
 
@@ -128,16 +146,7 @@ def _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_rea
     for j in range(n_tiles):
         kb = gl.load(IDX_row + j // SUB)
         cols = kb * MASK_BS + (j % SUB) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
-        kd = gl.zeros([BLOCK_N], gl.int32, layout=col_s)
-        kp = gl.zeros([BLOCK_N], gl.int32, layout=col_s)
-        if MASK_KIND == 1:
-            if HAS_DOC:
-                kd = gl.load(KDOC_b + cols, mask=cols < Sk, other=-2)
-            kp = gl.load(KPOS_b + cols, mask=cols < Sk, other=0)
-        elif MASK_KIND == 3:
-            # intervals: the rows' [first, last] key (read once per CTA) decide; no per-tile reads
-            kd = gl.full([BLOCK_N], -BIG, gl.int32, layout=col_s)
-            kp = gl.full([BLOCK_N], BIG, gl.int32, layout=col_s)
+        kd, kp = _tokens(KDOC_b, KPOS_b, cols, Sk, -2, MASK_KIND, HAS_DOC, True)
         keep = _visible(offs_m[:, None], cols[None, :], qd[:, None], kd[None, :], qp[:, None], kp[None, :], qb, kb,
                         TILE_IDS_bh, stride_tq, TILES, Sk, lo, hi, kv_global, q_global,
                         MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS)
@@ -173,12 +182,8 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_em
                                                 stride_ih, stride_iq, off_b, off_h, qb)
     my_start = start_m + WG * WG_ROWS
     offs_m = my_start + gl.arange(0, WG_ROWS, layout=row_s)
-    qd = gl.zeros([WG_ROWS], gl.int32, layout=row_s)
-    qp = gl.zeros([WG_ROWS], gl.int32, layout=row_s)
-    if MASK_KIND == 1 or MASK_KIND == 3:
-        if HAS_DOC:
-            qd = gl.load(QDOC + off_b.to(gl.int64) * stride_qdoc + offs_m, mask=offs_m < Sq, other=-1)
-        qp = gl.load(QPOS + off_b.to(gl.int64) * stride_qdoc + offs_m, mask=offs_m < Sq, other=0)
+    qd, qp = _tokens(QDOC + off_b.to(gl.int64) * stride_qdoc, QPOS + off_b.to(gl.int64) * stride_qdoc, offs_m, Sq,
+                     -1, MASK_KIND, HAS_DOC, False)
     TILE_IDS_bh = TILE_IDS + off_b.to(gl.int64) * stride_tb + off_h.to(gl.int64) * stride_th
     KDOC_b = KDOC + off_b.to(gl.int64) * stride_kdoc
     KPOS_b = KPOS + off_b.to(gl.int64) * stride_kdoc
@@ -317,16 +322,7 @@ def _bwd_run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_r
         start_m = qb * MASK_BS + (j % SUB) * BLOCK_M
         if MASKED:
             rows = start_m + gl.arange(0, BLOCK_M, layout=col_s)
-            qd = gl.zeros([BLOCK_M], gl.int32, layout=col_s)
-            qp = gl.zeros([BLOCK_M], gl.int32, layout=col_s)
-            if MASK_KIND == 1:
-                if HAS_DOC:
-                    qd = gl.load(QDOC_b + rows, mask=rows < Sq, other=-1)
-                qp = gl.load(QPOS_b + rows, mask=rows < Sq, other=0)
-            elif MASK_KIND == 3:
-                # intervals: the keys' [first, last] query (read once per CTA) decide; no per-tile reads
-                qd = gl.full([BLOCK_M], -BIG, gl.int32, layout=col_s)
-                qp = gl.full([BLOCK_M], BIG, gl.int32, layout=col_s)
+            qd, qp = _tokens(QDOC_b, QPOS_b, rows, Sq, -1, MASK_KIND, HAS_DOC, True)
             # rows past Sq read another head's (finite) lse2 / Delta: their P must be 0 (dQ has no such rows)
             keep = _visible(rows[None, :], offs_n[:, None], qd[None, :], kd[:, None], qp[None, :], kp[:, None], qb,
                             kb, TILE_IDS_bh, stride_tq, TILES, Sk, lo, hi, kv_global, q_global,
@@ -374,12 +370,8 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_sme
     kb = start_n // MASK_BS
     my_n = start_n + WG * WG_ROWS
     offs_n = my_n + gl.arange(0, WG_ROWS, layout=row_s)
-    kd = gl.zeros([WG_ROWS], gl.int32, layout=row_s)
-    kp = gl.zeros([WG_ROWS], gl.int32, layout=row_s)
-    if MASK_KIND == 1 or MASK_KIND == 3:
-        if HAS_DOC:
-            kd = gl.load(KDOC + off_b.to(gl.int64) * stride_kdoc + offs_n, mask=offs_n < Sk, other=-2)
-        kp = gl.load(KPOS + off_b.to(gl.int64) * stride_kdoc + offs_n, mask=offs_n < Sk, other=0)
+    kd, kp = _tokens(KDOC + off_b.to(gl.int64) * stride_kdoc, KPOS + off_b.to(gl.int64) * stride_kdoc, offs_n, Sk,
+                     -2, MASK_KIND, HAS_DOC, False)
     QDOC_b = QDOC + off_b.to(gl.int64) * stride_qdoc
     QPOS_b = QPOS + off_b.to(gl.int64) * stride_qdoc
     k_all = k_smem.reshape([CTA_ROWS, BLOCK_D])
