@@ -220,16 +220,18 @@ def test_sparse_ws_schedule_puts_the_longest_ctas_first():
 
 
 @pytest.mark.parametrize(
-    "setting,has_doc,expected",
-    [("auto", True, True), ("auto", False, False), (True, False, True), (False, True, False)],
-)
-def test_sparse_ws_schedule_rule(setting, has_doc, expected, monkeypatch):
-    """`triton_sparse._use_schedule`: by default only masks with document ids take the work order (their CTAs'
-    work is uneven); ``LONGCTX_SPARSE_WS_SCHED=1`` / ``0`` (VARIANT True / False) forces it either way."""
+    "setting,kind,has_doc,expected",
+    [("auto", 1, True, True), ("auto", 1, False, False), ("auto", 3, True, True), ("auto", 0, False, False),
+     ("auto", 2, False, False), (True, 1, False, True), (False, 1, True, False)],
+)  # fmt: skip
+def test_sparse_ws_schedule_rule(setting, kind, has_doc, expected, monkeypatch):
+    """`triton_sparse._use_schedule`: by default the analytic masks with document ids and those in interval form
+    (MASK_KIND 3) take the work order, block layouts and stored tiles do not; ``LONGCTX_SPARSE_WS_SCHED=1`` /
+    ``0`` (VARIANT True / False) forces it either way."""
     from longctx.ops import triton_sparse as ts
 
     monkeypatch.setitem(ts.VARIANT, "ws_sched", setting)
-    assert ts._use_schedule({"HAS_DOC": has_doc, "MASK_KIND": 1}) is expected
+    assert ts._use_schedule({"HAS_DOC": has_doc, "MASK_KIND": kind}) is expected
 
 
 def test_sparse_ws_schedule_setting_from_env(monkeypatch):

@@ -28,9 +28,10 @@ The warp-specialised kernels (`longctx.kernels.flash_sparse_ws`, Gluon) serve fp
 128 on Hopper when the mask's block size is a multiple of 128 (`_ws_config`): forward 1.31-1.48x FlexAttention in
 the H100 mask table of session 7, against 1.03-1.17x for the Triton forward. Their backward adds dQ by the copy
 engine's bulk reduction (not in a fixed order), so ``deterministic=True`` keeps the Triton kernels.
-``LONGCTX_SPARSE_WS=0`` / ``LONGCTX_SPARSE_WS_BWD=0`` switch them off. Masks with document ids launch their CTAs in
-order of work (`_schedule`, `_use_schedule`: +8-10% on packed documents, up to -15% on random layouts' forward);
-``LONGCTX_SPARSE_WS_SCHED=1`` / ``0`` takes that order always / never.
+``LONGCTX_SPARSE_WS=0`` / ``LONGCTX_SPARSE_WS_BWD=0`` switch them off. Analytic masks (document ids, or the
+interval form: packed documents, causal, windows) launch their CTAs in order of work (`_schedule`,
+`_use_schedule`; up to -15% on random layouts' forward, so not for layouts); ``LONGCTX_SPARSE_WS_SCHED=1`` / ``0``
+takes that order always / never.
 `FORCE_CONFIG` pins tiles per kernel
 (``LONGCTX_SPARSE_TILES="fwd=128,64,8,3;dkdv=32,128,8,3"``) for tuning sessions;
 benchmarks/sweep_sparse_configs.py compares the variants against FlexAttention.
@@ -114,7 +115,7 @@ VARIANT: dict = {
     "ws": _flag("LONGCTX_SPARSE_WS", True),
     "ws_bwd": _flag("LONGCTX_SPARSE_WS_BWD", True),
     # their CTAs in order of work, the most blocks first (`_schedule`), instead of the grid's order: "auto" (the
-    # default) for masks with document ids only (`_use_schedule`), True always, False never
+    # default) for analytic masks (`_use_schedule`), True always, False never
     "ws_sched": _tristate("LONGCTX_SPARSE_WS_SCHED"),
 }
 
@@ -215,10 +216,11 @@ def _mask_args(mt: tuple, meta: list, B: int, Hq: int, transposed: bool) -> tupl
     kw: dict = dict(lo=0, hi=0, kv_global=0, q_global=0, MASK_KIND=0, HAS_DOC=False, HAS_GLOBAL=False)
     s_qdoc = s_kdoc = 0
     ts = (0, 0, 0)
-    if kind == 1:
+    if kind in (1, 3):
         # (Bd, S) int32, contiguous; Bd == 1 broadcasts over the batch
         s_qdoc = qd.stride(0) if qd.shape[0] > 1 else 0
         s_kdoc = kd.stride(0) if kd.shape[0] > 1 else 0
+    if kind == 1:
         kw.update(
             lo=lo,
             hi=hi,
@@ -229,9 +231,7 @@ def _mask_args(mt: tuple, meta: list, B: int, Hq: int, transposed: bool) -> tupl
             HAS_GLOBAL=bool(kv_global or q_global),
         )
     elif kind == 3:
-        # per-token intervals in the (Bd, S) int32 slots of the ids and positions (`DocBand.intervals`)
-        s_qdoc = qd.stride(0) if qd.shape[0] > 1 else 0
-        s_kdoc = kd.stride(0) if kd.shape[0] > 1 else 0
+        # per-token intervals in the slots of the ids and positions (`DocBand.intervals`); HAS_DOC: both are read
         kw.update(MASK_KIND=3, HAS_DOC=True)
     elif kind == 2:
         tile_ids = tile_ids.expand(B, Hq, *tile_ids.shape[-2:])
@@ -293,13 +293,17 @@ def _schedule(num: torch.Tensor, fnum: torch.Tensor, n_tiles: int, rows: int, ma
 
 
 def _use_schedule(kw: dict) -> bool:
-    """Whether the warp-specialised kernels take `_schedule`'s order: by default for masks with document ids,
-    whose CTAs' work ranges from one block to a whole document (the first blocks of a long document started in
-    the last wave: a simulated 5% tail at 16K, and the schedule measured +8-10% on the packed-documents case,
-    while on random layouts it cost up to 15% of the forward by spreading the CTAs in flight over many heads:
-    NOTES.md, sessions 7 and 8)."""
+    """Whether the warp-specialised kernels take `_schedule`'s order. By default for the analytic masks: those
+    with document ids, whose CTAs' work ranges from one block to a whole document (the first blocks of a long
+    document started in the last wave: a simulated 5% tail at 16K; the schedule measured +8-10% on the
+    packed-documents case before the intervals, within noise after), and every mask in interval form (MASK_KIND
+    3: packed documents, causal, windows; causal's forward measured +4% and +8% with it in sessions 8's x1 / x2,
+    the backward within noise). Not for layouts and stored tiles: on random layouts it cost up to 15% of the
+    forward by spreading the CTAs in flight over many heads (NOTES.md, sessions 7 and 8)."""
     sched = VARIANT["ws_sched"]
-    return bool(kw.get("HAS_DOC")) if sched == "auto" else bool(sched)
+    if sched != "auto":
+        return bool(sched)
+    return kw["MASK_KIND"] == 3 or (kw["MASK_KIND"] == 1 and bool(kw["HAS_DOC"]))
 
 
 def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs: int, config) -> None:
