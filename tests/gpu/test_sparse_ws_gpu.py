@@ -130,3 +130,41 @@ def test_ws_work_ordered_schedule(name, S, spy, monkeypatch):
     q, k, v = _inputs(2, 8, 2, S, S, 128, torch.bfloat16, seed=18)
     _check(q, k, v, bm)
     assert spy() == {"fwd": 1, "bwd": 1}
+
+
+@pytest.mark.parametrize("persist,sched", [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize("name,S", [("docs_causal", 1000), ("general", 1024), ("tiny_docs", 1024)])
+def test_ws_one_cta_per_item_and_other_orders(name, S, persist, sched, spy, monkeypatch):
+    """The other launch modes (the default is persistent CTAs in `_schedule`'s order, tested above): one CTA per
+    work item (``LONGCTX_SPARSE_WS_PERSIST=0``) in the grid's order or the schedule's, and persistent CTAs in the
+    grid's order: the same results."""
+    monkeypatch.setitem(ts.VARIANT, "ws_persist", persist)
+    monkeypatch.setitem(ts.VARIANT, "ws_sched", sched)
+    bm = _block_mask(name, S, S)
+    q, k, v = _inputs(2, 8, 2, S, S, 128, torch.bfloat16, seed=18)
+    _check(q, k, v, bm)
+    assert spy() == {"fwd": 1, "bwd": 1}
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_ws_persistent_more_items_than_sms_gqa(D, spy):
+    """Many more work items than SMs (every CTA takes tickets until they run out), GQA, per-head random layouts
+    with empty rows and columns, against the Triton kernels."""
+    S, Hq, Hkv = 4096, 16, 4
+    n = S // 128
+    lay = torch.rand(Hq, n, n, generator=torch.Generator().manual_seed(3)) < 0.3
+    lay[:, 5] = False
+    lay[:, :, 7] = False
+    bm = longctx.BlockMask.from_layout(lay.cuda(), 128, S, S)
+    q, k, v = (t.requires_grad_() for t in _inputs(2, Hq, Hkv, S, S, D, torch.bfloat16, seed=19))
+    do = torch.randn_like(q)
+    res = []
+    for on in (True, False):
+        ts.VARIANT["ws"] = ts.VARIANT["ws_bwd"] = on
+        out = longctx.attention(q, k, v, block_mask=bm, backend="triton_sparse")
+        res.append((out.float(), *(g.float() for g in torch.autograd.grad(out, (q, k, v), do))))
+    assert spy() == {"fwd": 1, "bwd": 1}
+    assert 2 * (S // 128) * Hq > 4 * torch.cuda.get_device_properties(0).multi_processor_count
+    for nm, a, b in zip(("out", "dq", "dk", "dv"), *res):
+        err = (a - b).abs().max().item()
+        assert err <= 2e-2 * max(1.0, b.abs().max().item()), f"{nm}: {err:.3e}"

@@ -66,30 +66,95 @@ def _tokens(DOC_b, POS_b, idx, n, other_doc, MASK_KIND: gl.constexpr, HAS_DOC: g
 
 
 @gluon.jit
-def _work_item(SCHED, USE_SCHED: gl.constexpr):
-    """(tile, head) of this CTA: its grid position, or with USE_SCHED the entry ``tile + n_tiles * head`` of the
-    launcher's schedule at its flat grid position (CTAs with the most blocks first: `triton_sparse._schedule`)."""
+def _item(t, SCHED, n_tiles, H, USE_SCHED: gl.constexpr):
+    """(batch, head, first row / key) of work item ``t``: ``tile + n_tiles * (b * H + h)``, or with USE_SCHED
+    the ``t``-th entry of the launcher's schedule (`triton_sparse._schedule`). Tiles are fastest in either order:
+    the CTAs in flight share one head's K/V (forward) or Q/dO (backward) in L2."""
+    e = t
     if USE_SCHED:
-        n_tiles = gl.num_programs(0)
-        e = gl.load(SCHED + gl.program_id(0) + gl.program_id(1) * n_tiles)
-        return e % n_tiles, e // n_tiles
-    else:
-        return gl.program_id(0), gl.program_id(1)
+        e = gl.load(SCHED + t)
+    pid_bh = e // n_tiles
+    return pid_bh // H, pid_bh % H, (e % n_tiles) * CTA_ROWS
 
 
 @gluon.jit
-def _fwd_program(SCHED, Hq, USE_SCHED: gl.constexpr):
-    """(batch, query head, first row); grid (query tiles, B * Hq), query tiles fastest (the CTAs in flight share
-    one head's K/V in L2)."""
-    pid_m, pid_bh = _work_item(SCHED, USE_SCHED)
-    return pid_bh // Hq, pid_bh % Hq, pid_m * CTA_ROWS
+def _take_ticket(CNT, nprog):
+    """Persistent kernels, producer warp: the next work item of this CTA, ``nprog`` + the number of tickets taken so
+    far by all CTAs (one atomic by lane 0, broadcast to the warp's lanes). Items are handed out in order, so the
+    CTAs in flight work on neighbouring items (L2) and each takes the next one when it is free (balance)."""
+    lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    got = gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 r; mov.b32 r, 0; setp.eq.s32 p, $2, 0; @p atom.global.add.u32 r, [$1], 1; "
+        "shfl.sync.idx.b32 $0, r, 0, 31, 0xffffffff; }",
+        "=r,l,r", [CNT + lanes * 0, lanes], dtype=gl.int32, is_pure=False, pack=1)
+    return nprog + gl.max(got, 0)
 
 
 @gluon.jit
-def _bwd_program(SCHED, Hkv, USE_SCHED: gl.constexpr):
-    """(batch, kv head, first key row); grid (key tiles, B * Hkv), key tiles fastest (see `flash_bwd_ws._program`)."""
-    pid_n, pid_bh = _work_item(SCHED, USE_SCHED)
-    return pid_bh // Hkv, pid_bh % Hkv, pid_n * CTA_ROWS
+def _post_ticket(tickets, tk_ready, tk_empty, n, t):
+    """Producer warp: ticket ``t`` of the CTA's item ``n + 1`` (item 0 is the program id) into the two-slot ring,
+    for both consumers."""
+    s = n % 2
+    mbarrier.wait(tk_empty.index(s), ((n // 2) & 1) ^ 1)
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])
+    lanes = gl.full([1, 32], t, gl.int32, layout=layout)
+    tickets.index(s).store(lanes)
+    # the lanes' stores are ordered before the (one-thread) arrive's release
+    gl.inline_asm_elementwise("bar.warp.sync 0xffffffff; mov.b32 $0, $1;", "=r,r", [lanes], dtype=gl.int32,
+                              is_pure=False, pack=1)
+    mbarrier.arrive(tk_ready.index(s), count=1)
+
+
+@gluon.jit
+def _read_ticket(tickets, tk_ready, tk_empty, n):
+    """Consumer warpgroup: the ticket of the CTA's item ``n + 1`` (see `_post_ticket`); lane 0's entry."""
+    s = n % 2
+    mbarrier.wait(tk_ready.index(s), (n // 2) & 1)
+    layout: gl.constexpr = gl.BlockedLayout([1, 32], [1, 32], [1, 4], [1, 0])  # every thread reads the 32 entries
+    got = tickets.index(s).load(layout)
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, layout))[None, :]
+    t = gl.sum(gl.sum(gl.where(lane == 0, got, 0), 1), 0)
+    mbarrier.arrive(tk_empty.index(s), count=1)
+    return t
+
+
+@gluon.jit
+def _persistent_shared(NUM_Q: gl.constexpr, KV_EMPTY: gl.constexpr):
+    """The persistent kernels' own shared memory: the ticket ring (two slots, each read by both consumers) and
+    ``NUM_Q`` "Q free" barriers (forward, one per Q buffer and consumer) or one "K/V free" barrier released by both
+    consumers (KV_EMPTY, backward)."""
+    tickets = gl.allocate_shared_memory(gl.int32, [2, 1, 32], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    tk_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tk_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [NUM_Q, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(2):
+        mbarrier.init(tk_ready.index(s), count=1)
+        mbarrier.init(tk_empty.index(s), count=NUM_CONSUMERS)
+    for s in gl.static_range(NUM_Q):
+        mbarrier.init(free.index(s), count=NUM_CONSUMERS if KV_EMPTY else 1)
+    return tickets, tk_ready, tk_empty, free
+
+
+# the TMA store is `async_store` from Triton 3.7 on, `async_copy_shared_to_global` in 3.6
+_tma_store = getattr(bws.tma, "async_store", None) or bws.tma.async_copy_shared_to_global
+
+
+@gluon.jit
+def _store_dkdv_tma(dk, dv, desc_dk, desc_dv, stage, off_b, off_kvh, my_n, sm_scale, BLOCK_D: gl.constexpr):
+    """Persistent backward's epilogue of one warpgroup: dK (with the softmax scale) and dV through its float32 dQ
+    tile (64 x BLOCK_D/2 float32: as many bytes as 64 x BLOCK_D of dK) and the copy engine, one after the other.
+    Stores from registers would keep 2 x 64 pointers per thread live in the item loop (the D=128 backward then
+    spills ~600 bytes); the copy engine clips rows past Sk. The second copy is waited for where the tile is next
+    written (the next item's first dQ tile, or the kernel's end)."""
+    tile = stage._reinterpret(desc_dk.dtype, desc_dk.block_type.shape, desc_dk.layout)
+    bws.tma.store_wait(0)  # the last dQ reduction has read the tile
+    tile.reshape([WG_ROWS, BLOCK_D]).store((dk * sm_scale).to(desc_dk.dtype))
+    bws.fence_async_shared()
+    _tma_store(desc_dk, [off_b, off_kvh, my_n, 0], tile)
+    bws.tma.store_wait(0)
+    tile.reshape([WG_ROWS, BLOCK_D]).store(dv.to(desc_dv.dtype))
+    bws.fence_async_shared()
+    _tma_store(desc_dv, [off_b, off_kvh, my_n, 0], tile)
 
 
 @gluon.jit
@@ -111,25 +176,42 @@ def _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_
 
 
 @gluon.jit
-def _fwd_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+def _fwd_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty,
+                  tickets, tk_ready, tk_empty, CNT,
                   KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
-                  SCHED, Hq, GROUP, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  USE_SCHED: gl.constexpr):
-    """One warp: Q of both consumers, then the K/V sub-tiles of the full kv blocks, then of the partial ones."""
-    off_b, off_h, start_m = _fwd_program(SCHED, Hq, USE_SCHED)
-    off_kvh = off_h // GROUP
-    n_full, FULL_row, n_part, PART_row = _lists(KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib,
-                                                stride_ih, stride_iq, off_b, off_h, start_m // MASK_BS)
-    for w in gl.static_range(NUM_CONSUMERS):
-        bar = q_bar.index(w)
-        mbarrier.expect(bar, desc_q.block_type.nbytes)
-        fws._tma_load(desc_q, [off_b, off_h, start_m + w * WG_ROWS, 0], bar, q_smem.index(w))
+                  SCHED, n_items, n_tiles, Hq, GROUP, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr, Q_BUFS: gl.constexpr):
+    """One warp, per work item: Q of both consumers, then the K/V sub-tiles of the full kv blocks, then of the
+    partial ones. PERSIST: items until the tickets run out (the next ticket is taken and posted as an item starts;
+    Q waits until the consumers freed its buffer)."""
     SUB: gl.constexpr = MASK_BS // BLOCK_N
+    t = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n = 0
     i = 0
-    i = _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, off_b, off_kvh,
-                       FULL_row, n_full * SUB, i, MASK_BS, BLOCK_N, STAGES)
-    _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, off_b, off_kvh,
-                   PART_row, n_part * SUB, i, MASK_BS, BLOCK_N, STAGES)
+    while t < n_items:
+        if PERSIST:
+            nxt = _take_ticket(CNT, nprog)
+            _post_ticket(tickets, tk_ready, tk_empty, n, nxt)
+        else:
+            nxt = n_items
+        off_b, off_h, start_m = _item(t, SCHED, n_tiles, Hq, USE_SCHED)
+        off_kvh = off_h // GROUP
+        n_full, FULL_row, n_part, PART_row = _lists(KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh,
+                                                    stride_ib, stride_ih, stride_iq, off_b, off_h, start_m // MASK_BS)
+        for w in gl.static_range(NUM_CONSUMERS):
+            qs = (n % Q_BUFS) * NUM_CONSUMERS + w
+            if PERSIST:
+                mbarrier.wait(q_free.index(qs), ((n // Q_BUFS) & 1) ^ 1)
+            bar = q_bar.index(qs)
+            mbarrier.expect(bar, desc_q.block_type.nbytes)
+            fws._tma_load(desc_q, [off_b, off_h, start_m + w * WG_ROWS, 0], bar, q_smem.index(qs))
+        i = _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, off_b, off_kvh,
+                           FULL_row, n_full * SUB, i, MASK_BS, BLOCK_N, STAGES)
+        i = _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, off_b, off_kvh,
+                           PART_row, n_part * SUB, i, MASK_BS, BLOCK_N, STAGES)
+        t = nxt
+        n += 1
 
 
 @gluon.jit
@@ -161,29 +243,31 @@ def _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_rea
 
 
 @gluon.jit
-def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
-                  stride_ob, stride_oh, stride_om, stride_od,
-                  KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
-                  QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-                  SCHED, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG: gl.constexpr,
-                  MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
-                  EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr):
-    """One warpgroup: 64 query rows against the listed kv blocks; writes their output and lse."""
+def _fwd_item(t, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty,
+              O, LSE, stride_ob, stride_oh, stride_om, stride_od,
+              KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
+              QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
+              SCHED, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG: gl.constexpr,
+              MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
+              EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
+              STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr,
+              Q_BUFS: gl.constexpr):
+    """Work item ``t``, the CTA's ``n``-th, for one warpgroup: 64 query rows against the listed kv blocks; writes
+    their output and lse. ``i`` counts the K/V tiles consumed so far (ring slot and phase); returns it."""
     s_layout: gl.constexpr = fws.wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = fws.wgmma_layout(BLOCK_D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     SUB: gl.constexpr = MASK_BS // BLOCK_N
 
-    off_b, off_h, start_m = _fwd_program(SCHED, Hq, USE_SCHED)
+    off_b, off_h, start_m = _item(t, SCHED, n_tiles, Hq, USE_SCHED)
     qb = start_m // MASK_BS
-    n_full, FULL_row, n_part, PART_row = _lists(KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib,
-                                                stride_ih, stride_iq, off_b, off_h, qb)
+    n_full, FULL_row, n_part, PART_row = _lists(KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh,
+                                                stride_ib, stride_ih, stride_iq, off_b, off_h, qb)
     my_start = start_m + WG * WG_ROWS
     offs_m = my_start + gl.arange(0, WG_ROWS, layout=row_s)
-    qd, qp = _tokens(QDOC + off_b.to(gl.int64) * stride_qdoc, QPOS + off_b.to(gl.int64) * stride_qdoc, offs_m, Sq,
-                     -1, MASK_KIND, HAS_DOC, False)
+    qd, qp = _tokens(QDOC + off_b.to(gl.int64) * stride_qdoc, QPOS + off_b.to(gl.int64) * stride_qdoc, offs_m,
+                     Sq, -1, MASK_KIND, HAS_DOC, False)
     TILE_IDS_bh = TILE_IDS + off_b.to(gl.int64) * stride_tb + off_h.to(gl.int64) * stride_th
     KDOC_b = KDOC + off_b.to(gl.int64) * stride_kdoc
     KPOS_b = KPOS + off_b.to(gl.int64) * stride_kdoc
@@ -191,9 +275,9 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_em
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
     acc = gl.zeros([WG_ROWS, BLOCK_D], gl.float32, layout=o_layout)
-    q = q_smem.index(WG).reshape([WG_ROWS, BLOCK_D])
-    mbarrier.wait(q_bar.index(WG), 0)
-    i = 0
+    qs = (n % Q_BUFS) * NUM_CONSUMERS + WG
+    q = q_smem.index(qs).reshape([WG_ROWS, BLOCK_D])
+    mbarrier.wait(q_bar.index(qs), (n // Q_BUFS) & 1)
     # -- full blocks: no element mask (the runs of the dense kernel only count tiles here) --
     if EVEN_SK:
         if PIPE:
@@ -206,18 +290,58 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_em
                                                 s_layout, p_layout, False, False, False, BLOCK_N, BLOCK_D, STAGES)
     else:
         # the last kv block reaches past Sk: its keys there arrive as zeros and must be masked
-        acc, l_i, m_i, i = _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                                           offs_m, qd, qp, FULL_row, n_full * SUB, qb, KDOC_b, KPOS_b, TILE_IDS_bh,
-                                           stride_tq, TILES, Sk, lo, hi, kv_global, q_global, qk_scale,
-                                           s_layout, p_layout, 0, False, False, MASK_BS, BLOCK_N, BLOCK_D, STAGES)
+        acc, l_i, m_i, i = _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
+                                           v_empty, offs_m, qd, qp, FULL_row, n_full * SUB, qb, KDOC_b, KPOS_b,
+                                           TILE_IDS_bh, stride_tq, TILES, Sk, lo, hi, kv_global, q_global,
+                                           qk_scale, s_layout, p_layout, 0, False, False, MASK_BS, BLOCK_N,
+                                           BLOCK_D, STAGES)
     # -- partial blocks: the element mask --
     acc, l_i, m_i, i = _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                                        offs_m, qd, qp, PART_row, n_part * SUB, qb, KDOC_b, KPOS_b, TILE_IDS_bh,
                                        stride_tq, TILES, Sk, lo, hi, kv_global, q_global, qk_scale,
-                                       s_layout, p_layout, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N, BLOCK_D,
-                                       STAGES)
-    fws._epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od, off_b, off_h, Hq, Sq, my_start,
-                  offs_m, o_layout, HEAD_DIM, BLOCK_D)
+                                       s_layout, p_layout, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N,
+                                       BLOCK_D, STAGES)
+    if PERSIST:
+        mbarrier.arrive(q_free.index(qs), count=1)  # the item's wgmmas are done: Q's buffer may be refilled
+    fws._epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od, off_b, off_h, Hq, Sq,
+                  my_start, offs_m, o_layout, HEAD_DIM, BLOCK_D)
+    return i
+
+
+@gluon.jit
+def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty, tickets, tk_ready,
+                  tk_empty, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
+                  KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
+                  QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
+                  SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG: gl.constexpr,
+                  MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
+                  EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr,
+                  Q_BUFS: gl.constexpr):
+    """One warpgroup: its 64 rows of the CTA's work item (grid position), or with PERSIST of every item the
+    producer hands out, until the tickets run out."""
+    t = gl.program_id(0)
+    if PERSIST:
+        n = 0
+        i = 0
+        while t < n_items:
+            i = _fwd_item(t, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty,
+                          O, LSE, stride_ob, stride_oh, stride_om, stride_od,
+                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
+                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
+                          stride_tq, SCHED, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
+                          MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
+                          USE_SCHED, PERSIST, Q_BUFS)
+            t = _read_ticket(tickets, tk_ready, tk_empty, n)
+            n += 1
+    else:
+        _fwd_item(t, 0, gl.to_tensor(0), q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty,
+                  O, LSE, stride_ob, stride_oh, stride_om, stride_od,
+                  KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
+                  QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
+                  stride_tq, SCHED, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
+                  MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
+                  USE_SCHED, PERSIST, Q_BUFS)
 
 
 @gluon.jit
@@ -226,34 +350,41 @@ def sparse_fwd_ws_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
     QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-    SCHED, Hq, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale,
+    SCHED, CNT, n_items, n_tiles, Hq, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr,
     HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr, EVEN_SK: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PERSIST: gl.constexpr = False,
+    Q_BUFS: gl.constexpr = 1,
 ):
-    """Grid: (cdiv(Sq, 128), B * Hq); num_warps=4 (consumer 0) plus the workers' 4 + 1 warps. Descriptors as
-    `flash_fwd_ws.attn_fwd_ws_kernel`'s; the mask arguments as `flash_sparse.sparse_fwd_kernel`'s."""
-    q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty = fws._shared(desc_q, desc_k, desc_v, STAGES)
+    """Grid: (n_items,), one CTA per work item ``tile + n_tiles * (b * Hq + h)`` (tiles of 128 query rows), or with
+    PERSIST at most one CTA per SM, each taking items by ticket from the zeroed int32 counter CNT; num_warps=4
+    (consumer 0) plus the workers' 4 + 1 warps. Q_BUFS: Q buffers per consumer (2: the next item's Q loads while
+    this one runs). Descriptors as `flash_fwd_ws.attn_fwd_ws_kernel`'s; the mask arguments as
+    `flash_sparse.sparse_fwd_kernel`'s."""
+    q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty = fws._shared(desc_q, desc_k, desc_v, STAGES,
+                                                                                    Q_BUFS)
+    tickets, tk_ready, tk_empty, q_free = _persistent_shared(Q_BUFS * NUM_CONSUMERS, False)
 
     gl.warp_specialize([
-        (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
-                         stride_ob, stride_oh, stride_om, stride_od,
+        (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty, tickets,
+                         tk_ready, tk_empty, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                         stride_tq, SCHED, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 0,
+                         stride_tq, SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 0,
                          MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                         USE_SCHED)),
-        (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
-                         stride_ob, stride_oh, stride_om, stride_od,
+                         USE_SCHED, PERSIST, Q_BUFS)),
+        (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty, tickets,
+                         tk_ready, tk_empty, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                         stride_tq, SCHED, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 1,
+                         stride_tq, SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 1,
                          MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                         USE_SCHED)),
-        (_fwd_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                         USE_SCHED, PERSIST, Q_BUFS)),
+        (_fwd_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready,
+                         v_empty, tickets, tk_ready, tk_empty, CNT,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
-                         SCHED, Hq, GROUP, MASK_BS, BLOCK_N, STAGES, USE_SCHED)),
+                         SCHED, n_items, n_tiles, Hq, GROUP, MASK_BS, BLOCK_N, STAGES, USE_SCHED, PERSIST, Q_BUFS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -282,27 +413,44 @@ def _bwd_load_list(desc_q, desc_do, desc_lse2, desc_delta, q_smem, do_smem, lse2
 
 @gluon.jit
 def _bwd_producer(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem, do_smem, k_smem, v_smem, lse2_smem,
-                  delta_smem, kv_bar, q_ready, do_ready, q_empty,
+                  delta_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, tickets, tk_ready, tk_empty, CNT,
                   Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
-                  SCHED, Hq, Hkv, GROUP, stride_lse,
-                  MASK_BS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, USE_SCHED: gl.constexpr):
-    """One warp: K and V of the CTA, then, per query head of the group, Q / lse2 and dO / Delta of the query tiles
-    of the kv block's full query blocks, then of its partial ones."""
-    off_b, off_kvh, start_n = _bwd_program(SCHED, Hkv, USE_SCHED)
-    mbarrier.expect(kv_bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
-    bws._tma_load(desc_k, [off_b, off_kvh, start_n, 0], kv_bar, k_smem)
-    bws._tma_load(desc_v, [off_b, off_kvh, start_n, 0], kv_bar, v_smem)
+                  SCHED, n_items, n_tiles, Hq, Hkv, GROUP, stride_lse,
+                  MASK_BS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, USE_SCHED: gl.constexpr,
+                  PERSIST: gl.constexpr):
+    """One warp, per work item: K and V of the CTA (with PERSIST once the consumers freed them), then, per query
+    head of the group, Q / lse2 and dO / Delta of the query tiles of the kv block's full query blocks, then of its
+    partial ones."""
     SUB: gl.constexpr = MASK_BS // BLOCK_M
+    t = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n = 0
     i = 0
-    for g in range(GROUP):
-        off_h = off_kvh * GROUP + g
-        row0 = (off_b * Hq + off_h) * stride_lse
-        n_full, FULL_row, n_part, PART_row = _lists(Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh,
-                                                    stride_ib, stride_ih, stride_ik, off_b, off_h, start_n // MASK_BS)
-        i = _bwd_load_list(desc_q, desc_do, desc_lse2, desc_delta, q_smem, do_smem, lse2_smem, delta_smem, q_ready,
-                           do_ready, q_empty, off_b, off_h, row0, FULL_row, n_full * SUB, i, MASK_BS, BLOCK_M, STAGES)
-        i = _bwd_load_list(desc_q, desc_do, desc_lse2, desc_delta, q_smem, do_smem, lse2_smem, delta_smem, q_ready,
-                           do_ready, q_empty, off_b, off_h, row0, PART_row, n_part * SUB, i, MASK_BS, BLOCK_M, STAGES)
+    while t < n_items:
+        if PERSIST:
+            nxt = _take_ticket(CNT, nprog)
+            _post_ticket(tickets, tk_ready, tk_empty, n, nxt)
+            mbarrier.wait(kv_free.index(0), (n & 1) ^ 1)
+        else:
+            nxt = n_items
+        off_b, off_kvh, start_n = _item(t, SCHED, n_tiles, Hkv, USE_SCHED)
+        mbarrier.expect(kv_bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
+        bws._tma_load(desc_k, [off_b, off_kvh, start_n, 0], kv_bar, k_smem)
+        bws._tma_load(desc_v, [off_b, off_kvh, start_n, 0], kv_bar, v_smem)
+        for g in range(GROUP):
+            off_h = off_kvh * GROUP + g
+            row0 = (off_b * Hq + off_h) * stride_lse
+            n_full, FULL_row, n_part, PART_row = _lists(Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh,
+                                                        stride_ib, stride_ih, stride_ik, off_b, off_h,
+                                                        start_n // MASK_BS)
+            i = _bwd_load_list(desc_q, desc_do, desc_lse2, desc_delta, q_smem, do_smem, lse2_smem, delta_smem,
+                               q_ready, do_ready, q_empty, off_b, off_h, row0, FULL_row, n_full * SUB, i, MASK_BS,
+                               BLOCK_M, STAGES)
+            i = _bwd_load_list(desc_q, desc_do, desc_lse2, desc_delta, q_smem, do_smem, lse2_smem, delta_smem,
+                               q_ready, do_ready, q_empty, off_b, off_h, row0, PART_row, n_part * SUB, i, MASK_BS,
+                               BLOCK_M, STAGES)
+        t = nxt
+        n += 1
 
 
 @gluon.jit
@@ -343,19 +491,20 @@ def _bwd_run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_r
 
 
 @gluon.jit
-def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty,
-                  ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem,
-                  stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                  stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                  stride_dqab, stride_dqah, stride_dqam,
-                  Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
-                  QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-                  SCHED, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale, WG: gl.constexpr,
-                  MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
-                  EVEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-                  DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, USE_SCHED: gl.constexpr,
-                  DQ_TMA: gl.constexpr):
-    """One warpgroup: dK and dV of 64 keys, summed over the group's query heads; its share of dQ."""
+def _bwd_item(t, n, i, q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, kv_free, q_ready,
+              do_ready, q_empty, ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem, desc_dk, desc_dv,
+              stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+              stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+              stride_dqab, stride_dqah, stride_dqam,
+              Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
+              QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
+              SCHED, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale,
+              WG: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
+              HAS_GLOBAL: gl.constexpr, EVEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
+              STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, USE_SCHED: gl.constexpr,
+              DQ_TMA: gl.constexpr, PERSIST: gl.constexpr):
+    """Work item ``t``, the CTA's ``n``-th, for one warpgroup: dK and dV of 64 keys, summed over the group's query
+    heads; its share of dQ. ``i`` counts the query tiles consumed so far (ring slot and phase); returns it."""
     s_layout: gl.constexpr = fws.wgmma_layout(BLOCK_M)
     acc_layout: gl.constexpr = fws.wgmma_layout(BLOCK_D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -366,7 +515,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_sme
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     SUB: gl.constexpr = MASK_BS // BLOCK_M
 
-    off_b, off_kvh, start_n = _bwd_program(SCHED, Hkv, USE_SCHED)
+    off_b, off_kvh, start_n = _item(t, SCHED, n_tiles, Hkv, USE_SCHED)
     kb = start_n // MASK_BS
     my_n = start_n + WG * WG_ROWS
     offs_n = my_n + gl.arange(0, WG_ROWS, layout=row_s)
@@ -380,8 +529,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_sme
     v_w = v_all.slice(WG * WG_ROWS, WG_ROWS, dim=0)
     dk = gl.zeros([WG_ROWS, BLOCK_D], gl.float32, layout=acc_layout)
     dv = gl.zeros([WG_ROWS, BLOCK_D], gl.float32, layout=acc_layout)
-    mbarrier.wait(kv_bar, 0)
-    i = 0
+    mbarrier.wait(kv_bar, n & 1)
     for g in range(GROUP):
         off_h = off_kvh * GROUP + g
         DQA_bh = DQA + off_b.to(gl.int64) * stride_dqab + off_h.to(gl.int64) * stride_dqah
@@ -401,56 +549,116 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_sme
                              QPOS_b, TILE_IDS_bh, stride_tq, TILES, Sq, Sk, lo, hi, kv_global, q_global, qk_scale,
                              sm_scale, WG, s_layout, op_layout, dq_layout, True, MASK_KIND, HAS_DOC, HAS_GLOBAL,
                              MASK_BS, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV, DQ_TMA)
+    if PERSIST:
+        mbarrier.arrive(kv_free.index(0), count=1)  # the item's wgmmas are done: K / V may be refilled
+    if PERSIST and DQ_TMA and not DQ_SPLIT_M:
+        _store_dkdv_tma(dk, dv, desc_dk, desc_dv, dq_smem.index(WG), off_b, off_kvh, my_n, sm_scale, BLOCK_D)
+    else:
+        if DQ_TMA:
+            bws.tma.store_wait(0)  # the last dQ reduction has read its shared tile
+        bws._store_dkdv(dk, dv, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
+                        stride_dvn, stride_dvd, off_b, off_kvh, my_n, Sk, sm_scale, acc_layout, BLOCK_D)
+    return i
 
-    if DQ_TMA:
-        bws.tma.store_wait(0)  # the last dQ reduction has read its shared tile
-    bws._store_dkdv(dk, dv, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
-                    stride_dvn, stride_dvd, off_b, off_kvh, my_n, Sk, sm_scale, acc_layout, BLOCK_D)
+
+@gluon.jit
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, kv_free, q_ready, do_ready,
+                  q_empty, ds_ready, ds_free, tickets, tk_ready, tk_empty, DK, DV, DQA, desc_dqa, dq_smem, desc_dk,
+                  desc_dv,
+                  stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                  stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                  stride_dqab, stride_dqah, stride_dqam,
+                  Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
+                  QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
+                  SCHED, n_items, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale,
+                  WG: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
+                  HAS_GLOBAL: gl.constexpr, EVEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
+                  STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, USE_SCHED: gl.constexpr,
+                  DQ_TMA: gl.constexpr, PERSIST: gl.constexpr):
+    """One warpgroup: its 64 keys of the CTA's work item (grid position), or with PERSIST of every item the
+    producer hands out, until the tickets run out."""
+    t = gl.program_id(0)
+    if PERSIST:
+        n = 0
+        i = 0
+        while t < n_items:
+            i = _bwd_item(t, n, i, q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, kv_free,
+                          q_ready, do_ready, q_empty, ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem, desc_dk,
+                          desc_dv,
+                          stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
+                          stride_dvd, stride_dqab, stride_dqah, stride_dqam,
+                          Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
+                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
+                          stride_tq, SCHED, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale,
+                          sm_scale, WG, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D, STAGES,
+                          DQ_SPLIT_M, EARLY_DV, USE_SCHED, DQ_TMA, PERSIST)
+            t = _read_ticket(tickets, tk_ready, tk_empty, n)
+            n += 1
+        if DQ_TMA:
+            bws.tma.store_wait(0)  # the last copy out of shared memory is done before the CTA ends
+    else:
+        _bwd_item(t, 0, gl.to_tensor(0), q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar,
+                  kv_free, q_ready, do_ready, q_empty, ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem, desc_dk,
+                  desc_dv,
+                  stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
+                  stride_dvd, stride_dqab, stride_dqah, stride_dqam,
+                  Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
+                  QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
+                  stride_tq, SCHED, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale,
+                  sm_scale, WG, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D, STAGES,
+                  DQ_SPLIT_M, EARLY_DV, USE_SCHED, DQ_TMA, PERSIST)
 
 
 @gluon.jit
 def sparse_bwd_ws_kernel(
-    desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, DK, DV, DQA, desc_dqa,
+    desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, DK, DV, DQA, desc_dqa, desc_dk, desc_dv,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_dqab, stride_dqah, stride_dqam,
     Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
     QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-    SCHED, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, stride_lse, qk_scale, sm_scale,
+    SCHED, CNT, n_items, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, stride_lse, qk_scale,
+    sm_scale,
     BLOCK_D: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
     HAS_GLOBAL: gl.constexpr, EVEN: gl.constexpr,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, EARLY_DV: gl.constexpr, USE_SCHED: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_TMA: gl.constexpr = True,
+    PERSIST: gl.constexpr = False,
 ):
-    """Grid: (cdiv(Sk, 128), B * Hkv); num_warps=4 plus the workers' 4 + 1 warps. Descriptors, lse2 / Delta and
-    DQA / desc_dqa / DQ_TMA as `flash_bwd_ws.attn_bwd_ws_kernel`'s; the transposed block lists and the mask
-    arguments as `flash_sparse.sparse_bwd_dkdv_kernel`'s. EVEN: Sq and Sk are multiples of MASK_BS."""
+    """Grid: (n_items,), one CTA per work item ``tile + n_tiles * (b * Hkv + h)`` (tiles of 128 keys), or with
+    PERSIST at most one CTA per SM taking items by ticket from the zeroed int32 counter CNT (the next item's K / V
+    load once both consumers are done with this one's; dK / dV leave through desc_dk / desc_dv, block
+    (1, 1, 64, BLOCK_D), where DQ_TMA); num_warps=4 plus the workers' 4 + 1 warps. Descriptors,
+    lse2 / Delta and DQA / desc_dqa / DQ_TMA as `flash_bwd_ws.attn_bwd_ws_kernel`'s; the transposed block lists and
+    the mask arguments as `flash_sparse.sparse_bwd_dkdv_kernel`'s. EVEN: Sq and Sk are multiples of MASK_BS."""
     DQ_SPLIT_M: gl.constexpr = BLOCK_M == CTA_ROWS
     (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty, ds_ready,
      ds_free, dq_smem) = bws._shared(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, desc_dqa, BLOCK_M,
                                      STAGES, DQ_TMA)
+    tickets, tk_ready, tk_empty, kv_free = _persistent_shared(1, True)
 
     gl.warp_specialize([
-        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready,
-                         q_empty, ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem, stride_dkb, stride_dkh,
-                         stride_dkn, stride_dkd,
+        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, kv_free, q_ready,
+                         do_ready, q_empty, ds_ready, ds_free, tickets, tk_ready, tk_empty, DK, DV, DQA, desc_dqa,
+                         dq_smem, desc_dk, desc_dv, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                          stride_dvb, stride_dvh, stride_dvn, stride_dvd, stride_dqab, stride_dqah, stride_dqam,
                          Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                         stride_tq, SCHED, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale,
-                         0, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M,
-                         EARLY_DV, USE_SCHED, DQ_TMA)),
-        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready,
-                         q_empty, ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem, stride_dkb, stride_dkh,
-                         stride_dkn, stride_dkd,
+                         stride_tq, SCHED, n_items, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global,
+                         qk_scale, sm_scale, 0, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D,
+                         STAGES, DQ_SPLIT_M, EARLY_DV, USE_SCHED, DQ_TMA, PERSIST)),
+        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, kv_free, q_ready,
+                         do_ready, q_empty, ds_ready, ds_free, tickets, tk_ready, tk_empty, DK, DV, DQA, desc_dqa,
+                         dq_smem, desc_dk, desc_dv, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                          stride_dvb, stride_dvh, stride_dvn, stride_dvd, stride_dqab, stride_dqah, stride_dqam,
                          Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                         stride_tq, SCHED, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale,
-                         1, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M,
-                         EARLY_DV, USE_SCHED, DQ_TMA)),
+                         stride_tq, SCHED, n_items, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global,
+                         qk_scale, sm_scale, 1, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D,
+                         STAGES, DQ_SPLIT_M, EARLY_DV, USE_SCHED, DQ_TMA, PERSIST)),
         (_bwd_producer, (desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem, do_smem, k_smem, v_smem,
-                         lse2_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty,
-                         Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
-                         SCHED, Hq, Hkv, GROUP, stride_lse, MASK_BS, BLOCK_M, STAGES, USE_SCHED)),
+                         lse2_smem, delta_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, tickets, tk_ready,
+                         tk_empty, CNT, Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih,
+                         stride_ik, SCHED, n_items, n_tiles, Hq, Hkv, GROUP, stride_lse, MASK_BS, BLOCK_M, STAGES,
+                         USE_SCHED, PERSIST)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -114,9 +114,11 @@ VARIANT: dict = {
     # which inputs take them
     "ws": _flag("LONGCTX_SPARSE_WS", True),
     "ws_bwd": _flag("LONGCTX_SPARSE_WS_BWD", True),
-    # their CTAs in order of work, the most blocks first (`_schedule`), instead of the grid's order: "auto" (the
-    # default) for analytic masks (`_use_schedule`), True always, False never
+    # their CTAs in order of work, the most blocks first within each head (`_schedule`), instead of the grid's
+    # order: "auto" (the default; `_use_schedule`), True always, False never
     "ws_sched": _tristate("LONGCTX_SPARSE_WS_SCHED"),
+    # persistent: one CTA per SM taking work items by ticket, the next item's loads overlapping this one's end
+    "ws_persist": _flag("LONGCTX_SPARSE_WS_PERSIST", True),
 }
 
 
@@ -141,6 +143,9 @@ FORCE_CONFIG: dict[str, tuple[int, int, int, int]] = _tiles_from_env(os.environ.
 # For tuning sessions: "fwd" -> (BLOCK_N, STAGES, PIPE), "bwd" -> (BLOCK_M, STAGES, EARLY_DV) of the warp-specialised
 # kernels, instead of the dense kernels' tables. Empty in normal use.
 WS_FORCE_CONFIG: dict[str, tuple[int, int, bool]] = {}
+# For tuning sessions: Q buffers per consumer of the persistent forward (2: the next item's Q loads during this one;
+# the K/V ring then has at most 2 stages, for shared memory).
+WS_Q_BUFS = 1
 # Tensor descriptor loads also run in the Triton interpreter (not its TMA reduce); tests of the TMA variants set
 # this to run them there. Off: under the interpreter the pointer path runs.
 TMA_IN_INTERPRETER = False
@@ -258,10 +263,11 @@ def _check(q, k, v, meta: list) -> None:
 def _ws_config(kind: str, n_heads: int, mask_bs: int, *tensors: torch.Tensor) -> tuple | None:
     """The warp-specialised kernel's config for these inputs ("fwd": the dense forward's `WS_CONFIG`, "bwd": the
     dense backward's `WS_BWD_CONFIG`), or None where the Triton kernels run: the variant switched off, a mask block
-    that is not a multiple of the kernels' 128 rows, more than 65535 heads (the grid's second dimension), or
-    inputs the Gluon kernels do not take (`triton_flash._ws_inputs_ok`: fp16/bf16, head dim 64 or 128, sm_90,
-    TMA-loadable strides)."""
-    if not VARIANT["ws" if kind == "fwd" else "ws_bwd"] or mask_bs % 128 or n_heads > 65535:
+    that is not a multiple of the kernels' 128 rows, 2^31 work items or more (their int32 index), or inputs the
+    Gluon kernels do not take (`triton_flash._ws_inputs_ok`: fp16/bf16, head dim 64 or 128, sm_90, TMA-loadable
+    strides)."""
+    n_items = n_heads * _cdiv(max(tensors[0].shape[2], tensors[1].shape[2]), 128)
+    if not VARIANT["ws" if kind == "fwd" else "ws_bwd"] or mask_bs % 128 or n_items >= 2**31:
         return None
     if not _tf._ws_inputs_ok(*tensors):
         return None
@@ -279,31 +285,45 @@ def _ws_failed(kind: str, exc: Exception) -> None:
 
 
 def _schedule(num: torch.Tensor, fnum: torch.Tensor, n_tiles: int, rows: int, mask_bs: int, group: int):
-    """The order of a warp-specialised kernel's CTAs when their work is uneven (packed documents of mixed lengths:
-    the first key block of a long document sees all of it): entry ``tile + n_tiles * head`` at each flat grid
-    position, the CTAs with the most mask blocks first, so that no long one starts in the last wave. Work is
-    bucketed by powers of two and the sort is stable, so within a bucket the grid's own order (tiles fastest,
-    one head's CTAs together in L2) stays. num / fnum: (B, H, n_blocks) block counts, H summed in groups of
+    """The order of a warp-specialised kernel's work items ``tile + n_tiles * head`` (tiles of ``rows`` rows or
+    keys): heads in order, and within each head the tiles with the most mask blocks first (a stable sort, so equal
+    work keeps the tiles' order). The items in flight stay within one or two heads (K/V or Q/dO shared in L2), and
+    each head ends with its shortest items, so the kernel's last wave is short (packed documents: the first key
+    block of a long document sees all of it). num / fnum: (B, H, n_blocks) block counts, H summed in groups of
     ``group`` (the query heads of one kv head, backward)."""
     B, H, nb = num.shape
     work = (num + fnum).reshape(B, H // group, group, nb).sum(2)  # (B, grid heads, mask blocks)
     blk = torch.arange(n_tiles, device=num.device) * rows // mask_bs
-    key = torch.log2(work[:, :, blk].reshape(-1).float() + 1.0).floor()
-    return torch.argsort(-key, stable=True).to(torch.int32)
+    work = work[:, :, blk].reshape(-1, n_tiles)  # (B * grid heads, tiles)
+    order = torch.argsort(-work, dim=1, stable=True)
+    order += torch.arange(work.shape[0], device=num.device)[:, None] * n_tiles
+    return order.reshape(-1).to(torch.int32)
 
 
-def _use_schedule(kw: dict) -> bool:
-    """Whether the warp-specialised kernels take `_schedule`'s order. By default for the analytic masks: those
-    with document ids, whose CTAs' work ranges from one block to a whole document (the first blocks of a long
-    document started in the last wave: a simulated 5% tail at 16K; the schedule measured +8-10% on the
-    packed-documents case before the intervals, within noise after), and every mask in interval form (MASK_KIND
-    3: packed documents, causal, windows; causal's forward measured +4% and +8% with it in sessions 8's x1 / x2,
-    the backward within noise). Not for layouts and stored tiles: on random layouts it cost up to 15% of the
-    forward by spreading the CTAs in flight over many heads (NOTES.md, sessions 7 and 8)."""
+def _use_schedule(kw: dict, persistent: bool) -> bool:
+    """Whether the warp-specialised kernels take `_schedule`'s order. By default the persistent kernels always do.
+    One CTA per item (``LONGCTX_SPARSE_WS_PERSIST=0``) takes it for the analytic masks: those with document ids,
+    whose items' work ranges from one block to a whole document, and every mask in interval form (MASK_KIND 3:
+    packed documents, causal, windows). ``LONGCTX_SPARSE_WS_SCHED=1`` / ``0`` forces it always / never."""
     sched = VARIANT["ws_sched"]
     if sched != "auto":
         return bool(sched)
-    return kw["MASK_KIND"] == 3 or (kw["MASK_KIND"] == 1 and bool(kw["HAS_DOC"]))
+    return persistent or kw["MASK_KIND"] == 3 or (kw["MASK_KIND"] == 1 and bool(kw["HAS_DOC"]))
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _work_grid(n_items: int, device: torch.device) -> tuple[tuple[int], torch.Tensor | None, bool]:
+    """(grid, ticket counter, persistent) of a warp-specialised launch over ``n_items`` work items: with
+    VARIANT["ws_persist"], at most one CTA per SM (the kernels' shared memory allows no second) and a zeroed
+    counter from which they take the items after their first; else one CTA per item."""
+    if not VARIANT["ws_persist"]:
+        return (n_items,), None, False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return (min(n_items, _num_sms(idx)),), torch.zeros(1, dtype=torch.int32, device=device), True
 
 
 def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs: int, config) -> None:
@@ -314,15 +334,17 @@ def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs
     Hkv, Sk = k.shape[1], k.shape[2]
     block_n, stages, pipe = config
     n_tiles = _cdiv(Sq, int(sws.CTA_ROWS))
-    use_sched = _use_schedule(mkw)
+    grid, cnt, persist = _work_grid(n_tiles * B * Hq, q.device)
+    use_sched = _use_schedule(mkw, persist)
     sched = _schedule(margs[0], margs[2], n_tiles, int(sws.CTA_ROWS), mask_bs, 1) if use_sched else lse
-    sws.sparse_fwd_ws_kernel[(n_tiles, B * Hq)](
+    q_bufs = WS_Q_BUFS if persist else 1
+    sws.sparse_fwd_ws_kernel[grid](
         _tf._gluon_desc(q, int(sws.WG_ROWS)), _tf._gluon_desc(k, block_n), _tf._gluon_desc(v, block_n), out, lse,
-        *out.stride(), *margs, sched,
+        *out.stride(), *margs, sched, lse if cnt is None else cnt, n_tiles * B * Hq, n_tiles,
         USE_SCHED=use_sched, Hq=Hq, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, qk_scale=scale * _LOG2E,
         HEAD_DIM=D, BLOCK_D=D, MASK_BS=mask_bs, EVEN_SK=Sk % mask_bs == 0,
-        BLOCK_N=block_n, STAGES=stages, PIPE=pipe, CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168,
-        **mkw,
+        BLOCK_N=block_n, STAGES=stages if q_bufs == 1 else min(stages, 2), PIPE=pipe, PERSIST=persist,
+        Q_BUFS=q_bufs, CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168, **mkw,
     )  # fmt: skip
 
 
@@ -336,17 +358,21 @@ def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale: float, targs: lis
     block_m, stages, early_dv = config
     rows = int(sws.CTA_ROWS)
     n_tiles = _cdiv(Sk, rows)
-    use_sched = _use_schedule(tkw)
+    grid, cnt, persist = _work_grid(n_tiles * B * Hkv, q.device)
+    use_sched = _use_schedule(tkw, persist)
     sched = _schedule(targs[0], targs[2], n_tiles, rows, mask_bs, Hq // Hkv) if use_sched else lse2
-    sws.sparse_bwd_ws_kernel[(n_tiles, B * Hkv)](
+    sws.sparse_bwd_ws_kernel[grid](
         _tf._gluon_desc(q, block_m), _tf._gluon_desc(k, rows), _tf._gluon_desc(v, rows), _tf._gluon_desc(do, block_m),
         _tf._gluon_rows_desc(lse2, block_m), _tf._gluon_rows_desc(delta, block_m),
         dk, dv, dqa, _tf._dqa_desc(dqa, block_m, D) if _tf.WS_BWD_DQ_TMA else dqa,
-        *dk.stride(), *dv.stride(), *dqa.stride()[:3], *targs, sched,
-        Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, stride_lse=lse2.shape[2], qk_scale=scale * _LOG2E,
+        _tf._gluon_desc(dk, int(sws.WG_ROWS)), _tf._gluon_desc(dv, int(sws.WG_ROWS)),
+        *dk.stride(), *dv.stride(), *dqa.stride()[:3], *targs, sched, lse2 if cnt is None else cnt,
+        n_tiles * B * Hkv, n_tiles, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, stride_lse=lse2.shape[2],
+        qk_scale=scale * _LOG2E,
         sm_scale=scale, USE_SCHED=use_sched, BLOCK_D=D, MASK_BS=mask_bs,
         EVEN=Sq % mask_bs == 0 and Sk % mask_bs == 0, BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv,
-        CONSUMER_REGS=240, PRODUCER_REGS=24, DQ_TMA=_tf.WS_BWD_DQ_TMA, num_warps=4, maxnreg=168, **tkw,
+        CONSUMER_REGS=240, PRODUCER_REGS=24, DQ_TMA=_tf.WS_BWD_DQ_TMA, PERSIST=persist, num_warps=4, maxnreg=168,
+        **tkw,
     )  # fmt: skip
 
 
