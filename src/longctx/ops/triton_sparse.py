@@ -145,7 +145,7 @@ FORCE_CONFIG: dict[str, tuple[int, int, int, int]] = _tiles_from_env(os.environ.
 WS_FORCE_CONFIG: dict[str, tuple[int, int, bool]] = {}
 # For tuning sessions: Q buffers per consumer of the persistent forward (2: the next item's Q loads during this one;
 # the K/V ring then has at most 2 stages, for shared memory).
-WS_Q_BUFS = 1
+WS_Q_BUFS = int(os.environ.get("LONGCTX_SPARSE_WS_Q_BUFS", "1"))
 # Tensor descriptor loads also run in the Triton interpreter (not its TMA reduce); tests of the TMA variants set
 # this to run them there. Off: under the interpreter the pointer path runs.
 TMA_IN_INTERPRETER = False
