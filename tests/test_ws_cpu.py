@@ -179,7 +179,7 @@ def test_sparse_ws_compiles_for_sm90(D, kind, even, tmp_path, sm90_compile):
     mask = dict(MASK_BS=128, MASK_KIND=kind, HAS_DOC=kind in (1, 3), HAS_GLOBAL=kind == 1, USE_SCHED=not even)
     block_n, stages, pipe = tf.WS_CONFIG[D]
     consts = dict(HEAD_DIM=D, BLOCK_D=D, EVEN_SK=even, BLOCK_N=block_n, STAGES=stages, PIPE=pipe, PERSIST=True,
-                  Q_BUFS=1, CONSUMER_REGS=240, PRODUCER_REGS=24, **mask)  # fmt: skip
+                  CONSUMER_REGS=240, PRODUCER_REGS=24, **mask)  # fmt: skip
     descs = {"desc_q": tf._gluon_desc(t, int(ws.WG_ROWS)), "desc_k": tf._gluon_desc(t, block_n),
              "desc_v": tf._gluon_desc(t, block_n)}  # fmt: skip
     usage = _check_resources(sm90_compile(ws.sparse_fwd_ws_kernel, consts, descs, _SPARSE_TYPES), tmp_path)

@@ -277,20 +277,19 @@ def _epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
 
 
 @gluon.jit
-def _shared(desc_q, desc_k, desc_v, STAGES: gl.constexpr, Q_BUFS: gl.constexpr = 1):
-    """The CTA's shared memory: Q of both consumers (``Q_BUFS`` buffers each, buffer b of consumer w at
-    ``b * NUM_CONSUMERS + w``), the K / V ring of STAGES slots, and their mbarriers, initialised (a slot's "empty"
-    barrier completes when both consumers released it)."""
+def _shared(desc_q, desc_k, desc_v, STAGES: gl.constexpr):
+    """The CTA's shared memory: Q of both consumers, the K / V ring of STAGES slots, and their mbarriers,
+    initialised (a slot's "empty" barrier completes when both consumers released it)."""
     dtype: gl.constexpr = desc_q.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFS * NUM_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [Q_BUFS * NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for w in gl.static_range(Q_BUFS * NUM_CONSUMERS):
+    for w in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_bar.index(w), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)

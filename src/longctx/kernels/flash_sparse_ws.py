@@ -135,8 +135,8 @@ def _next_item(CNT, nprog, tickets, tk_ready, tk_empty, n, n_items, PERSIST: gl.
 @gluon.jit
 def _persistent_shared(NUM_Q: gl.constexpr, KV_EMPTY: gl.constexpr):
     """The persistent kernels' own shared memory: the ticket ring (two slots, each read by both consumers) and
-    ``NUM_Q`` "Q free" barriers (forward, one per Q buffer and consumer) or one "K/V free" barrier released by both
-    consumers (KV_EMPTY, backward)."""
+    ``NUM_Q`` "Q free" barriers (forward, one per consumer) or one "K/V free" barrier released by both consumers
+    (KV_EMPTY, backward)."""
     tickets = gl.allocate_shared_memory(gl.int32, [2, 1, 32], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     tk_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     tk_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -194,7 +194,7 @@ def _fwd_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free,
                   tickets, tk_ready, tk_empty, CNT,
                   KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                   SCHED, n_items, n_tiles, Hq, GROUP, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr, Q_BUFS: gl.constexpr):
+                  STAGES: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr):
     """One warp, per work item: Q of both consumers, then the K/V sub-tiles of the full kv blocks, then of the
     partial ones. PERSIST: items until the tickets run out (`_next_item`; Q waits until the consumers freed its
     buffer)."""
@@ -209,12 +209,11 @@ def _fwd_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free,
         n_full, FULL_row, n_part, PART_row = _lists(KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh,
                                                     stride_ib, stride_ih, stride_iq, off_b, off_h, start_m // MASK_BS)
         for w in gl.static_range(NUM_CONSUMERS):
-            qs = (n % Q_BUFS) * NUM_CONSUMERS + w
             if PERSIST:
-                mbarrier.wait(q_free.index(qs), ((n // Q_BUFS) & 1) ^ 1)
-            bar = q_bar.index(qs)
+                mbarrier.wait(q_free.index(w), (n & 1) ^ 1)
+            bar = q_bar.index(w)
             mbarrier.expect(bar, desc_q.block_type.nbytes)
-            fws._tma_load(desc_q, [off_b, off_h, start_m + w * WG_ROWS, 0], bar, q_smem.index(qs))
+            fws._tma_load(desc_q, [off_b, off_h, start_m + w * WG_ROWS, 0], bar, q_smem.index(w))
         i = _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, off_b, off_kvh,
                            FULL_row, n_full * SUB, i, MASK_BS, BLOCK_N, STAGES)
         i = _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, off_b, off_kvh,
@@ -259,8 +258,7 @@ def _fwd_item(t, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, 
               SCHED, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG: gl.constexpr,
               MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
               EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr,
-              Q_BUFS: gl.constexpr):
+              STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr):
     """Work item ``t``, the CTA's ``n``-th, for one warpgroup: 64 query rows against the listed kv blocks; writes
     their output and lse. ``i`` counts the K/V tiles consumed so far (ring slot and phase); returns it."""
     s_layout: gl.constexpr = fws.wgmma_layout(BLOCK_N)
@@ -284,9 +282,8 @@ def _fwd_item(t, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, 
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
     acc = gl.zeros([WG_ROWS, BLOCK_D], gl.float32, layout=o_layout)
-    qs = (n % Q_BUFS) * NUM_CONSUMERS + WG
-    q = q_smem.index(qs).reshape([WG_ROWS, BLOCK_D])
-    mbarrier.wait(q_bar.index(qs), (n // Q_BUFS) & 1)
+    q = q_smem.index(WG).reshape([WG_ROWS, BLOCK_D])
+    mbarrier.wait(q_bar.index(WG), n & 1)
     # -- full blocks: no element mask (the runs of the dense kernel only count tiles here) --
     if EVEN_SK:
         if PIPE:
@@ -311,7 +308,7 @@ def _fwd_item(t, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, 
                                        s_layout, p_layout, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N,
                                        BLOCK_D, STAGES)
     if PERSIST:
-        mbarrier.arrive(q_free.index(qs), count=1)  # the item's wgmmas are done: Q's buffer may be refilled
+        mbarrier.arrive(q_free.index(WG), count=1)  # the item's wgmmas are done: Q's buffer may be refilled
     fws._epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od, off_b, off_h, Hq, Sq,
                   my_start, offs_m, o_layout, HEAD_DIM, BLOCK_D)
     return i
@@ -325,8 +322,7 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_rea
                   SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG: gl.constexpr,
                   MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
                   EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr,
-                  Q_BUFS: gl.constexpr):
+                  STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr):
     """One warpgroup: its 64 rows of the CTA's work item (grid position), or with PERSIST of every item the
     producer hands out, until the tickets run out."""
     t = gl.program_id(0)
@@ -340,7 +336,7 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_rea
                           QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                           stride_tq, SCHED, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
                           MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                          USE_SCHED, PERSIST, Q_BUFS)
+                          USE_SCHED, PERSIST)
             t = _read_ticket(tickets, tk_ready, tk_empty, n)
             n += 1
     else:
@@ -350,7 +346,7 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_rea
                   QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                   stride_tq, SCHED, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
                   MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                  USE_SCHED, PERSIST, Q_BUFS)
+                  USE_SCHED, PERSIST)
 
 
 @gluon.jit
@@ -364,16 +360,14 @@ def sparse_fwd_ws_kernel(
     HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr, EVEN_SK: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PERSIST: gl.constexpr = False,
-    Q_BUFS: gl.constexpr = 1,
 ):
     """Grid: (n_items,), one CTA per work item ``tile + n_tiles * (b * Hq + h)`` (tiles of 128 query rows), or with
     PERSIST at most one CTA per SM, each taking items by ticket from the zeroed int32 counter CNT; num_warps=4
-    (consumer 0) plus the workers' 4 + 1 warps. Q_BUFS: Q buffers per consumer (2: the next item's Q loads while
-    this one runs). Descriptors as `flash_fwd_ws.attn_fwd_ws_kernel`'s; the mask arguments as
+    (consumer 0) plus the workers' 4 + 1 warps (the next item's K/V loads while this one ends; its Q once the
+    consumers release their buffer). Descriptors as `flash_fwd_ws.attn_fwd_ws_kernel`'s; the mask arguments as
     `flash_sparse.sparse_fwd_kernel`'s."""
-    q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty = fws._shared(desc_q, desc_k, desc_v, STAGES,
-                                                                                    Q_BUFS)
-    tickets, tk_ready, tk_empty, q_free = _persistent_shared(Q_BUFS * NUM_CONSUMERS, False)
+    q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty = fws._shared(desc_q, desc_k, desc_v, STAGES)
+    tickets, tk_ready, tk_empty, q_free = _persistent_shared(NUM_CONSUMERS, False)
 
     gl.warp_specialize([
         (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty, tickets,
@@ -382,18 +376,18 @@ def sparse_fwd_ws_kernel(
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                          stride_tq, SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 0,
                          MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                         USE_SCHED, PERSIST, Q_BUFS)),
+                         USE_SCHED, PERSIST)),
         (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty, tickets,
                          tk_ready, tk_empty, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                          stride_tq, SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 1,
                          MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                         USE_SCHED, PERSIST, Q_BUFS)),
+                         USE_SCHED, PERSIST)),
         (_fwd_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready,
                          v_empty, tickets, tk_ready, tk_empty, CNT,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
-                         SCHED, n_items, n_tiles, Hq, GROUP, MASK_BS, BLOCK_N, STAGES, USE_SCHED, PERSIST, Q_BUFS)),
+                         SCHED, n_items, n_tiles, Hq, GROUP, MASK_BS, BLOCK_N, STAGES, USE_SCHED, PERSIST)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

@@ -143,9 +143,6 @@ FORCE_CONFIG: dict[str, tuple[int, int, int, int]] = _tiles_from_env(os.environ.
 # For tuning sessions: "fwd" -> (BLOCK_N, STAGES, PIPE), "bwd" -> (BLOCK_M, STAGES, EARLY_DV) of the warp-specialised
 # kernels, instead of the dense kernels' tables. Empty in normal use.
 WS_FORCE_CONFIG: dict[str, tuple[int, int, bool]] = {}
-# For tuning sessions: Q buffers per consumer of the persistent forward (2: the next item's Q loads during this one;
-# the K/V ring then has at most 2 stages, for shared memory).
-WS_Q_BUFS = int(os.environ.get("LONGCTX_SPARSE_WS_Q_BUFS", "1"))
 # Tensor descriptor loads also run in the Triton interpreter (not its TMA reduce); tests of the TMA variants set
 # this to run them there. Off: under the interpreter the pointer path runs.
 TMA_IN_INTERPRETER = False
@@ -337,14 +334,13 @@ def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs
     grid, cnt, persist = _work_grid(n_tiles * B * Hq, q.device)
     use_sched = _use_schedule(mkw, persist)
     sched = _schedule(margs[0], margs[2], n_tiles, int(sws.CTA_ROWS), mask_bs, 1) if use_sched else lse
-    q_bufs = WS_Q_BUFS if persist else 1
     sws.sparse_fwd_ws_kernel[grid](
         _tf._gluon_desc(q, int(sws.WG_ROWS)), _tf._gluon_desc(k, block_n), _tf._gluon_desc(v, block_n), out, lse,
         *out.stride(), *margs, sched, lse if cnt is None else cnt, n_tiles * B * Hq, n_tiles,
         USE_SCHED=use_sched, Hq=Hq, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, qk_scale=scale * _LOG2E,
         HEAD_DIM=D, BLOCK_D=D, MASK_BS=mask_bs, EVEN_SK=Sk % mask_bs == 0,
-        BLOCK_N=block_n, STAGES=stages if q_bufs == 1 else min(stages, 2), PIPE=pipe, PERSIST=persist,
-        Q_BUFS=q_bufs, CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168, **mkw,
+        BLOCK_N=block_n, STAGES=stages, PIPE=pipe, PERSIST=persist, CONSUMER_REGS=240, PRODUCER_REGS=24,
+        num_warps=4, maxnreg=168, **mkw,
     )  # fmt: skip
 
 
