@@ -28,10 +28,10 @@ The warp-specialised kernels (`longctx.kernels.flash_sparse_ws`, Gluon) serve fp
 128 on Hopper when the mask's block size is a multiple of 128 (`_ws_config`): forward 1.31-1.48x FlexAttention in
 the H100 mask table of session 7, against 1.03-1.17x for the Triton forward. Their backward adds dQ by the copy
 engine's bulk reduction (not in a fixed order), so ``deterministic=True`` keeps the Triton kernels.
-``LONGCTX_SPARSE_WS=0`` / ``LONGCTX_SPARSE_WS_BWD=0`` switch them off. Analytic masks (document ids, or the
-interval form: packed documents, causal, windows) launch their CTAs in order of work (`_schedule`,
-`_use_schedule`; up to -15% on random layouts' forward, so not for layouts); ``LONGCTX_SPARSE_WS_SCHED=1`` / ``0``
-takes that order always / never.
+``LONGCTX_SPARSE_WS=0`` / ``LONGCTX_SPARSE_WS_BWD=0`` switch them off. They are persistent (one CTA per SM taking
+work items by ticket, in `_schedule`'s order: heads in order, the longest items first within a head);
+``LONGCTX_SPARSE_WS_PERSIST=0`` launches one CTA per item, in that order for analytic masks only
+(`_use_schedule`); ``LONGCTX_SPARSE_WS_SCHED=1`` / ``0`` takes the order always / never.
 `FORCE_CONFIG` pins tiles per kernel
 (``LONGCTX_SPARSE_TILES="fwd=128,64,8,3;dkdv=32,128,8,3"``) for tuning sessions;
 benchmarks/sweep_sparse_configs.py compares the variants against FlexAttention.
