@@ -15,6 +15,10 @@ from Gluon):
   by the copy engine's bulk reduction, as in `flash_bwd_ws` (so not bitwise repeatable: ``deterministic=True``
   keeps the Triton kernels of `flash_sparse`).
 
+Persistent (``PERSIST``, the launchers' default): one CTA per SM takes work items (the CTAs above) by an atomic
+ticket, in the launcher's order; its producer takes the next ticket once the current item's loads are issued and
+posts it to the consumers, so the next item's K/V (forward) or Q/dO (backward) loads while this one ends.
+
 Both need the mask's block size to be a multiple of 128 (a CTA's rows / keys lie in one mask block). The lists,
 MASK_KIND and the per-token tensors are those of `flash_sparse` (see its docstring); with MASK_KIND 3 (intervals)
 each CTA reads its own side's intervals once and the tiles read nothing per token.
