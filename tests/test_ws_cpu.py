@@ -157,12 +157,12 @@ _SPARSE_TYPES.update({n: "*i32" for n in ("KV_NUM", "KV_IDX", "Q_NUM", "Q_IDX", 
                                           "KDOC", "QPOS", "KPOS", "TILE_IDS", "SCHED", "CNT")})  # fmt: skip
 
 
-# Stack bytes allowed in the block-sparse kernels (Triton 3.6, this signature, the persistent kernels). Measured: the
-# forward spills 176 bytes at D=128 with every part of the analytic rule on (documents and global rows / columns; 16
-# in interval form), 104 at D=64; the backward 160 at D=128, 24 at D=64. The spills sit in the per-item code (the
-# item's lists, pointers and epilogue), not in the tile loops (session 9, SASS read offline); the kernels with one
-# CTA per item spill less (forward 0-96).
-SPARSE_STACK_BOUND = {("fwd", 64): 128, ("fwd", 128): 192, ("bwd", 64): 64, ("bwd", 128): BWD_STACK_BOUND[128]}
+# Stack bytes allowed in the block-sparse kernels (this signature, the persistent kernels). Measured with Triton 3.6:
+# the forward spills 176 bytes at D=128 with every part of the analytic rule on (documents and global rows /
+# columns; 16 in interval form; 224 with Triton 3.9), 104 at D=64; the backward 160 at D=128, 24 at D=64. The
+# spills sit in the per-item code (the item's lists, pointers and epilogue), not in the tile loops (session 9, SASS
+# read offline); the kernels with one CTA per item spill less (forward 0-96).
+SPARSE_STACK_BOUND = {("fwd", 64): 128, ("fwd", 128): 256, ("bwd", 64): 64, ("bwd", 128): BWD_STACK_BOUND[128]}
 
 
 @pytest.mark.slow

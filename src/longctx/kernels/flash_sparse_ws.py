@@ -153,8 +153,10 @@ def _persistent_shared(NUM_Q: gl.constexpr, KV_EMPTY: gl.constexpr):
     return tickets, tk_ready, tk_empty, free
 
 
-# the TMA store is `async_store` from Triton 3.7 on, `async_copy_shared_to_global` in 3.6
+# the TMA store is `async_store` from Triton 3.7 on, `async_copy_shared_to_global` in 3.6; a shared tile's
+# reinterpretation is `reinterpret` in 3.9, `_reinterpret` in 3.6
 _tma_store = getattr(bws.tma, "async_store", None) or bws.tma.async_copy_shared_to_global
+_REINTERPRET_PUBLIC = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 
 @gluon.jit
@@ -164,7 +166,10 @@ def _store_dkdv_tma(dk, dv, desc_dk, desc_dv, stage, off_b, off_kvh, my_n, sm_sc
     Stores from registers would keep 2 x 64 pointers per thread live in the item loop (the D=128 backward then
     spills ~600 bytes); the copy engine clips rows past Sk. The second copy is waited for where the tile is next
     written (the next item's first dQ tile, or the kernel's end)."""
-    tile = stage._reinterpret(desc_dk.dtype, desc_dk.block_type.shape, desc_dk.layout)
+    if _REINTERPRET_PUBLIC:
+        tile = stage.reinterpret(desc_dk.dtype, desc_dk.block_type.shape, desc_dk.layout)
+    else:
+        tile = stage._reinterpret(desc_dk.dtype, desc_dk.block_type.shape, desc_dk.layout)
     bws.tma.store_wait(0)  # the last dQ reduction has read the tile
     tile.reshape([WG_ROWS, BLOCK_D]).store((dk * sm_scale).to(desc_dk.dtype))
     bws.fence_async_shared()
