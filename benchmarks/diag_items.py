@@ -1,0 +1,145 @@
+"""Where the 10% block layout loses against causal (issue 4's 5x ratio; benchmarks/NOTES.md, session 10).
+
+Two questions, timed in one process (S=16K, H=16, D=128, bf16, as `longctx.bench.masks`):
+
+1. Call vs kernel. For the 10% layout and causal, forward and backward: the call's time as the mask table takes
+   it (`triton.testing.do_bench`), each CUDA kernel's time per call (`torch.profiler`), and the host's time to
+   issue one call. The difference between the call and its main kernel is work that does not shrink with the
+   mask (the backward's Delta pass, the zeroed float32 dQ and its conversion, the schedule, the launch).
+2. Per work item. Layouts with exactly ``k`` kept blocks in every query row and every key column (circulant:
+   block (r, (r + o_j) mod n) for k offsets o_j), scattered (random offsets) or contiguous (offsets 0..k-1);
+   the main kernels' time per kept block against 1/k gives the fixed cost of a work item (in block-times) and
+   the steady cost of a block; scattered vs contiguous prices the K/V locality.
+
+    python benchmarks/diag_items.py [--json out.json] [--ks 4,8,13,26,64] [--skip-items]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def _profile(fn, n: int) -> dict[str, float]:
+    """Microseconds per call of each CUDA kernel ``fn`` launches (``n`` calls under the profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = e.cuda_time_total
+        if t > 0 and e.count >= n:  # the calls' kernels (a profiler's own event has no device time)
+            out[e.key[:80]] = out.get(e.key[:80], 0.0) + t / n
+    return out
+
+
+def _host_us(fn, n: int) -> float:
+    """Microseconds the host takes to issue one call (GPU queue not full: ``n`` small)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return 1e6 * (t1 - t0) / n
+
+
+def _circulant(n: int, k: int, scattered: bool, seed: int) -> torch.Tensor:
+    """(n, n) bool: k kept blocks in every row and column, at offsets 0..k-1 or k random distinct offsets."""
+    g = torch.Generator().manual_seed(seed)
+    offs = torch.randperm(n, generator=g)[:k] if scattered else torch.arange(k)
+    r = torch.arange(n)[:, None]
+    lay = torch.zeros(n, n, dtype=torch.bool)
+    lay[r.expand(n, k), (r + offs[None, :]) % n] = True
+    return lay
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--s", type=int, default=16384)
+    ap.add_argument("--ks", default="4,8,13,26,64")
+    ap.add_argument("--n-prof", type=int, default=20)
+    ap.add_argument("--skip-items", action="store_true")
+    ap.add_argument("--tag", default=os.environ.get("DIAG_TAG", ""))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    import longctx
+    from longctx import block_sparse as bsm
+    from longctx.bench.masks import _bench
+    from longctx.ops import triton_sparse as ts
+
+    S, H, D = args.s, 16, 128
+    n = S // 128
+    scale = D**-0.5
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+    lay10 = torch.rand(H, n, n, generator=torch.Generator().manual_seed(1)) < 0.1  # the mask table's
+    masks = {
+        "layout 10%": longctx.BlockMask.from_layout(lay10.cuda(), 128, S, S),
+        "causal": longctx.block_mask(bsm.causal_mask, None, None, S, S, device="cuda"),
+    }
+    if not args.skip_items:
+        for kb in (int(x) for x in args.ks.split(",") if x):
+            for scat in (True, False):
+                lay = _circulant(n, kb, scat, seed=kb)
+                name = f"k={kb} {'scattered' if scat else 'contiguous'}"
+                masks[name] = longctx.BlockMask.from_layout(lay.cuda(), 128, S, S)
+    rows = []
+    for name, bm in masks.items():
+        kept = bm.kept_fraction()
+        flops = 4 * H * S * S * D * kept
+        tiles = int((bm.block_kind > 0).sum()) * (H if bm.block_kind.shape[1] == 1 else 1)
+
+        def fwd(bm=bm):
+            return ts.sparse_forward(q, k, v, scale=scale, block_mask=bm)[0]
+
+        out = ts.triton_sparse_attention(qq, kk, vv, scale=scale, block_mask=bm)[0]
+        do = torch.randn_like(out)
+
+        def bwd(out=out, do=do):
+            return torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True)
+
+        row = {"mask": name, "tag": args.tag, "kept": kept, "blocks": tiles}
+        try:
+            for side, fn, mult in (("fwd", fwd, 1.0), ("bwd", bwd, 2.5)):
+                with torch.no_grad() if side == "fwd" else torch.enable_grad():
+                    call_ms = _bench(fn, 25, 100)
+                    kern = _profile(fn, args.n_prof)
+                    host = _host_us(fn, 10)
+                main = max(kern, key=kern.get)
+                row[side] = {
+                    "call_ms": call_ms,
+                    "tflops": mult * flops / call_ms / 1e9,
+                    "main_kernel": main,
+                    "main_us": kern[main],
+                    "main_tflops": mult * flops / kern[main] / 1e6,
+                    "us_per_block": kern[main] * 132 / tiles,  # one SM's time per kept block (128 x 128)
+                    "other_kernels_us": {kname: round(t, 1) for kname, t in kern.items() if kname != main},
+                    "host_us": host,
+                }
+        except Exception as exc:  # report and go on
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
