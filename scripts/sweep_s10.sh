@@ -2,6 +2,7 @@
 # Session 10 on the H100 (benchmarks/NOTES.md, "Session 10").
 #   PART=d1: diagnostic only (benchmarks/diag_items.py): call vs kernel times of the 10% layout and causal, and the
 #       per-item sweep (k kept blocks per row and column, scattered / contiguous).
+#   PART=h1: host time of one forward / backward call by function (benchmarks/host_profile.py, cProfile).
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" sweep_out
 LOG="$OUT/sweep.txt"
@@ -23,5 +24,9 @@ for r in json.load(open(sys.argv[1])):
           f"{b['main_tflops']:.0f}TF {b['us_per_block']:.2f}us/blk host {b['host_us']:.0f}")
     print("   fwd other:", f["other_kernels_us"], "\n   bwd other:", b["other_kernels_us"])
 PY
+  ;;
+h1)
+  timeout 200 python3 benchmarks/host_profile.py --n 200 --out "$OUT/host" >"$OUT/host_profile_h1.txt" 2>&1
+  grep -E "^==|function calls" "$OUT/host_profile_h1.txt"
   ;;
 esac
