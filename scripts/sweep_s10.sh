@@ -2,6 +2,8 @@
 # Session 10 on the H100 (benchmarks/NOTES.md, "Session 10").
 #   PART=d1: diagnostic only (benchmarks/diag_items.py): call vs kernel times of the 10% layout and causal, and the
 #       per-item sweep (k kept blocks per row and column, scattered / contiguous).
+#   PART=d2: v15 (cached schedule and layouts; item entry and counts posted with the ticket; Q freed after the
+#       last scores): GPU tests, then the diagnostic with EARLY_Q on and off, and the host profile.
 #   PART=h1: host time of one forward / backward call by function (benchmarks/host_profile.py, cProfile).
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" sweep_out
@@ -13,17 +15,23 @@ d1)
   timeout 400 python3 benchmarks/diag_items.py --json "$OUT/diag_items_d1.json" >"$OUT/diag_items_d1.txt" 2>&1
   tail -5 "$OUT/diag_items_d1.txt" | cut -c1-300
   clocks
-  python3 - "$OUT/diag_items_d1.json" <<'PY'
-import json, sys
-for r in json.load(open(sys.argv[1])):
-    if "error" in r:
-        print(r["mask"], r["error"]); continue
-    f, b = r["fwd"], r["bwd"]
-    print(f"{r['mask']:22s} fwd call {f['call_ms']:.3f} main {f['main_us']:.0f}us {f['main_tflops']:.0f}TF "
-          f"{f['us_per_block']:.2f}us/blk host {f['host_us']:.0f} | bwd call {b['call_ms']:.3f} main {b['main_us']:.0f}us "
-          f"{b['main_tflops']:.0f}TF {b['us_per_block']:.2f}us/blk host {b['host_us']:.0f}")
-    print("   fwd other:", f["other_kernels_us"], "\n   bwd other:", b["other_kernels_us"])
-PY
+  python3 benchmarks/diag_items.py --summary "$OUT/diag_items_d1.json"
+  ;;
+d2)
+  LONGCTX_TRITON_AUTOTUNE=0 timeout 330 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu --maxfail=25 \
+    tests/gpu/test_sparse_ws_gpu.py tests/gpu/test_sparse_gpu.py tests/gpu/test_ws_gpu.py >"$OUT/gpu_tests_s10_d2.txt" 2>&1
+  grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpu_tests_s10_d2.txt" | tail -30 | cut -c1-300
+  clocks
+  for v in "early_q:1" "late_q:0"; do
+    IFS=: read -r tag eq <<<"$v"
+    LONGCTX_SPARSE_WS_EARLY_Q=$eq DIAG_TAG=$tag timeout 200 python3 benchmarks/diag_items.py --ks 4,13,64 \
+      --json "$OUT/diag_items_d2_$tag.json" >"$OUT/diag_items_d2_$tag.txt" 2>&1
+    tail -2 "$OUT/diag_items_d2_$tag.txt" | cut -c1-200
+    clocks
+  done
+  timeout 100 python3 benchmarks/host_profile.py --n 200 >"$OUT/host_profile_d2.txt" 2>&1
+  grep -E "^==|function calls" "$OUT/host_profile_d2.txt"
+  for f in "$OUT"/diag_items_d2_*.json; do python3 benchmarks/diag_items.py --summary "$f"; done
   ;;
 h1)
   timeout 200 python3 benchmarks/host_profile.py --n 200 --out "$OUT/host" >"$OUT/host_profile_h1.txt" 2>&1

@@ -225,6 +225,29 @@ def test_sparse_ws_schedule_puts_the_longest_items_first_within_each_head():
     assert order[0].item() == 2  # key block 2 (first of the long document) of batch 0, kv head 0: 12 blocks x 2
 
 
+def test_sparse_ws_schedule_is_kept_per_mask_and_recomputed_when_it_changes():
+    """`triton_sparse._schedule_cached`: the same mask tensors and arguments give the kept order (no recomputation),
+    another group or an in-place change of the mask's counts gives a new one, equal to `_schedule`'s."""
+    import longctx
+    from longctx.ops import triton_sparse as ts
+
+    ts._SCHEDULES.clear()
+    lay = torch.rand(2, 8, 8, generator=torch.Generator().manual_seed(0)) < 0.4
+    bm = longctx.BlockMask.from_layout(lay, 128)
+    args, _ = ts._mask_args(bm.kernel_tensors(), bm.kernel_meta(), 1, 2, transposed=False)
+    first = ts._schedule_cached(args[0], args[2], 8, 128, 128, 1)
+    assert ts._schedule_cached(args[0], args[2], 8, 128, 128, 1) is first
+    assert torch.equal(first, ts._schedule(args[0], args[2], 8, 128, 128, 1))
+    other = ts._schedule_cached(args[0], args[2], 8, 128, 128, 2)
+    assert other is not first and torch.equal(other, ts._schedule(args[0], args[2], 8, 128, 128, 2))
+    bm.kernel_tensors()[2].zero_()  # the full-block counts change in place: a new version
+    again = ts._schedule_cached(args[0], args[2], 8, 128, 128, 1)
+    assert again is not first and torch.equal(again, ts._schedule(args[0], args[2], 8, 128, 128, 1))
+    for _ in range(ts._SCHEDULES_MAX + 5):  # bounded
+        ts._schedule_cached(args[0], args[2], 8, 1 + len(ts._SCHEDULES), 128, 1)
+    assert len(ts._SCHEDULES) <= ts._SCHEDULES_MAX
+
+
 @pytest.mark.parametrize(
     "setting,persistent,kind,has_doc,expected",
     [("auto", False, 1, True, True), ("auto", False, 1, False, False), ("auto", False, 3, True, True),

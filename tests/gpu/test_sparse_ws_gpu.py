@@ -146,15 +146,22 @@ def test_ws_one_cta_per_item_and_other_orders(name, S, persist, sched, spy, monk
     assert spy() == {"fwd": 1, "bwd": 1}
 
 
+@pytest.mark.parametrize("early_q", [True, False])
 @pytest.mark.parametrize("D", [64, 128])
-def test_ws_persistent_more_items_than_sms_gqa(D, spy):
+def test_ws_persistent_more_items_than_sms_gqa(D, early_q, spy, monkeypatch):
     """Many more work items than SMs (every CTA takes tickets until they run out), GQA, per-head random layouts
-    with empty rows and columns, against the Triton kernels."""
+    with empty rows and columns and rows of one and two blocks (a forward item's Q freed after its first or
+    second scores: ``early_q``, the default, or after its last P V), against the Triton kernels."""
+    monkeypatch.setitem(ts.VARIANT, "ws_early_q", early_q)
     S, Hq, Hkv = 4096, 16, 4
     n = S // 128
     lay = torch.rand(Hq, n, n, generator=torch.Generator().manual_seed(3)) < 0.3
     lay[:, 5] = False
     lay[:, :, 7] = False
+    lay[:, 9] = False
+    lay[:, 9, 3] = True
+    lay[:, 11] = False
+    lay[:, 11, 20:22] = True
     bm = longctx.BlockMask.from_layout(lay.cuda(), 128, S, S)
     q, k, v = (t.requires_grad_() for t in _inputs(2, Hq, Hkv, S, S, D, torch.bfloat16, seed=19))
     do = torch.randn_like(q)

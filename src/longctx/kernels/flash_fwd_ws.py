@@ -173,16 +173,22 @@ def _consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
 @gluon.jit
 def _consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, start, end,
                            qk_scale, s_layout: gl.constexpr, p_layout: gl.constexpr,
-                           BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
+                           BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
+                           q_free=None, release=False, RELEASE_Q: gl.constexpr = False):
     """The unmasked run with FlashAttention-3's intra-warpgroup overlap: the scores of tile j are issued, then
     P(j-1) V(j-1), and the softmax of tile j runs while P(j-1) V(j-1) is still on the tensor cores. Costs a
-    second score tile and the bf16 P(j-1) in registers."""
+    second score tile and the bf16 P(j-1) in registers. RELEASE_Q (the persistent block-sparse forward): where
+    ``release``, arrive on the barrier ``q_free`` once the run's last scores are done, its last softmax and P V
+    still to come, so that the next work item's Q loads meanwhile."""
     zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
     if start < end:
         # -- first tile: scores and softmax, its P V is issued in the next iteration --
         s = i % STAGES
         ph = (i // STAGES) & 1
         qk = _scores(q, k_smem, k_ready, k_empty, s, ph, zero, BLOCK_N, BLOCK_D)
+        if RELEASE_Q:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if release & (start + BLOCK_N >= end):
+                mbarrier.arrive(q_free, count=1)
         p, m_i, alpha, l_i = _softmax(qk, m_i, l_i, m_i, 0, 0, 0, 0, qk_scale, s_layout, False, False, False, BLOCK_N)
         acc, p_op = _rescale_pack(acc, alpha, p, p_layout, k_smem.dtype)
         for _tile in range(start + BLOCK_N, end, BLOCK_N):
@@ -200,6 +206,9 @@ def _consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty
             # scores of tile j done (groups retire in order); P(j-1) V(j-1) may still run
             qk, _, _ = warpgroup_mma_wait(1, deps=(qk, q, k_buf))
             mbarrier.arrive(k_empty.index(s), count=1)
+            if RELEASE_Q:  # noqa: SIM102 (a compile-time branch around a run-time one)
+                if release & (_tile + BLOCK_N >= end):
+                    mbarrier.arrive(q_free, count=1)
             p, m_i, alpha, l_i = _softmax(qk, m_i, l_i, m_i, 0, 0, 0, 0, qk_scale, s_layout, False, False, False,
                                           BLOCK_N)
             acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p_op, v_prev))

@@ -41,11 +41,21 @@ BIG = gl.constexpr(1 << 30)  # an unbounded side of a MASK_KIND 3 interval (`blo
 
 
 @gluon.jit
-def _lists(NUM, IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq, off_b, off_h, blk):
-    """(full count, full list row, partial count, partial list row) of mask block ``blk`` of (batch, head)."""
+def _list_ptrs(NUM, IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq, off_b, off_h,
+               blk):
+    """(full count pointer, full list row, partial count pointer, partial list row) of mask block ``blk`` of
+    (batch, head)."""
     nb = off_b.to(gl.int64) * stride_nb + off_h.to(gl.int64) * stride_nh + blk
     ib = off_b.to(gl.int64) * stride_ib + off_h.to(gl.int64) * stride_ih + blk.to(gl.int64) * stride_iq
-    return gl.load(FULL_NUM + nb), FULL_IDX + ib, gl.load(NUM + nb), IDX + ib
+    return FULL_NUM + nb, FULL_IDX + ib, NUM + nb, IDX + ib
+
+
+@gluon.jit
+def _lists(NUM, IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq, off_b, off_h, blk):
+    """(full count, full list row, partial count, partial list row) of mask block ``blk`` of (batch, head)."""
+    full_n, FULL_row, part_n, PART_row = _list_ptrs(NUM, IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib,
+                                                    stride_ih, stride_iq, off_b, off_h, blk)
+    return gl.load(full_n), FULL_row, gl.load(part_n), PART_row
 
 
 @gluon.jit
@@ -70,15 +80,29 @@ def _tokens(DOC_b, POS_b, idx, n, other_doc, MASK_KIND: gl.constexpr, HAS_DOC: g
 
 
 @gluon.jit
-def _item(t, SCHED, n_tiles, H, USE_SCHED: gl.constexpr):
-    """(batch, head, first row / key) of work item ``t``: ``tile + n_tiles * (b * H + h)``, or with USE_SCHED
-    the ``t``-th entry of the launcher's schedule (`triton_sparse._schedule`). Tiles are fastest in either order:
-    the CTAs in flight share one head's K/V (forward) or Q/dO (backward) in L2."""
+def _entry(t, SCHED, USE_SCHED: gl.constexpr):
+    """Work item ``t``'s entry ``tile + n_tiles * (b * H + h)``: ``t`` itself, or with USE_SCHED the ``t``-th entry
+    of the launcher's schedule (`triton_sparse._schedule`). Tiles are fastest in either order: the CTAs in flight
+    share one head's K/V (forward) or Q/dO (backward) in L2."""
     e = t
     if USE_SCHED:
         e = gl.load(SCHED + t)
+    return e
+
+
+@gluon.jit
+def _decode(e, n_tiles, H):
+    """(batch, head, first row / key) of work item entry ``e``."""
     pid_bh = e // n_tiles
     return pid_bh // H, pid_bh % H, (e % n_tiles) * CTA_ROWS
+
+
+@gluon.jit
+def _fwd_counts(e, KV_NUM, FULL_NUM, stride_nb, stride_nh, n_tiles, Hq, MASK_BS: gl.constexpr):
+    """(full, partial) kv block counts of forward work item entry ``e`` (its query block's lists)."""
+    off_b, off_h, start_m = _decode(e, n_tiles, Hq)
+    nb = off_b.to(gl.int64) * stride_nb + off_h.to(gl.int64) * stride_nh + start_m // MASK_BS
+    return gl.load(FULL_NUM + nb), gl.load(KV_NUM + nb)
 
 
 @gluon.jit
@@ -95,45 +119,60 @@ def _take_ticket(CNT, nprog):
 
 
 @gluon.jit
-def _post_ticket(tickets, tk_ready, tk_empty, n, t):
-    """Producer warp: ticket ``t`` of the CTA's item ``n + 1`` (item 0 is the program id) into the two-slot ring,
-    for both consumers."""
+def _post_ticket(tickets, tk_ready, tk_empty, n, t, e, n_full, n_part):
+    """Producer warp: the CTA's item ``n + 1`` (item 0 is the program id) into the two-slot ring, for both
+    consumers: its ticket ``t`` and, where ``t`` is an item, its entry ``e`` (`_entry`) and (forward) its full and
+    partial block counts, so that the consumers start it without a global load (lanes 0-3 of the slot)."""
     s = n % 2
     mbarrier.wait(tk_empty.index(s), ((n // 2) & 1) ^ 1)
     layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])
-    lanes = gl.full([1, 32], t, gl.int32, layout=layout)
-    tickets.index(s).store(lanes)
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, layout))[None, :]
+    vals = gl.where(lane == 0, t, gl.where(lane == 1, e, gl.where(lane == 2, n_full, gl.where(lane == 3, n_part, 0))))
+    tickets.index(s).store(vals)
     # the lanes' stores are ordered before the (one-thread) arrive's release
-    gl.inline_asm_elementwise("bar.warp.sync 0xffffffff; mov.b32 $0, $1;", "=r,r", [lanes], dtype=gl.int32,
+    gl.inline_asm_elementwise("bar.warp.sync 0xffffffff; mov.b32 $0, $1;", "=r,r", [vals], dtype=gl.int32,
                               is_pure=False, pack=1)
     mbarrier.arrive(tk_ready.index(s), count=1)
 
 
 @gluon.jit
 def _read_ticket(tickets, tk_ready, tk_empty, n):
-    """Consumer warpgroup: the ticket of the CTA's item ``n + 1`` (see `_post_ticket`); lane 0's entry."""
+    """Consumer warpgroup: (ticket, entry, full count, partial count) of the CTA's item ``n + 1`` (`_post_ticket`)."""
     s = n % 2
     mbarrier.wait(tk_ready.index(s), (n // 2) & 1)
     layout: gl.constexpr = gl.BlockedLayout([1, 32], [1, 32], [1, 4], [1, 0])  # every thread reads the 32 entries
     got = tickets.index(s).load(layout)
     lane = gl.arange(0, 32, layout=gl.SliceLayout(0, layout))[None, :]
     t = gl.sum(gl.sum(gl.where(lane == 0, got, 0), 1), 0)
+    e = gl.sum(gl.sum(gl.where(lane == 1, got, 0), 1), 0)
+    n_full = gl.sum(gl.sum(gl.where(lane == 2, got, 0), 1), 0)
+    n_part = gl.sum(gl.sum(gl.where(lane == 3, got, 0), 1), 0)
     mbarrier.arrive(tk_empty.index(s), count=1)
-    return t
+    return t, e, n_full, n_part
 
 
 @gluon.jit
-def _next_item(CNT, nprog, tickets, tk_ready, tk_empty, n, n_items, PERSIST: gl.constexpr):
-    """Producer warp, once it has issued every load of the CTA's ``n``-th item: the next item (PERSIST: a ticket,
-    posted to the consumers; else none, ``n_items``). Taken this late, so that a CTA reserves its next item only
-    when its current one is nearly done: taken as an item started, a CTA on a long item held the next long one
-    while others went idle (causal: 12-14% slower than one CTA per item, session 9's call p1)."""
+def _next_item(CNT, nprog, tickets, tk_ready, tk_empty, n, n_items, SCHED, KV_NUM, FULL_NUM, stride_nb, stride_nh,
+               n_tiles, H, MASK_BS: gl.constexpr, USE_SCHED: gl.constexpr, COUNTS: gl.constexpr,
+               PERSIST: gl.constexpr):
+    """Producer warp, once it has issued every load of the CTA's ``n``-th item: the next item as (ticket, entry,
+    full count, partial count) (PERSIST: a ticket, its entry and, with COUNTS (forward), its block counts, posted
+    to the consumers; else none, ``n_items``). Taken this late, so that a CTA reserves its next item only when its
+    current one is nearly done: taken as an item started, a CTA on a long item held the next long one while others
+    went idle (causal: 12-14% slower than one CTA per item, session 9's call p1)."""
+    t = n_items
+    e = t
+    n_full = t * 0
+    n_part = t * 0
     if PERSIST:
-        nxt = _take_ticket(CNT, nprog)
-        _post_ticket(tickets, tk_ready, tk_empty, n, nxt)
-    else:
-        nxt = n_items
-    return nxt
+        t = _take_ticket(CNT, nprog)
+        e = t
+        if t < n_items:
+            e = _entry(t, SCHED, USE_SCHED)
+            if COUNTS:
+                n_full, n_part = _fwd_counts(e, KV_NUM, FULL_NUM, stride_nb, stride_nh, n_tiles, H, MASK_BS)
+        _post_ticket(tickets, tk_ready, tk_empty, n, t, e, n_full, n_part)
+    return t, e, n_full, n_part
 
 
 @gluon.jit
@@ -210,13 +249,15 @@ def _fwd_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free,
     SUB: gl.constexpr = MASK_BS // BLOCK_N
     t = gl.program_id(0)
     nprog = gl.num_programs(0)
+    e = _entry(t, SCHED, USE_SCHED)
+    n_full, n_part = _fwd_counts(e, KV_NUM, FULL_NUM, stride_nb, stride_nh, n_tiles, Hq, MASK_BS)
     n = 0
     i = 0
     while t < n_items:
-        off_b, off_h, start_m = _item(t, SCHED, n_tiles, Hq, USE_SCHED)
+        off_b, off_h, start_m = _decode(e, n_tiles, Hq)
         off_kvh = off_h // GROUP
-        n_full, FULL_row, n_part, PART_row = _lists(KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh,
-                                                    stride_ib, stride_ih, stride_iq, off_b, off_h, start_m // MASK_BS)
+        _, FULL_row, _, PART_row = _list_ptrs(KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib,
+                                              stride_ih, stride_iq, off_b, off_h, start_m // MASK_BS)
         for w in gl.static_range(NUM_CONSUMERS):
             if PERSIST:
                 mbarrier.wait(q_free.index(w), (n & 1) ^ 1)
@@ -227,7 +268,9 @@ def _fwd_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free,
                            FULL_row, n_full * SUB, i, MASK_BS, BLOCK_N, STAGES)
         i = _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, off_b, off_kvh,
                            PART_row, n_part * SUB, i, MASK_BS, BLOCK_N, STAGES)
-        t = _next_item(CNT, nprog, tickets, tk_ready, tk_empty, n, n_items, PERSIST)
+        t, e, n_full, n_part = _next_item(CNT, nprog, tickets, tk_ready, tk_empty, n, n_items, SCHED, KV_NUM,
+                                          FULL_NUM, stride_nb, stride_nh, n_tiles, Hq, MASK_BS, USE_SCHED, True,
+                                          PERSIST)
         n += 1
 
 
@@ -260,26 +303,28 @@ def _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_rea
 
 
 @gluon.jit
-def _fwd_item(t, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty,
+def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty,
               O, LSE, stride_ob, stride_oh, stride_om, stride_od,
               KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
               QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
               SCHED, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG: gl.constexpr,
               MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
               EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr):
-    """Work item ``t``, the CTA's ``n``-th, for one warpgroup: 64 query rows against the listed kv blocks; writes
-    their output and lse. ``i`` counts the K/V tiles consumed so far (ring slot and phase); returns it."""
+              STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr,
+              EARLY_Q: gl.constexpr):
+    """Work item entry ``e`` (`_entry`) with ``n_full`` / ``n_part`` listed blocks, the CTA's ``n``-th, for one
+    warpgroup: 64 query rows against the listed kv blocks; writes their output and lse. ``i`` counts the K/V tiles
+    consumed so far (ring slot and phase); returns it."""
     s_layout: gl.constexpr = fws.wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = fws.wgmma_layout(BLOCK_D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     SUB: gl.constexpr = MASK_BS // BLOCK_N
 
-    off_b, off_h, start_m = _item(t, SCHED, n_tiles, Hq, USE_SCHED)
+    off_b, off_h, start_m = _decode(e, n_tiles, Hq)
     qb = start_m // MASK_BS
-    n_full, FULL_row, n_part, PART_row = _lists(KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh,
-                                                stride_ib, stride_ih, stride_iq, off_b, off_h, qb)
+    _, FULL_row, _, PART_row = _list_ptrs(KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib,
+                                          stride_ih, stride_iq, off_b, off_h, qb)
     my_start = start_m + WG * WG_ROWS
     offs_m = my_start + gl.arange(0, WG_ROWS, layout=row_s)
     qd, qp = _tokens(QDOC + off_b.to(gl.int64) * stride_qdoc, QPOS + off_b.to(gl.int64) * stride_qdoc, offs_m,
@@ -293,12 +338,22 @@ def _fwd_item(t, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, 
     acc = gl.zeros([WG_ROWS, BLOCK_D], gl.float32, layout=o_layout)
     q = q_smem.index(WG).reshape([WG_ROWS, BLOCK_D])
     mbarrier.wait(q_bar.index(WG), n & 1)
+    # PERSIST: Q's buffer is refilled for the next item once this one's last scores are done; where no partial
+    # block follows, the full run's last tile releases it before its softmax and P V (else: after the masked run)
+    released = n_part < 0  # false
+    # (compile-time branches: an `and` of constexprs makes a tensor here)
+    if EARLY_Q:  # noqa: SIM102
+        if PERSIST:  # noqa: SIM102
+            if EVEN_SK:  # noqa: SIM102
+                if PIPE:
+                    released = (n_part == 0) & (n_full > 0)
     # -- full blocks: no element mask (the runs of the dense kernel only count tiles here) --
     if EVEN_SK:
         if PIPE:
             acc, l_i, m_i, i = fws._consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty,
                                                           v_ready, v_empty, 0, n_full * SUB * BLOCK_N, qk_scale,
-                                                          s_layout, p_layout, BLOCK_N, BLOCK_D, STAGES)
+                                                          s_layout, p_layout, BLOCK_N, BLOCK_D, STAGES,
+                                                          q_free.index(WG), released, EARLY_Q)
         else:
             acc, l_i, m_i, i = fws._consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
                                                 v_empty, offs_m, 0, n_full * SUB * BLOCK_N, Sk, 0, 0, qk_scale,
@@ -316,8 +371,9 @@ def _fwd_item(t, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, 
                                        stride_tq, TILES, Sk, lo, hi, kv_global, q_global, qk_scale,
                                        s_layout, p_layout, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N,
                                        BLOCK_D, STAGES)
-    if PERSIST:
-        mbarrier.arrive(q_free.index(WG), count=1)  # the item's wgmmas are done: Q's buffer may be refilled
+    if PERSIST:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if not released:
+            mbarrier.arrive(q_free.index(WG), count=1)  # the item's wgmmas are done: Q's buffer may be refilled
     fws._epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od, off_b, off_h, Hq, Sq,
                   my_start, offs_m, o_layout, HEAD_DIM, BLOCK_D)
     return i
@@ -331,31 +387,34 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_rea
                   SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG: gl.constexpr,
                   MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
                   EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr):
+                  STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr,
+                  EARLY_Q: gl.constexpr):
     """One warpgroup: its 64 rows of the CTA's work item (grid position), or with PERSIST of every item the
     producer hands out, until the tickets run out."""
     t = gl.program_id(0)
+    e = _entry(t, SCHED, USE_SCHED)
+    n_full, n_part = _fwd_counts(e, KV_NUM, FULL_NUM, stride_nb, stride_nh, n_tiles, Hq, MASK_BS)
     if PERSIST:
         n = 0
         i = 0
         while t < n_items:
-            i = _fwd_item(t, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty,
+            i = _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty,
                           O, LSE, stride_ob, stride_oh, stride_om, stride_od,
                           KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                           QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                           stride_tq, SCHED, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
                           MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                          USE_SCHED, PERSIST)
-            t = _read_ticket(tickets, tk_ready, tk_empty, n)
+                          USE_SCHED, PERSIST, EARLY_Q)
+            t, e, n_full, n_part = _read_ticket(tickets, tk_ready, tk_empty, n)
             n += 1
     else:
-        _fwd_item(t, 0, gl.to_tensor(0), q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty,
+        _fwd_item(e, n_full, n_part, 0, gl.to_tensor(0), q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty,
                   O, LSE, stride_ob, stride_oh, stride_om, stride_od,
                   KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                   QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                   stride_tq, SCHED, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
                   MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                  USE_SCHED, PERSIST)
+                  USE_SCHED, PERSIST, EARLY_Q)
 
 
 @gluon.jit
@@ -369,6 +428,7 @@ def sparse_fwd_ws_kernel(
     HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr, EVEN_SK: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PERSIST: gl.constexpr = False,
+    EARLY_Q: gl.constexpr = True,
 ):
     """Grid: (n_items,), one CTA per work item ``tile + n_tiles * (b * Hq + h)`` (tiles of 128 query rows), or with
     PERSIST at most one CTA per SM, each taking items by ticket from the zeroed int32 counter CNT; num_warps=4
@@ -385,14 +445,14 @@ def sparse_fwd_ws_kernel(
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                          stride_tq, SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 0,
                          MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                         USE_SCHED, PERSIST)),
+                         USE_SCHED, PERSIST, EARLY_Q)),
         (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty, tickets,
                          tk_ready, tk_empty, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                          stride_tq, SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 1,
                          MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                         USE_SCHED, PERSIST)),
+                         USE_SCHED, PERSIST, EARLY_Q)),
         (_fwd_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready,
                          v_empty, tickets, tk_ready, tk_empty, CNT,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
@@ -436,12 +496,13 @@ def _bwd_producer(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem
     SUB: gl.constexpr = MASK_BS // BLOCK_M
     t = gl.program_id(0)
     nprog = gl.num_programs(0)
+    e = _entry(t, SCHED, USE_SCHED)
     n = 0
     i = 0
     while t < n_items:
         if PERSIST:
             mbarrier.wait(kv_free.index(0), (n & 1) ^ 1)
-        off_b, off_kvh, start_n = _item(t, SCHED, n_tiles, Hkv, USE_SCHED)
+        off_b, off_kvh, start_n = _decode(e, n_tiles, Hkv)
         mbarrier.expect(kv_bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
         bws._tma_load(desc_k, [off_b, off_kvh, start_n, 0], kv_bar, k_smem)
         bws._tma_load(desc_v, [off_b, off_kvh, start_n, 0], kv_bar, v_smem)
@@ -457,7 +518,8 @@ def _bwd_producer(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem
             i = _bwd_load_list(desc_q, desc_do, desc_lse2, desc_delta, q_smem, do_smem, lse2_smem, delta_smem,
                                q_ready, do_ready, q_empty, off_b, off_h, row0, PART_row, n_part * SUB, i, MASK_BS,
                                BLOCK_M, STAGES)
-        t = _next_item(CNT, nprog, tickets, tk_ready, tk_empty, n, n_items, PERSIST)
+        t, e, _, _ = _next_item(CNT, nprog, tickets, tk_ready, tk_empty, n, n_items, SCHED, Q_NUM, FULL_NUM,
+                                stride_nb, stride_nh, n_tiles, Hkv, MASK_BS, USE_SCHED, False, PERSIST)
         n += 1
 
 
@@ -499,7 +561,7 @@ def _bwd_run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_r
 
 
 @gluon.jit
-def _bwd_item(t, n, i, q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, kv_free, q_ready,
+def _bwd_item(e, n, i, q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, kv_free, q_ready,
               do_ready, q_empty, ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem, desc_dk, desc_dv,
               stride_dkb, stride_dkh, stride_dkn, stride_dkd,
               stride_dvb, stride_dvh, stride_dvn, stride_dvd,
@@ -511,7 +573,7 @@ def _bwd_item(t, n, i, q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, d
               HAS_GLOBAL: gl.constexpr, EVEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
               STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, USE_SCHED: gl.constexpr,
               DQ_TMA: gl.constexpr, PERSIST: gl.constexpr):
-    """Work item ``t``, the CTA's ``n``-th, for one warpgroup: dK and dV of 64 keys, summed over the group's query
+    """Work item entry ``e`` (`_entry`), the CTA's ``n``-th, for one warpgroup: dK and dV of 64 keys, summed over the group's query
     heads; its share of dQ. ``i`` counts the query tiles consumed so far (ring slot and phase); returns it."""
     s_layout: gl.constexpr = fws.wgmma_layout(BLOCK_M)
     acc_layout: gl.constexpr = fws.wgmma_layout(BLOCK_D)
@@ -523,7 +585,7 @@ def _bwd_item(t, n, i, q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, d
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     SUB: gl.constexpr = MASK_BS // BLOCK_M
 
-    off_b, off_kvh, start_n = _item(t, SCHED, n_tiles, Hkv, USE_SCHED)
+    off_b, off_kvh, start_n = _decode(e, n_tiles, Hkv)
     kb = start_n // MASK_BS
     my_n = start_n + WG * WG_ROWS
     offs_n = my_n + gl.arange(0, WG_ROWS, layout=row_s)
@@ -586,11 +648,12 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_sme
     """One warpgroup: its 64 keys of the CTA's work item (grid position), or with PERSIST of every item the
     producer hands out, until the tickets run out."""
     t = gl.program_id(0)
+    e = _entry(t, SCHED, USE_SCHED)
     if PERSIST:
         n = 0
         i = 0
         while t < n_items:
-            i = _bwd_item(t, n, i, q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, kv_free,
+            i = _bwd_item(e, n, i, q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, kv_free,
                           q_ready, do_ready, q_empty, ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem, desc_dk,
                           desc_dv,
                           stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
@@ -600,12 +663,12 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_sme
                           stride_tq, SCHED, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale,
                           sm_scale, WG, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D, STAGES,
                           DQ_SPLIT_M, EARLY_DV, USE_SCHED, DQ_TMA, PERSIST)
-            t = _read_ticket(tickets, tk_ready, tk_empty, n)
+            t, e, _, _ = _read_ticket(tickets, tk_ready, tk_empty, n)
             n += 1
         if DQ_TMA:
             bws.tma.store_wait(0)  # the last copy out of shared memory is done before the CTA ends
     else:
-        _bwd_item(t, 0, gl.to_tensor(0), q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar,
+        _bwd_item(e, 0, gl.to_tensor(0), q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar,
                   kv_free, q_ready, do_ready, q_empty, ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem, desc_dk,
                   desc_dv,
                   stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,

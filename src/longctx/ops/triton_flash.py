@@ -340,25 +340,31 @@ def warn_ws_fallback(which: str, exc: Exception) -> None:
     )
 
 
+@functools.cache
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
+    """The shared-memory layout of a TMA block (cached: building one costs as much host time as the descriptor)."""
+    from triton.experimental.gluon import language as gl
+
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), gdt)
+
+
 def _gluon_desc(t: torch.Tensor, rows: int):
     """Host-built TMA descriptor of a (B, H, S, D) fp16/bf16 tensor for the Gluon kernels: block (1, 1, rows, D),
     any strides (TMA-loadable ones: `_ws_inputs_ok`); rows past S load as zeros."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     block = [1, 1, rows, t.shape[3]]
-    gdt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, gdt))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _shared_layout(tuple(block), t.dtype))
 
 
 def _gluon_rows_desc(t: torch.Tensor, rows: int):
     """1-D TMA descriptor over a contiguous float32 (B, H, padded S) tensor (the backward's lse2 / Delta, each
     head's rows padded to a multiple of 4 floats: `bwd_preprocess`'s row_stride), read ``rows`` at a time."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     flat = t.view(-1)
-    return TensorDescriptor(flat, [flat.numel()], [1], [rows], gl.NVMMASharedLayout.get_default_for([rows], gl.float32))
+    return TensorDescriptor(flat, [flat.numel()], [1], [rows], _shared_layout((rows,), torch.float32))
 
 
 def _forward_ws(q, k, v, out, lse, scale, lo_i, hi_i, has_lo, has_hi, config) -> None:
@@ -405,12 +411,10 @@ WS_BWD_DQ_TMA = True
 def _dqa_desc(dqa: torch.Tensor, block_m: int, D: int):
     """TMA descriptor of the float32 (B, H, Sq, D) dQ accumulator for the bulk reduction: one consumer warpgroup's
     share of a query tile, (1, 1, block_m, D / 2) (or (1, 1, 64, D) with 128-row tiles: split by rows)."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     block = [1, 1, 64, D] if block_m == 128 else [1, 1, block_m, D // 2]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
-    return TensorDescriptor(dqa, list(dqa.shape), list(dqa.stride()), block, layout)
+    return TensorDescriptor(dqa, list(dqa.shape), list(dqa.stride()), block, _shared_layout(tuple(block), dqa.dtype))
 
 
 def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, lo_i, hi_i, has_lo, has_hi, config) -> None:

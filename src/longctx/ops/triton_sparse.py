@@ -39,6 +39,7 @@ benchmarks/sweep_sparse_configs.py compares the variants against FlexAttention.
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 
@@ -119,6 +120,9 @@ VARIANT: dict = {
     "ws_sched": _tristate("LONGCTX_SPARSE_WS_SCHED"),
     # persistent: one CTA per SM taking work items by ticket, the next item's loads overlapping this one's end
     "ws_persist": _flag("LONGCTX_SPARSE_WS_PERSIST", True),
+    # persistent forward: a consumer frees its Q buffer for the next item once the item's last scores are done
+    # (where no partial block follows), not after its last P V
+    "ws_early_q": _flag("LONGCTX_SPARSE_WS_EARLY_Q", True),
 }
 
 
@@ -297,6 +301,29 @@ def _schedule(num: torch.Tensor, fnum: torch.Tensor, n_tiles: int, rows: int, ma
     return order.reshape(-1).to(torch.int32)
 
 
+_SCHEDULES: collections.OrderedDict = collections.OrderedDict()
+_SCHEDULES_MAX = 64
+
+
+def _schedule_cached(num: torch.Tensor, fnum: torch.Tensor, n_tiles: int, rows: int, mask_bs: int, group: int):
+    """`_schedule`, kept for the next call with the same mask tensors (a mask serves every layer and both passes;
+    computing the order is ~10 small kernels and a third of a short forward's host time, session 10). Keyed by
+    the tensors' storage, version and shapes: an entry left by a freed mask whose memory a new mask of the same
+    shape took is still an order of the same work items, so only the speed can suffer, never the result."""
+    key = (num.data_ptr(), fnum.data_ptr(), num._version, fnum._version, tuple(num.shape), tuple(num.stride()),
+           tuple(fnum.stride()), num.device, n_tiles, rows, mask_bs, group)  # fmt: skip
+    hit = _SCHEDULES.get(key)
+    if hit is not None:
+        _SCHEDULES.move_to_end(key)
+        return hit
+    order = _schedule(num, fnum, n_tiles, rows, mask_bs, group)
+    if not (num.is_cuda and torch.cuda.is_current_stream_capturing()):  # a graph's memory is not ours to keep
+        _SCHEDULES[key] = order
+        while len(_SCHEDULES) > _SCHEDULES_MAX:
+            _SCHEDULES.popitem(last=False)
+    return order
+
+
 def _use_schedule(kw: dict, persistent: bool) -> bool:
     """Whether the warp-specialised kernels take `_schedule`'s order. By default the persistent kernels always do.
     One CTA per item (``LONGCTX_SPARSE_WS_PERSIST=0``) takes it for the analytic masks: those with document ids,
@@ -333,13 +360,14 @@ def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs
     n_tiles = _cdiv(Sq, int(sws.CTA_ROWS))
     grid, cnt, persist = _work_grid(n_tiles * B * Hq, q.device)
     use_sched = _use_schedule(mkw, persist)
-    sched = _schedule(margs[0], margs[2], n_tiles, int(sws.CTA_ROWS), mask_bs, 1) if use_sched else lse
+    sched = _schedule_cached(margs[0], margs[2], n_tiles, int(sws.CTA_ROWS), mask_bs, 1) if use_sched else lse
     sws.sparse_fwd_ws_kernel[grid](
         _tf._gluon_desc(q, int(sws.WG_ROWS)), _tf._gluon_desc(k, block_n), _tf._gluon_desc(v, block_n), out, lse,
         *out.stride(), *margs, sched, lse if cnt is None else cnt, n_tiles * B * Hq, n_tiles,
         USE_SCHED=use_sched, Hq=Hq, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, qk_scale=scale * _LOG2E,
         HEAD_DIM=D, BLOCK_D=D, MASK_BS=mask_bs, EVEN_SK=Sk % mask_bs == 0,
-        BLOCK_N=block_n, STAGES=stages, PIPE=pipe, PERSIST=persist, CONSUMER_REGS=240, PRODUCER_REGS=24,
+        BLOCK_N=block_n, STAGES=stages, PIPE=pipe, PERSIST=persist, EARLY_Q=VARIANT["ws_early_q"],
+        CONSUMER_REGS=240, PRODUCER_REGS=24,
         num_warps=4, maxnreg=168, **mkw,
     )  # fmt: skip
 
@@ -356,7 +384,7 @@ def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale: float, targs: lis
     n_tiles = _cdiv(Sk, rows)
     grid, cnt, persist = _work_grid(n_tiles * B * Hkv, q.device)
     use_sched = _use_schedule(tkw, persist)
-    sched = _schedule(targs[0], targs[2], n_tiles, rows, mask_bs, Hq // Hkv) if use_sched else lse2
+    sched = _schedule_cached(targs[0], targs[2], n_tiles, rows, mask_bs, Hq // Hkv) if use_sched else lse2
     sws.sparse_bwd_ws_kernel[grid](
         _tf._gluon_desc(q, block_m), _tf._gluon_desc(k, rows), _tf._gluon_desc(v, rows), _tf._gluon_desc(do, block_m),
         _tf._gluon_rows_desc(lse2, block_m), _tf._gluon_rows_desc(delta, block_m),
