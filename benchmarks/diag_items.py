@@ -70,7 +70,9 @@ def _circulant(n: int, k: int, scattered: bool, seed: int) -> torch.Tensor:
 
 def summary(path: str) -> None:
     """One line per mask of a ``--json`` file: call / main kernel / other kernels / host time (us), fwd and bwd."""
-    for r in json.load(open(path)):
+    with open(path) as f:
+        rows = json.load(f)
+    for r in rows:
         if "error" in r:
             print(f"{r['mask']:24s} {r['error']}")
             continue
