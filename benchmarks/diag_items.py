@@ -68,6 +68,36 @@ def _circulant(n: int, k: int, scattered: bool, seed: int) -> torch.Tensor:
     return lay
 
 
+def trace(fwd, n_sm: int) -> dict:
+    """One forward with `triton_sparse.WS_TRACE`: medians over the work items after each CTA's first (SM clock
+    cycles) of Q wait (item start -> Q ready), tiles (Q ready -> last tile done), epilogue (-> output written)
+    and gap (output written -> next item's start), per warpgroup pair."""
+    from longctx.kernels import flash_sparse_ws as sws
+    from longctx.ops import triton_sparse as ts
+
+    buf = torch.zeros((n_sm, 2, int(sws.TRACE_ITEMS), 4), dtype=torch.int64, device="cuda")
+    ts.WS_TRACE = buf
+    try:
+        fwd()
+        torch.cuda.synchronize()
+    finally:
+        ts.WS_TRACE = None
+    t = buf.cpu().double()
+    seen = t[..., 0] != 0  # (cta, wg, item)
+    segs = {"q_wait": t[..., 1] - t[..., 0], "tiles": t[..., 2] - t[..., 1], "epilogue": t[..., 3] - t[..., 2]}
+    gap = torch.zeros_like(t[..., 0])
+    gap[..., 1:] = t[..., 1:, 0] - t[..., :-1, 3]
+    segs["gap"] = gap
+    later = seen.clone()
+    later[..., 0] = False
+    out = {name: float(v[later].median()) for name, v in segs.items()}
+    out["first_q_wait"] = float(segs["q_wait"][..., 0][seen[..., 0]].median())
+    out["items_per_cta"] = float(seen[:, 0].sum(-1).double().mean())
+    per_cta = t[:, :, :, 3].amax((1, 2)) - torch.where(seen, t[..., 0], float("inf")).amin((1, 2))
+    out["cta_span_median"] = float(per_cta.median())
+    return out
+
+
 def summary(path: str) -> None:
     """One line per mask of a ``--json`` file: call / main kernel / other kernels / host time (us), fwd and bwd."""
     with open(path) as f:
@@ -85,6 +115,9 @@ def summary(path: str) -> None:
                 f"({x['us_per_block']:.2f} us/blk)"
             )
         print(f"{r['mask']:24s} {r.get('tag', ''):8s} " + " | ".join(cols))
+        if "trace" in r:
+            tr = r["trace"]
+            print("    trace (cycles, medians): " + ", ".join(f"{k} {v:.0f}" for k, v in tr.items()))
 
 
 def main(argv=None) -> int:
@@ -94,6 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", default="4,8,13,26,64")
     ap.add_argument("--n-prof", type=int, default=20)
     ap.add_argument("--skip-items", action="store_true")
+    ap.add_argument("--scattered-only", action="store_true")
+    ap.add_argument("--trace", action="store_true", help="also the forward's per-item clock trace")
     ap.add_argument("--tag", default=os.environ.get("DIAG_TAG", ""))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -118,7 +153,7 @@ def main(argv=None) -> int:
     }
     if not args.skip_items:
         for kb in (int(x) for x in args.ks.split(",") if x):
-            for scat in (True, False):
+            for scat in (True,) if args.scattered_only else (True, False):
                 lay = _circulant(n, kb, scat, seed=kb)
                 name = f"k={kb} {'scattered' if scat else 'contiguous'}"
                 masks[name] = longctx.BlockMask.from_layout(lay.cuda(), 128, S, S)
@@ -159,6 +194,8 @@ def main(argv=None) -> int:
                     "other_kernels_us": {kname: round(t, 1) for kname, t in kern.items() if kname != main},
                     "host_us": host,
                 }
+            if args.trace:
+                row["trace"] = trace(fwd, torch.cuda.get_device_properties(0).multi_processor_count)
         except Exception as exc:  # report and go on
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         rows.append(row)

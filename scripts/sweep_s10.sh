@@ -4,6 +4,7 @@
 #       per-item sweep (k kept blocks per row and column, scattered / contiguous).
 #   PART=d2: v15 (cached schedule and layouts; item entry and counts posted with the ticket; Q freed after the
 #       last scores): GPU tests, then the diagnostic with EARLY_Q on and off, and the host profile.
+#   PART=d3: the forward's per-item clock trace (diag_items.py --trace): where an item's fixed cost goes.
 #   PART=h1: host time of one forward / backward call by function (benchmarks/host_profile.py, cProfile).
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" sweep_out
@@ -32,6 +33,17 @@ d2)
   timeout 100 python3 benchmarks/host_profile.py --n 200 >"$OUT/host_profile_d2.txt" 2>&1
   grep -E "^==|function calls" "$OUT/host_profile_d2.txt"
   for f in "$OUT"/diag_items_d2_*.json; do python3 benchmarks/diag_items.py --summary "$f"; done
+  ;;
+d3)
+  LONGCTX_TRITON_AUTOTUNE=0 timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu --maxfail=25 \
+    tests/gpu/test_sparse_ws_gpu.py >"$OUT/gpu_tests_s10_d3.txt" 2>&1
+  grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpu_tests_s10_d3.txt" | tail -30 | cut -c1-300
+  clocks
+  DIAG_TAG=trace timeout 200 python3 benchmarks/diag_items.py --ks 4,13,64 --scattered-only --trace \
+    --json "$OUT/diag_items_d3.json" >"$OUT/diag_items_d3.txt" 2>&1
+  tail -2 "$OUT/diag_items_d3.txt" | cut -c1-200
+  clocks
+  python3 benchmarks/diag_items.py --summary "$OUT/diag_items_d3.json"
   ;;
 h1)
   timeout 200 python3 benchmarks/host_profile.py --n 200 --out "$OUT/host" >"$OUT/host_profile_h1.txt" 2>&1

@@ -38,6 +38,7 @@ WG_ROWS = fws.WG_ROWS
 NUM_CONSUMERS = fws.NUM_CONSUMERS
 CTA_ROWS = gl.constexpr(128)  # rows (forward) / keys (backward) of one CTA
 BIG = gl.constexpr(1 << 30)  # an unbounded side of a MASK_KIND 3 interval (`block_sparse.BIG`)
+TRACE_ITEMS = gl.constexpr(512)  # items per CTA that the forward's TRACE records
 
 
 @gluon.jit
@@ -220,6 +221,18 @@ def _store_dkdv_tma(dk, dv, desc_dk, desc_dv, stage, off_b, off_kvh, my_n, sm_sc
 
 
 @gluon.jit
+def _trace(TR, n, WG: gl.constexpr, point: gl.constexpr):
+    """Diagnostic (forward, TRACE): the SM's clock at ``point`` (0: item start, 1: Q ready, 2: last tile done, 3:
+    output written) of the CTA's ``n``-th item, warpgroup WG, into int64 TR[pid, WG, n, point], TR of shape
+    (grid, 2, TRACE_ITEMS, 4) (later items are not recorded)."""
+    lanes = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [lanes], dtype=gl.int64, is_pure=False,
+                                    pack=1)
+    row = (gl.program_id(0).to(gl.int64) * NUM_CONSUMERS + WG) * TRACE_ITEMS + n
+    gl.store(TR + row * 4 + point + lanes * 0, clk, mask=(lanes == 0) & (n < TRACE_ITEMS))
+
+
+@gluon.jit
 def _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, off_b, off_kvh, IDX_row,
                    n_tiles, i, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     SUB: gl.constexpr = MASK_BS // BLOCK_N
@@ -307,14 +320,16 @@ def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_
               O, LSE, stride_ob, stride_oh, stride_om, stride_od,
               KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
               QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-              SCHED, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG: gl.constexpr,
+              SCHED, TR, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG: gl.constexpr,
               MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
               EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
               STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr,
-              EARLY_Q: gl.constexpr):
+              EARLY_Q: gl.constexpr, TRACE: gl.constexpr):
     """Work item entry ``e`` (`_entry`) with ``n_full`` / ``n_part`` listed blocks, the CTA's ``n``-th, for one
     warpgroup: 64 query rows against the listed kv blocks; writes their output and lse. ``i`` counts the K/V tiles
-    consumed so far (ring slot and phase); returns it."""
+    consumed so far (ring slot and phase); returns it. TRACE: the SM clock at four points into TR (`_trace`)."""
+    if TRACE:
+        _trace(TR, n, WG, 0)
     s_layout: gl.constexpr = fws.wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = fws.wgmma_layout(BLOCK_D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -338,6 +353,8 @@ def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_
     acc = gl.zeros([WG_ROWS, BLOCK_D], gl.float32, layout=o_layout)
     q = q_smem.index(WG).reshape([WG_ROWS, BLOCK_D])
     mbarrier.wait(q_bar.index(WG), n & 1)
+    if TRACE:
+        _trace(TR, n, WG, 1)
     # PERSIST: Q's buffer is refilled for the next item once this one's last scores are done; where no partial
     # block follows, the full run's last tile releases it before its softmax and P V (else: after the masked run)
     released = n_part < 0  # false
@@ -374,8 +391,12 @@ def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_
     if PERSIST:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if not released:
             mbarrier.arrive(q_free.index(WG), count=1)  # the item's wgmmas are done: Q's buffer may be refilled
+    if TRACE:
+        _trace(TR, n, WG, 2)
     fws._epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od, off_b, off_h, Hq, Sq,
                   my_start, offs_m, o_layout, HEAD_DIM, BLOCK_D)
+    if TRACE:
+        _trace(TR, n, WG, 3)
     return i
 
 
@@ -384,11 +405,11 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_rea
                   tk_empty, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
                   KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                   QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-                  SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG: gl.constexpr,
-                  MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
-                  EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr,
-                  EARLY_Q: gl.constexpr):
+                  SCHED, TR, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale,
+                  WG: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
+                  HAS_GLOBAL: gl.constexpr, EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr,
+                  PERSIST: gl.constexpr, EARLY_Q: gl.constexpr, TRACE: gl.constexpr):
     """One warpgroup: its 64 rows of the CTA's work item (grid position), or with PERSIST of every item the
     producer hands out, until the tickets run out."""
     t = gl.program_id(0)
@@ -402,9 +423,9 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_rea
                           O, LSE, stride_ob, stride_oh, stride_om, stride_od,
                           KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                           QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                          stride_tq, SCHED, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
+                          stride_tq, SCHED, TR, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
                           MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                          USE_SCHED, PERSIST, EARLY_Q)
+                          USE_SCHED, PERSIST, EARLY_Q, TRACE)
             t, e, n_full, n_part = _read_ticket(tickets, tk_ready, tk_empty, n)
             n += 1
     else:
@@ -412,9 +433,9 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_rea
                   O, LSE, stride_ob, stride_oh, stride_om, stride_od,
                   KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                   QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                  stride_tq, SCHED, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
+                  stride_tq, SCHED, TR, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
                   MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                  USE_SCHED, PERSIST, EARLY_Q)
+                  USE_SCHED, PERSIST, EARLY_Q, TRACE)
 
 
 @gluon.jit
@@ -423,12 +444,12 @@ def sparse_fwd_ws_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
     QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-    SCHED, CNT, n_items, n_tiles, Hq, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale,
+    SCHED, CNT, TR, n_items, n_tiles, Hq, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr,
     HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr, EVEN_SK: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PERSIST: gl.constexpr = False,
-    EARLY_Q: gl.constexpr = True,
+    EARLY_Q: gl.constexpr = True, TRACE: gl.constexpr = False,
 ):
     """Grid: (n_items,), one CTA per work item ``tile + n_tiles * (b * Hq + h)`` (tiles of 128 query rows), or with
     PERSIST at most one CTA per SM, each taking items by ticket from the zeroed int32 counter CNT; num_warps=4
@@ -443,16 +464,16 @@ def sparse_fwd_ws_kernel(
                          tk_ready, tk_empty, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                         stride_tq, SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 0,
+                         stride_tq, SCHED, TR, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 0,
                          MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                         USE_SCHED, PERSIST, EARLY_Q)),
+                         USE_SCHED, PERSIST, EARLY_Q, TRACE)),
         (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty, tickets,
                          tk_ready, tk_empty, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                         stride_tq, SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 1,
+                         stride_tq, SCHED, TR, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 1,
                          MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                         USE_SCHED, PERSIST, EARLY_Q)),
+                         USE_SCHED, PERSIST, EARLY_Q, TRACE)),
         (_fwd_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready,
                          v_empty, tickets, tk_ready, tk_empty, CNT,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,

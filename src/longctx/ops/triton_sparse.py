@@ -126,6 +126,12 @@ VARIANT: dict = {
 }
 
 
+# Diagnostic: an int64 tensor of shape (grid, 2, flash_sparse_ws.TRACE_ITEMS, 4), zeroed, makes the warp-specialised
+# forward record the SM clock at each work item's start, Q ready, last tile done and output written
+# (benchmarks/diag_items.py --trace). None: the kernel without those reads.
+WS_TRACE: torch.Tensor | None = None
+
+
 def _tiles_from_env(text: str) -> dict[str, tuple[int, int, int, int]]:
     """``"fwd=128,64,8,3;dkdv=32,128,8,3"`` -> {"fwd": (128, 64, 8, 3), "dkdv": (32, 128, 8, 3)}."""
     out = {}
@@ -363,10 +369,12 @@ def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs
     sched = _schedule_cached(margs[0], margs[2], n_tiles, int(sws.CTA_ROWS), mask_bs, 1) if use_sched else lse
     sws.sparse_fwd_ws_kernel[grid](
         _tf._gluon_desc(q, int(sws.WG_ROWS)), _tf._gluon_desc(k, block_n), _tf._gluon_desc(v, block_n), out, lse,
-        *out.stride(), *margs, sched, lse if cnt is None else cnt, n_tiles * B * Hq, n_tiles,
+        *out.stride(), *margs, sched, lse if cnt is None else cnt, lse if WS_TRACE is None else WS_TRACE,
+        n_tiles * B * Hq, n_tiles,
         USE_SCHED=use_sched, Hq=Hq, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, qk_scale=scale * _LOG2E,
         HEAD_DIM=D, BLOCK_D=D, MASK_BS=mask_bs, EVEN_SK=Sk % mask_bs == 0,
         BLOCK_N=block_n, STAGES=stages, PIPE=pipe, PERSIST=persist, EARLY_Q=VARIANT["ws_early_q"],
+        TRACE=WS_TRACE is not None,
         CONSUMER_REGS=240, PRODUCER_REGS=24,
         num_warps=4, maxnreg=168, **mkw,
     )  # fmt: skip
