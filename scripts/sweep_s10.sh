@@ -5,6 +5,8 @@
 #   PART=d2: v15 (cached schedule and layouts; item entry and counts posted with the ticket; Q freed after the
 #       last scores): GPU tests, then the diagnostic with EARLY_Q on and off, and the host profile.
 #   PART=d3: the forward's per-item clock trace (diag_items.py --trace): where an item's fixed cost goes.
+#   PART=d4: v16, the forward's output through Q's buffer and the copy engine (O_TMA) against the default
+#       (EARLY_Q), traced, O_TMA run twice (first and last) to see the drift between runs.
 #   PART=h1: host time of one forward / backward call by function (benchmarks/host_profile.py, cProfile).
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" sweep_out
@@ -44,6 +46,20 @@ d3)
   tail -2 "$OUT/diag_items_d3.txt" | cut -c1-200
   clocks
   python3 benchmarks/diag_items.py --summary "$OUT/diag_items_d3.json"
+  ;;
+d4)
+  LONGCTX_TRITON_AUTOTUNE=0 timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu --maxfail=25 \
+    tests/gpu/test_sparse_ws_gpu.py >"$OUT/gpu_tests_s10_d4.txt" 2>&1
+  grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpu_tests_s10_d4.txt" | tail -30 | cut -c1-300
+  clocks
+  for v in "o_tma:1" "early_q:0" "o_tma2:1"; do
+    IFS=: read -r tag ot <<<"$v"
+    LONGCTX_SPARSE_WS_O_TMA=$ot DIAG_TAG=$tag timeout 200 python3 benchmarks/diag_items.py --ks 4,13,64 \
+      --scattered-only --trace --json "$OUT/diag_items_d4_$tag.json" >"$OUT/diag_items_d4_$tag.txt" 2>&1
+    tail -1 "$OUT/diag_items_d4_$tag.txt" | cut -c1-200
+    clocks
+  done
+  for f in "$OUT"/diag_items_d4_*.json; do python3 benchmarks/diag_items.py --summary "$f"; done
   ;;
 h1)
   timeout 200 python3 benchmarks/host_profile.py --n 200 --out "$OUT/host" >"$OUT/host_profile_h1.txt" 2>&1

@@ -141,9 +141,9 @@ def _read_ticket(tickets, tk_ready, tk_empty, n):
     """Consumer warpgroup: (ticket, entry, full count, partial count) of the CTA's item ``n + 1`` (`_post_ticket`)."""
     s = n % 2
     mbarrier.wait(tk_ready.index(s), (n // 2) & 1)
-    layout: gl.constexpr = gl.BlockedLayout([1, 32], [1, 32], [1, 4], [1, 0])  # every thread reads the 32 entries
-    got = tickets.index(s).load(layout)
-    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, layout))[None, :]
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [4, 1], [1, 0])  # every thread reads entries 0-3
+    got = tickets.index(s).slice(0, 4, dim=1).load(layout)
+    lane = gl.arange(0, 4, layout=gl.SliceLayout(0, layout))[None, :]
     t = gl.sum(gl.sum(gl.where(lane == 0, got, 0), 1), 0)
     e = gl.sum(gl.sum(gl.where(lane == 1, got, 0), 1), 0)
     n_full = gl.sum(gl.sum(gl.where(lane == 2, got, 0), 1), 0)
@@ -233,6 +233,29 @@ def _trace(TR, n, WG: gl.constexpr, point: gl.constexpr):
 
 
 @gluon.jit
+def _epilogue_tma(acc, l_i, m_i, LSE, desc_o, q_buf, q_free_w, off_b, off_h, Hq, Sq, my_start, offs_m,
+                  o_layout: gl.constexpr, PERSIST: gl.constexpr):
+    """`flash_fwd_ws._epilogue` through shared memory: the output tile goes into the warpgroup's Q buffer (its
+    last scores are done) and leaves by the copy engine (which clips rows past Sq), so that 64 x D values cost
+    one shared-memory pass instead of 32 strided 4-byte global stores per thread (the register layout of a wgmma
+    accumulator: ~2,700 cycles per item, session 10's trace). The buffer is freed for the next item's Q once the
+    copy has read it."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    pid_bh = off_b * Hq + off_h
+    gl.store(LSE + pid_bh.to(gl.int64) * Sq + offs_m, lse, mask=offs_m < Sq)
+    out = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
+    q_buf.reshape([WG_ROWS, desc_o.block_type.shape[3]]).store(out.to(desc_o.dtype))
+    bws.fence_async_shared()
+    _tma_store(desc_o, [off_b, off_h, my_start, 0], q_buf)
+    bws.tma.store_wait(0)  # the copy has read the buffer
+    if PERSIST:
+        mbarrier.arrive(q_free_w, count=1)
+
+
+@gluon.jit
 def _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, off_b, off_kvh, IDX_row,
                    n_tiles, i, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     SUB: gl.constexpr = MASK_BS // BLOCK_N
@@ -317,17 +340,18 @@ def _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_rea
 
 @gluon.jit
 def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty,
-              O, LSE, stride_ob, stride_oh, stride_om, stride_od,
+              desc_o, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
               KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
               QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
               SCHED, TR, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG: gl.constexpr,
               MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
               EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
               STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr,
-              EARLY_Q: gl.constexpr, TRACE: gl.constexpr):
+              EARLY_Q: gl.constexpr, O_TMA: gl.constexpr, TRACE: gl.constexpr):
     """Work item entry ``e`` (`_entry`) with ``n_full`` / ``n_part`` listed blocks, the CTA's ``n``-th, for one
     warpgroup: 64 query rows against the listed kv blocks; writes their output and lse. ``i`` counts the K/V tiles
-    consumed so far (ring slot and phase); returns it. TRACE: the SM clock at four points into TR (`_trace`)."""
+    consumed so far (ring slot and phase); returns it. O_TMA: the output leaves through Q's buffer and the copy
+    engine (`_epilogue_tma`). TRACE: the SM clock at four points into TR (`_trace`)."""
     if TRACE:
         _trace(TR, n, WG, 0)
     s_layout: gl.constexpr = fws.wgmma_layout(BLOCK_N)
@@ -356,7 +380,8 @@ def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_
     if TRACE:
         _trace(TR, n, WG, 1)
     # PERSIST: Q's buffer is refilled for the next item once this one's last scores are done; where no partial
-    # block follows, the full run's last tile releases it before its softmax and P V (else: after the masked run)
+    # block follows, the full run's last tile releases it before its softmax and P V (else: after the masked run).
+    # O_TMA: after the output has left through it (`_epilogue_tma`); the launcher never sets both.
     released = n_part < 0  # false
     # (compile-time branches: an `and` of constexprs makes a tensor here)
     if EARLY_Q:  # noqa: SIM102
@@ -388,13 +413,17 @@ def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_
                                        stride_tq, TILES, Sk, lo, hi, kv_global, q_global, qk_scale,
                                        s_layout, p_layout, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N,
                                        BLOCK_D, STAGES)
-    if PERSIST:  # noqa: SIM102 (a compile-time branch around a run-time one)
-        if not released:
-            mbarrier.arrive(q_free.index(WG), count=1)  # the item's wgmmas are done: Q's buffer may be refilled
     if TRACE:
         _trace(TR, n, WG, 2)
-    fws._epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od, off_b, off_h, Hq, Sq,
-                  my_start, offs_m, o_layout, HEAD_DIM, BLOCK_D)
+    if O_TMA:
+        _epilogue_tma(acc, l_i, m_i, LSE, desc_o, q_smem.index(WG), q_free.index(WG), off_b, off_h, Hq, Sq,
+                      my_start, offs_m, o_layout, PERSIST)
+    else:
+        if PERSIST:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if not released:
+                mbarrier.arrive(q_free.index(WG), count=1)  # the item's wgmmas are done: Q's buffer may be refilled
+        fws._epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od, off_b, off_h, Hq, Sq,
+                      my_start, offs_m, o_layout, HEAD_DIM, BLOCK_D)
     if TRACE:
         _trace(TR, n, WG, 3)
     return i
@@ -402,14 +431,14 @@ def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_
 
 @gluon.jit
 def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty, tickets, tk_ready,
-                  tk_empty, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
+                  tk_empty, desc_o, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
                   KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                   QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
                   SCHED, TR, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale,
                   WG: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
                   HAS_GLOBAL: gl.constexpr, EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr,
-                  PERSIST: gl.constexpr, EARLY_Q: gl.constexpr, TRACE: gl.constexpr):
+                  PERSIST: gl.constexpr, EARLY_Q: gl.constexpr, O_TMA: gl.constexpr, TRACE: gl.constexpr):
     """One warpgroup: its 64 rows of the CTA's work item (grid position), or with PERSIST of every item the
     producer hands out, until the tickets run out."""
     t = gl.program_id(0)
@@ -420,27 +449,27 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_rea
         i = 0
         while t < n_items:
             i = _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty,
-                          O, LSE, stride_ob, stride_oh, stride_om, stride_od,
+                          desc_o, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
                           KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                           QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                           stride_tq, SCHED, TR, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
                           MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                          USE_SCHED, PERSIST, EARLY_Q, TRACE)
+                          USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)
             t, e, n_full, n_part = _read_ticket(tickets, tk_ready, tk_empty, n)
             n += 1
     else:
         _fwd_item(e, n_full, n_part, 0, gl.to_tensor(0), q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty,
-                  O, LSE, stride_ob, stride_oh, stride_om, stride_od,
+                  desc_o, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
                   KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                   QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                   stride_tq, SCHED, TR, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
                   MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                  USE_SCHED, PERSIST, EARLY_Q, TRACE)
+                  USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)
 
 
 @gluon.jit
 def sparse_fwd_ws_kernel(
-    desc_q, desc_k, desc_v, O, LSE,
+    desc_q, desc_k, desc_v, desc_o, O, LSE,
     stride_ob, stride_oh, stride_om, stride_od,
     KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
     QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
@@ -449,7 +478,7 @@ def sparse_fwd_ws_kernel(
     HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr, EVEN_SK: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PERSIST: gl.constexpr = False,
-    EARLY_Q: gl.constexpr = True, TRACE: gl.constexpr = False,
+    EARLY_Q: gl.constexpr = True, O_TMA: gl.constexpr = False, TRACE: gl.constexpr = False,
 ):
     """Grid: (n_items,), one CTA per work item ``tile + n_tiles * (b * Hq + h)`` (tiles of 128 query rows), or with
     PERSIST at most one CTA per SM, each taking items by ticket from the zeroed int32 counter CNT; num_warps=4
@@ -461,19 +490,19 @@ def sparse_fwd_ws_kernel(
 
     gl.warp_specialize([
         (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty, tickets,
-                         tk_ready, tk_empty, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
+                         tk_ready, tk_empty, desc_o, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                          stride_tq, SCHED, TR, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 0,
                          MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                         USE_SCHED, PERSIST, EARLY_Q, TRACE)),
+                         USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)),
         (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty, tickets,
-                         tk_ready, tk_empty, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
+                         tk_ready, tk_empty, desc_o, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                          stride_tq, SCHED, TR, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 1,
                          MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                         USE_SCHED, PERSIST, EARLY_Q, TRACE)),
+                         USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)),
         (_fwd_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready,
                          v_empty, tickets, tk_ready, tk_empty, CNT,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
