@@ -7,6 +7,8 @@
 #   PART=d3: the forward's per-item clock trace (diag_items.py --trace): where an item's fixed cost goes.
 #   PART=d4: v16, the forward's output through Q's buffer and the copy engine (O_TMA) against the default
 #       (EARLY_Q), traced, O_TMA run twice (first and last) to see the drift between runs.
+#   PART=d5: v17 (O_TMA on by default; the producer's L2 prefetch of the next Q, PREFETCH_Q): GPU tests, the
+#       traced A/B twice each (interleaved), then the mask table with the defaults.
 #   PART=h1: host time of one forward / backward call by function (benchmarks/host_profile.py, cProfile).
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" sweep_out
@@ -60,6 +62,23 @@ d4)
     clocks
   done
   for f in "$OUT"/diag_items_d4_*.json; do python3 benchmarks/diag_items.py --summary "$f"; done
+  ;;
+d5)
+  LONGCTX_TRITON_AUTOTUNE=0 timeout 300 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu --maxfail=25 \
+    tests/gpu/test_sparse_ws_gpu.py tests/gpu/test_sparse_gpu.py >"$OUT/gpu_tests_s10_d5.txt" 2>&1
+  grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpu_tests_s10_d5.txt" | tail -30 | cut -c1-300
+  clocks
+  for v in "o_tma:0" "prefetch:1" "o_tma_b:0" "prefetch_b:1"; do
+    IFS=: read -r tag pf <<<"$v"
+    LONGCTX_SPARSE_WS_PREFETCH_Q=$pf DIAG_TAG=$tag timeout 200 python3 benchmarks/diag_items.py --ks 4,13,64 \
+      --scattered-only --trace --json "$OUT/diag_items_d5_$tag.json" >"$OUT/diag_items_d5_$tag.txt" 2>&1
+    tail -1 "$OUT/diag_items_d5_$tag.txt" | cut -c1-200
+    clocks
+  done
+  for f in "$OUT"/diag_items_d5_*.json; do python3 benchmarks/diag_items.py --summary "$f"; done
+  timeout 280 python3 -m longctx.bench.masks --out-dir "$OUT" --tag _s10 >>"$LOG" 2>&1
+  clocks
+  grep -E "^\| (sliding|documents|random|causal)|x |Error|error" "$LOG" | tail -20 | cut -c1-250
   ;;
 h1)
   timeout 200 python3 benchmarks/host_profile.py --n 200 --out "$OUT/host" >"$OUT/host_profile_h1.txt" 2>&1

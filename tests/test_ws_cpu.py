@@ -151,8 +151,8 @@ def _check_dq_by_bulk_reduction(k) -> None:
 
 
 # the mask arguments of the block-sparse kernels: pointers (the rest are i32)
-_SPARSE_TYPES = {"O": "*bf16", "LSE": "*fp32", "DK": "*bf16", "DV": "*bf16", "DQA": "*fp32", "TILES": "*u8",
-                 "qk_scale": "fp32", "sm_scale": "fp32"}  # fmt: skip
+_SPARSE_TYPES = {"Q": "*bf16", "O": "*bf16", "desc_o": "*bf16", "LSE": "*fp32", "DK": "*bf16", "DV": "*bf16",
+                 "DQA": "*fp32", "TILES": "*u8", "TR": "*i64", "qk_scale": "fp32", "sm_scale": "fp32"}  # fmt: skip
 _SPARSE_TYPES.update({n: "*i32" for n in ("KV_NUM", "KV_IDX", "Q_NUM", "Q_IDX", "FULL_NUM", "FULL_IDX", "QDOC",
                                           "KDOC", "QPOS", "KPOS", "TILE_IDS", "SCHED", "CNT")})  # fmt: skip
 
@@ -171,17 +171,22 @@ SPARSE_STACK_BOUND = {("fwd", 64): 128, ("fwd", 128): 256, ("bwd", 64): 64, ("bw
 )
 @pytest.mark.parametrize("D", [64, 128])
 def test_sparse_ws_compiles_for_sm90(D, kind, even, tmp_path, sm90_compile):
-    """The block-sparse warp-specialised kernels (`kernels.flash_sparse_ws`) with the dense kernels' configs, within
-    shared memory and the stack bounds above."""
+    """The block-sparse warp-specialised kernels (`kernels.flash_sparse_ws`) with the dense kernels' configs and the
+    launcher's default variants, within shared memory and the stack bounds above."""
     from longctx.kernels import flash_sparse_ws as ws
+    from longctx.ops import triton_sparse as ts
 
     t = torch.empty(1, 1, 256, D, dtype=torch.bfloat16)
     mask = dict(MASK_BS=128, MASK_KIND=kind, HAS_DOC=kind in (1, 3), HAS_GLOBAL=kind == 1, USE_SCHED=not even)
     block_n, stages, pipe = tf.WS_CONFIG[D]
+    o_tma = ts.VARIANT["ws_o_tma"]
     consts = dict(HEAD_DIM=D, BLOCK_D=D, EVEN_SK=even, BLOCK_N=block_n, STAGES=stages, PIPE=pipe, PERSIST=True,
+                  EARLY_Q=ts.VARIANT["ws_early_q"] and not o_tma, O_TMA=o_tma, PREFETCH_Q=ts.VARIANT["ws_prefetch_q"],
                   CONSUMER_REGS=240, PRODUCER_REGS=24, **mask)  # fmt: skip
     descs = {"desc_q": tf._gluon_desc(t, int(ws.WG_ROWS)), "desc_k": tf._gluon_desc(t, block_n),
              "desc_v": tf._gluon_desc(t, block_n)}  # fmt: skip
+    if o_tma:
+        descs["desc_o"] = tf._gluon_desc(t, int(ws.WG_ROWS))
     usage = _check_resources(sm90_compile(ws.sparse_fwd_ws_kernel, consts, descs, _SPARSE_TYPES), tmp_path)
     assert all(local == 0 and stack <= SPARSE_STACK_BOUND["fwd", D] for stack, local in usage), usage
 
