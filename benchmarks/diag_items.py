@@ -13,6 +13,7 @@ Two questions, timed in one process (S=16K, H=16, D=128, bf16, as `longctx.bench
 
     python benchmarks/diag_items.py [--json out.json] [--ks 4,8,13,26,64] [--skip-items]
     python benchmarks/diag_items.py --summary out.json   # call / kernel / other GPU / host us per mask
+    python benchmarks/diag_items.py --ratio 5 [--json r.json]   # causal / 10% layout, interleaved rounds
 """
 
 from __future__ import annotations
@@ -98,6 +99,46 @@ def trace(fwd, n_sm: int) -> dict:
     return out
 
 
+def _ratio(causal, layout, q, k, v, qq, kk, vv, scale, args) -> int:
+    """Causal's time over the 10% layout's, forward and backward, call (`do_bench`) and main kernel (profiler), in
+    ``args.ratio`` interleaved rounds (the two cases alternate, so drift between them cancels); the medians."""
+    import statistics
+
+    from longctx.bench.masks import _bench
+    from longctx.ops import triton_sparse as ts
+
+    def sides(bm):
+        out = ts.triton_sparse_attention(qq, kk, vv, scale=scale, block_mask=bm)[0]
+        do = torch.randn_like(out)
+        fwd = lambda: ts.sparse_forward(q, k, v, scale=scale, block_mask=bm)  # noqa: E731
+        bwd = lambda: torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True)  # noqa: E731
+        return {"fwd": fwd, "bwd": bwd}
+
+    fns = {"causal": sides(causal), "layout": sides(layout)}
+    for _ in range(300):
+        fns["layout"]["fwd"]()
+    rounds = []
+    for r in range(args.ratio):
+        row = {"round": r}
+        for name, f in fns.items():
+            for side, fn in f.items():
+                with torch.no_grad() if side == "fwd" else torch.enable_grad():
+                    row[f"{name}_{side}_call_ms"] = _bench(fn, 10, 50)
+                    kern = _profile(fn, 10)
+                row[f"{name}_{side}_kernel_us"] = max(kern.values())
+        for side in ("fwd", "bwd"):
+            row[f"{side}_call_ratio"] = row[f"causal_{side}_call_ms"] / row[f"layout_{side}_call_ms"]
+            row[f"{side}_kernel_ratio"] = row[f"causal_{side}_kernel_us"] / row[f"layout_{side}_kernel_us"]
+        rounds.append(row)
+        print(json.dumps(row), flush=True)
+    med = {key: statistics.median(r[key] for r in rounds) for key in rounds[0] if key != "round"}
+    print("medians: " + json.dumps({key: round(val, 4) for key, val in med.items()}), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rounds": rounds, "medians": med}, f, indent=1)
+    return 0
+
+
 def summary(path: str) -> None:
     """One line per mask of a ``--json`` file: call / main kernel / other kernels / host time (us), fwd and bwd."""
     with open(path) as f:
@@ -129,6 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-items", action="store_true")
     ap.add_argument("--scattered-only", action="store_true")
     ap.add_argument("--trace", action="store_true", help="also the forward's per-item clock trace")
+    ap.add_argument("--ratio", type=int, default=0, help="R rounds of causal vs the 10%% layout, interleaved")
     ap.add_argument("--tag", default=os.environ.get("DIAG_TAG", ""))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -157,6 +199,8 @@ def main(argv=None) -> int:
                 lay = _circulant(n, kb, scat, seed=kb)
                 name = f"k={kb} {'scattered' if scat else 'contiguous'}"
                 masks[name] = longctx.BlockMask.from_layout(lay.cuda(), 128, S, S)
+    if args.ratio:
+        return _ratio(masks["causal"], masks["layout 10%"], q, k, v, qq, kk, vv, scale, args)
     first = next(iter(masks.values()))
     for _ in range(300):  # clocks up before the first timing
         ts.sparse_forward(q, k, v, scale=scale, block_mask=first)

@@ -9,6 +9,8 @@
 #       (EARLY_Q), traced, O_TMA run twice (first and last) to see the drift between runs.
 #   PART=d5: v17 (O_TMA on by default; the producer's L2 prefetch of the next Q, PREFETCH_Q): GPU tests, the
 #       traced A/B twice each (interleaved), then the mask table with the defaults.
+#   PART=f1: the final code: GPU tests of the sparse kernels, causal / 10% layout in 7 interleaved rounds
+#       (diag_items.py --ratio), the mask table (at most 8 files under $OUT: the device returns no more).
 #   PART=h1: host time of one forward / backward call by function (benchmarks/host_profile.py, cProfile).
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" sweep_out
@@ -77,6 +79,19 @@ d5)
   done
   for f in "$OUT"/diag_items_d5_*.json; do python3 benchmarks/diag_items.py --summary "$f"; done
   timeout 280 python3 -m longctx.bench.masks --out-dir "$OUT" --tag _s10 >>"$LOG" 2>&1
+  clocks
+  grep -E "^\| (sliding|documents|random|causal)|x |Error|error" "$LOG" | tail -20 | cut -c1-250
+  ;;
+f1)
+  LONGCTX_TRITON_AUTOTUNE=0 timeout 300 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu --maxfail=25 \
+    tests/gpu/test_sparse_ws_gpu.py tests/gpu/test_sparse_gpu.py >"$OUT/gpu_tests_s10_f1.txt" 2>&1
+  grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpu_tests_s10_f1.txt" | tail -30 | cut -c1-300
+  clocks
+  timeout 200 python3 benchmarks/diag_items.py --skip-items --ratio 7 --json "$OUT/ratio_f1.json" \
+    >"$OUT/ratio_f1.txt" 2>&1
+  tail -1 "$OUT/ratio_f1.txt" | cut -c1-600
+  clocks
+  timeout 280 python3 -m longctx.bench.masks --out-dir "$OUT" --tag _s10b >>"$LOG" 2>&1
   clocks
   grep -E "^\| (sliding|documents|random|causal)|x |Error|error" "$LOG" | tail -20 | cut -c1-250
   ;;

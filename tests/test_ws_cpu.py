@@ -151,7 +151,7 @@ def _check_dq_by_bulk_reduction(k) -> None:
 
 
 # the mask arguments of the block-sparse kernels: pointers (the rest are i32)
-_SPARSE_TYPES = {"Q": "*bf16", "O": "*bf16", "desc_o": "*bf16", "LSE": "*fp32", "DK": "*bf16", "DV": "*bf16",
+_SPARSE_TYPES = {"O": "*bf16", "desc_o": "*bf16", "LSE": "*fp32", "DK": "*bf16", "DV": "*bf16",
                  "DQA": "*fp32", "TILES": "*u8", "TR": "*i64", "qk_scale": "fp32", "sm_scale": "fp32"}  # fmt: skip
 _SPARSE_TYPES.update({n: "*i32" for n in ("KV_NUM", "KV_IDX", "Q_NUM", "Q_IDX", "FULL_NUM", "FULL_IDX", "QDOC",
                                           "KDOC", "QPOS", "KPOS", "TILE_IDS", "SCHED", "CNT")})  # fmt: skip
@@ -181,7 +181,7 @@ def test_sparse_ws_compiles_for_sm90(D, kind, even, tmp_path, sm90_compile):
     block_n, stages, pipe = tf.WS_CONFIG[D]
     o_tma = ts.VARIANT["ws_o_tma"]
     consts = dict(HEAD_DIM=D, BLOCK_D=D, EVEN_SK=even, BLOCK_N=block_n, STAGES=stages, PIPE=pipe, PERSIST=True,
-                  EARLY_Q=ts.VARIANT["ws_early_q"] and not o_tma, O_TMA=o_tma, PREFETCH_Q=ts.VARIANT["ws_prefetch_q"],
+                  EARLY_Q=ts.VARIANT["ws_early_q"] and not o_tma, O_TMA=o_tma,
                   CONSUMER_REGS=240, PRODUCER_REGS=24, **mask)  # fmt: skip
     descs = {"desc_q": tf._gluon_desc(t, int(ws.WG_ROWS)), "desc_k": tf._gluon_desc(t, block_n),
              "desc_v": tf._gluon_desc(t, block_n)}  # fmt: skip

@@ -151,17 +151,15 @@ def test_ws_one_cta_per_item_and_other_orders(name, S, persist, sched, o_tma, sp
     assert spy() == {"fwd": 1, "bwd": 1}
 
 
-@pytest.mark.parametrize("q_free", ["early", "late", "o_tma", "o_tma_prefetch"])
+@pytest.mark.parametrize("q_free", ["early", "late", "o_tma"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_ws_persistent_more_items_than_sms_gqa(D, q_free, spy, monkeypatch):
     """Many more work items than SMs (every CTA takes tickets until they run out), GQA, per-head random layouts
     with empty rows and columns and rows of one and two blocks, against the Triton kernels. A forward item's Q
     buffer is freed after its last scores (``early``, a row of one or two blocks frees it on its first or second),
-    after its last P V (``late``), or once its output has left through it (``o_tma``, with the next item's rows
-    asked into L2 by the producer: ``o_tma_prefetch``)."""
+    after its last P V (``late``), or once its output has left through it (``o_tma``, the default)."""
     monkeypatch.setitem(ts.VARIANT, "ws_early_q", q_free == "early")
-    monkeypatch.setitem(ts.VARIANT, "ws_o_tma", q_free.startswith("o_tma"))
-    monkeypatch.setitem(ts.VARIANT, "ws_prefetch_q", q_free == "o_tma_prefetch")
+    monkeypatch.setitem(ts.VARIANT, "ws_o_tma", q_free == "o_tma")
     S, Hq, Hkv = 4096, 16, 4
     n = S // 128
     lay = torch.rand(Hq, n, n, generator=torch.Generator().manual_seed(3)) < 0.3

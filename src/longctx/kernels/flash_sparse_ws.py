@@ -256,22 +256,6 @@ def _epilogue_tma(acc, l_i, m_i, LSE, desc_o, q_buf, q_free_w, off_b, off_h, Hq,
 
 
 @gluon.jit
-def _prefetch_q(Q, stride_qb, stride_qh, stride_qm, e, n_tiles, Hq, Sq, BLOCK_D: gl.constexpr):
-    """Producer warp: ask L2 for the 128 query rows of forward work item entry ``e`` (rows past Sq: the last row),
-    so that their TMA load, which waits until a consumer frees its Q buffer, finds them there instead of in DRAM
-    (~1,400 cycles of Q wait per item with O_TMA, session 10's trace)."""
-    LINES: gl.constexpr = BLOCK_D * 2 // 128  # 128-byte lines per row of 16-bit elements
-    layout: gl.constexpr = gl.BlockedLayout([4, LINES], [32, 1], [1, 1], [1, 0])
-    off_b, off_h, start_m = _decode(e, n_tiles, Hq)
-    rows = gl.minimum(start_m + gl.arange(0, CTA_ROWS, layout=gl.SliceLayout(1, layout)), Sq - 1)
-    cols = gl.arange(0, LINES, layout=gl.SliceLayout(0, layout)) * 64
-    ptrs = (Q + off_b.to(gl.int64) * stride_qb + off_h.to(gl.int64) * stride_qh
-            + rows[:, None].to(gl.int64) * stride_qm + cols[None, :])
-    gl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.b32 $0, 0;", "=r,l", [ptrs],
-                              dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, off_b, off_kvh, IDX_row,
                    n_tiles, i, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     SUB: gl.constexpr = MASK_BS // BLOCK_N
@@ -291,14 +275,13 @@ def _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_
 
 @gluon.jit
 def _fwd_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty,
-                  tickets, tk_ready, tk_empty, CNT, Q, stride_qb, stride_qh, stride_qm,
+                  tickets, tk_ready, tk_empty, CNT,
                   KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
-                  SCHED, n_items, n_tiles, Hq, Sq, GROUP, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr,
-                  PREFETCH_Q: gl.constexpr):
+                  SCHED, n_items, n_tiles, Hq, GROUP, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr):
     """One warp, per work item: Q of both consumers, then the K/V sub-tiles of the full kv blocks, then of the
     partial ones. PERSIST: items until the tickets run out (`_next_item`; Q waits until the consumers freed its
-    buffer; PREFETCH_Q: the next item's Q rows are asked into L2 as its ticket is taken)."""
+    buffer)."""
     SUB: gl.constexpr = MASK_BS // BLOCK_N
     t = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -324,9 +307,6 @@ def _fwd_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free,
         t, e, n_full, n_part = _next_item(CNT, nprog, tickets, tk_ready, tk_empty, n, n_items, SCHED, KV_NUM,
                                           FULL_NUM, stride_nb, stride_nh, n_tiles, Hq, MASK_BS, USE_SCHED, True,
                                           PERSIST)
-        if PREFETCH_Q:  # noqa: SIM102 (a compile-time branch around a run-time one)
-            if t < n_items:
-                _prefetch_q(Q, stride_qb, stride_qh, stride_qm, e, n_tiles, Hq, Sq, desc_q.block_type.shape[3])
         n += 1
 
 
@@ -489,8 +469,8 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_rea
 
 @gluon.jit
 def sparse_fwd_ws_kernel(
-    desc_q, desc_k, desc_v, desc_o, Q, O, LSE,
-    stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om, stride_od,
+    desc_q, desc_k, desc_v, desc_o, O, LSE,
+    stride_ob, stride_oh, stride_om, stride_od,
     KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
     QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
     SCHED, CNT, TR, n_items, n_tiles, Hq, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale,
@@ -498,8 +478,7 @@ def sparse_fwd_ws_kernel(
     HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr, EVEN_SK: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PERSIST: gl.constexpr = False,
-    EARLY_Q: gl.constexpr = True, O_TMA: gl.constexpr = False, PREFETCH_Q: gl.constexpr = False,
-    TRACE: gl.constexpr = False,
+    EARLY_Q: gl.constexpr = True, O_TMA: gl.constexpr = False, TRACE: gl.constexpr = False,
 ):
     """Grid: (n_items,), one CTA per work item ``tile + n_tiles * (b * Hq + h)`` (tiles of 128 query rows), or with
     PERSIST at most one CTA per SM, each taking items by ticket from the zeroed int32 counter CNT; num_warps=4
@@ -525,10 +504,9 @@ def sparse_fwd_ws_kernel(
                          MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
                          USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)),
         (_fwd_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready,
-                         v_empty, tickets, tk_ready, tk_empty, CNT, Q, stride_qb, stride_qh, stride_qm,
+                         v_empty, tickets, tk_ready, tk_empty, CNT,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
-                         SCHED, n_items, n_tiles, Hq, Sq, GROUP, MASK_BS, BLOCK_N, STAGES, USE_SCHED, PERSIST,
-                         PREFETCH_Q)),
+                         SCHED, n_items, n_tiles, Hq, GROUP, MASK_BS, BLOCK_N, STAGES, USE_SCHED, PERSIST)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

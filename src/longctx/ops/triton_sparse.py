@@ -31,7 +31,10 @@ engine's bulk reduction (not in a fixed order), so ``deterministic=True`` keeps 
 ``LONGCTX_SPARSE_WS=0`` / ``LONGCTX_SPARSE_WS_BWD=0`` switch them off. They are persistent (one CTA per SM taking
 work items by ticket, in `_schedule`'s order: heads in order, the longest items first within a head);
 ``LONGCTX_SPARSE_WS_PERSIST=0`` launches one CTA per item, in that order for analytic masks only
-(`_use_schedule`); ``LONGCTX_SPARSE_WS_SCHED=1`` / ``0`` takes the order always / never.
+(`_use_schedule`); ``LONGCTX_SPARSE_WS_SCHED=1`` / ``0`` takes the order always / never. The order is kept per
+mask (`_schedule_cached`). Their forward writes the output through the warpgroup's Q buffer and the copy engine
+(``LONGCTX_SPARSE_WS_O_TMA=0``: from registers, and then ``LONGCTX_SPARSE_WS_EARLY_Q=0`` frees Q after the last P V
+rather than the last scores). `WS_TRACE` records each forward item's timeline (benchmarks/diag_items.py --trace).
 `FORCE_CONFIG` pins tiles per kernel
 (``LONGCTX_SPARSE_TILES="fwd=128,64,8,3;dkdv=32,128,8,3"``) for tuning sessions;
 benchmarks/sweep_sparse_configs.py compares the variants against FlexAttention.
@@ -126,8 +129,6 @@ VARIANT: dict = {
     # forward: the output leaves through the warpgroup's Q buffer and the copy engine (then Q is freed only once
     # the copy has read it, so not with ws_early_q), not by strided stores from registers
     "ws_o_tma": _flag("LONGCTX_SPARSE_WS_O_TMA", True),
-    # persistent forward: the producer asks L2 for the next item's query rows as it takes the item's ticket
-    "ws_prefetch_q": _flag("LONGCTX_SPARSE_WS_PREFETCH_Q", False),
 }
 
 
@@ -375,13 +376,12 @@ def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs
     o_tma = VARIANT["ws_o_tma"]
     sws.sparse_fwd_ws_kernel[grid](
         _tf._gluon_desc(q, int(sws.WG_ROWS)), _tf._gluon_desc(k, block_n), _tf._gluon_desc(v, block_n),
-        _tf._gluon_desc(out, int(sws.WG_ROWS)) if o_tma else out, q, out, lse,
-        *q.stride()[:3], *out.stride(), *margs, sched, lse if cnt is None else cnt,
-        lse if WS_TRACE is None else WS_TRACE, n_tiles * B * Hq, n_tiles,
+        _tf._gluon_desc(out, int(sws.WG_ROWS)) if o_tma else out, out, lse, *out.stride(), *margs, sched,
+        lse if cnt is None else cnt, lse if WS_TRACE is None else WS_TRACE, n_tiles * B * Hq, n_tiles,
         USE_SCHED=use_sched, Hq=Hq, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, qk_scale=scale * _LOG2E,
         HEAD_DIM=D, BLOCK_D=D, MASK_BS=mask_bs, EVEN_SK=Sk % mask_bs == 0,
         BLOCK_N=block_n, STAGES=stages, PIPE=pipe, PERSIST=persist, EARLY_Q=VARIANT["ws_early_q"] and not o_tma,
-        O_TMA=o_tma, PREFETCH_Q=persist and VARIANT["ws_prefetch_q"],
+        O_TMA=o_tma,
         TRACE=WS_TRACE is not None,
         CONSUMER_REGS=240, PRODUCER_REGS=24,
         num_warps=4, maxnreg=168, **mkw,
