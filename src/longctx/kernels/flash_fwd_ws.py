@@ -266,17 +266,24 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
 
 
 @gluon.jit
-def _epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od, off_b, off_h, Hq, Sq, my_start,
-              offs_m, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr):
-    """Output and lse of one warpgroup's 64 rows (``offs_m``, starting at ``my_start``): rows that saw no key have
-    l = 0 -> output 0, lse -inf; the lse in natural log."""
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+def _store_lse(l_i, m_i, LSE, off_b, off_h, Hq, Sq, offs_m, o_layout: gl.constexpr):
+    """The lse of one warpgroup's 64 rows ``offs_m`` (natural log; -inf where no key was seen, l = 0) into LSE;
+    returns the rows' softmax sums in the accumulator's row layout, 1 where l = 0 (so the output is 0 there)."""
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
     pid_bh = off_b * Hq + off_h
     gl.store(LSE + pid_bh.to(gl.int64) * Sq + offs_m, lse, mask=offs_m < Sq)
-    out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    return gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))
+
+
+@gluon.jit
+def _epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od, off_b, off_h, Hq, Sq, my_start,
+              offs_m, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr):
+    """Output and lse of one warpgroup's 64 rows (``offs_m``, starting at ``my_start``): rows that saw no key have
+    l = 0 -> output 0, lse -inf; the lse in natural log."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    out = acc / _store_lse(l_i, m_i, LSE, off_b, off_h, Hq, Sq, offs_m, o_layout)[:, None]
     offs_mo = my_start + gl.arange(0, WG_ROWS, layout=row_o)
     offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
     o_ptrs = (O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh

@@ -240,13 +240,7 @@ def _epilogue_tma(acc, l_i, m_i, LSE, desc_o, q_buf, q_free_w, off_b, off_h, Hq,
     one shared-memory pass instead of 32 strided 4-byte global stores per thread (the register layout of a wgmma
     accumulator: ~2,700 cycles per item, session 10's trace). The buffer is freed for the next item's Q once the
     copy has read it."""
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    empty = l_i == 0.0
-    l_safe = gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-    pid_bh = off_b * Hq + off_h
-    gl.store(LSE + pid_bh.to(gl.int64) * Sq + offs_m, lse, mask=offs_m < Sq)
-    out = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
+    out = acc * (1.0 / fws._store_lse(l_i, m_i, LSE, off_b, off_h, Hq, Sq, offs_m, o_layout))[:, None]
     q_buf.reshape([WG_ROWS, desc_o.block_type.shape[3]]).store(out.to(desc_o.dtype))
     bws.fence_async_shared()
     _tma_store(desc_o, [off_b, off_h, my_start, 0], q_buf)
