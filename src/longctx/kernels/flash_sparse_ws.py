@@ -128,7 +128,8 @@ def _post_ticket(tickets, tk_ready, tk_empty, n, t, e, n_full, n_part):
     mbarrier.wait(tk_empty.index(s), ((n // 2) & 1) ^ 1)
     layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])
     lane = gl.arange(0, 32, layout=gl.SliceLayout(0, layout))[None, :]
-    vals = gl.where(lane == 0, t, gl.where(lane == 1, e, gl.where(lane == 2, n_full, gl.where(lane == 3, n_part, 0))))
+    vals = gl.where(lane == 0, t, gl.where(lane == 1, e, gl.where(lane == 2, n_full,
+                                                               gl.where(lane == 3, n_part, 0))))
     tickets.index(s).store(vals)
     # the lanes' stores are ordered before the (one-thread) arrive's release
     gl.inline_asm_elementwise("bar.warp.sync 0xffffffff; mov.b32 $0, $1;", "=r,r", [vals], dtype=gl.int32,
@@ -442,8 +443,8 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_rea
         n = 0
         i = 0
         while t < n_items:
-            i = _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty,
-                          desc_o, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
+            i = _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready,
+                          v_empty, desc_o, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
                           KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                           QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                           stride_tq, SCHED, TR, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
@@ -452,8 +453,8 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_rea
             t, e, n_full, n_part = _read_ticket(tickets, tk_ready, tk_empty, n)
             n += 1
     else:
-        _fwd_item(e, n_full, n_part, 0, gl.to_tensor(0), q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty,
-                  desc_o, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
+        _fwd_item(e, n_full, n_part, 0, gl.to_tensor(0), q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty,
+                  v_ready, v_empty, desc_o, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
                   KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                   QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                   stride_tq, SCHED, TR, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,

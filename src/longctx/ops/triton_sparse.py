@@ -374,6 +374,12 @@ def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs
     use_sched = _use_schedule(mkw, persist)
     sched = _schedule_cached(margs[0], margs[2], n_tiles, int(sws.CTA_ROWS), mask_bs, 1) if use_sched else lse
     o_tma = VARIANT["ws_o_tma"]
+    if WS_TRACE is not None and (WS_TRACE.dtype != torch.int64 or WS_TRACE.shape[:2] != (grid[0], 2)
+                                 or WS_TRACE.shape[2:] != (int(sws.TRACE_ITEMS), 4)):  # fmt: skip
+        raise ValueError(
+            f"WS_TRACE must be int64 of shape ({grid[0]}, 2, {int(sws.TRACE_ITEMS)}, 4) for this launch (one row per "
+            f"CTA), got {WS_TRACE.dtype} {tuple(WS_TRACE.shape)}"
+        )
     sws.sparse_fwd_ws_kernel[grid](
         _tf._gluon_desc(q, int(sws.WG_ROWS)), _tf._gluon_desc(k, block_n), _tf._gluon_desc(v, block_n),
         _tf._gluon_desc(out, int(sws.WG_ROWS)) if o_tma else out, out, lse, *out.stride(), *margs, sched,
