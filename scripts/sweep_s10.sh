@@ -11,6 +11,8 @@
 #       traced A/B twice each (interleaved), then the mask table with the defaults.
 #   PART=f1: the final code: GPU tests of the sparse kernels, causal / 10% layout in 7 interleaved rounds
 #       (diag_items.py --ratio), the mask table (at most 8 files under $OUT: the device returns no more).
+#   PART=d6: v18, the output staged in the last V slot (O_IN_V) against Q's buffer: GPU tests, the interleaved
+#       ratio rounds (q, v, q, v), a trace with O_IN_V (at most 8 files under $OUT).
 #   PART=h1: host time of one forward / backward call by function (benchmarks/host_profile.py, cProfile).
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" sweep_out
@@ -94,6 +96,22 @@ f1)
   timeout 280 python3 -m longctx.bench.masks --out-dir "$OUT" --tag _s10b >>"$LOG" 2>&1
   clocks
   grep -E "^\| (sliding|documents|random|causal)|x |Error|error" "$LOG" | tail -20 | cut -c1-250
+  ;;
+d6)
+  LONGCTX_TRITON_AUTOTUNE=0 timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu --maxfail=25 \
+    tests/gpu/test_sparse_ws_gpu.py >"$OUT/gpu_tests_s10_d6.txt" 2>&1
+  grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpu_tests_s10_d6.txt" | tail -30 | cut -c1-300
+  clocks
+  for v in q1:0 v1:1 q2:0 v2:1; do
+    IFS=: read -r tag ov <<<"$v"
+    LONGCTX_SPARSE_WS_O_IN_V=$ov timeout 120 python3 benchmarks/diag_items.py --skip-items --ratio 4 \
+      --json "$OUT/ratio_d6_$tag.json" >/dev/null 2>&1
+    python3 -c "import json,sys; m=json.load(open(sys.argv[1]))['medians']; print(sys.argv[2], {k: round(v, 3) for k, v in m.items()})" "$OUT/ratio_d6_$tag.json" "$tag"
+  done
+  clocks
+  LONGCTX_SPARSE_WS_O_IN_V=1 DIAG_TAG=o_in_v timeout 150 python3 benchmarks/diag_items.py --ks 4,13 --scattered-only \
+    --trace --json "$OUT/diag_items_d6_v.json" >/dev/null 2>&1
+  python3 benchmarks/diag_items.py --summary "$OUT/diag_items_d6_v.json"
   ;;
 h1)
   timeout 200 python3 benchmarks/host_profile.py --n 200 --out "$OUT/host" >"$OUT/host_profile_h1.txt" 2>&1
