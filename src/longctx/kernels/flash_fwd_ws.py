@@ -132,19 +132,13 @@ def _scores(q, k_smem, k_ready, k_empty, s, ph, zero, BLOCK_N: gl.constexpr, BLO
 
 
 @gluon.jit
-def _pv(acc, p_op, v_smem, v_ready, v_empty, s, ph, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, hold=False,
-        HOLD: gl.constexpr = False):
-    """acc += P V with the V tile of ring slot ``s`` (phase ``ph``); the slot's V is released after, unless HOLD
-    and ``hold`` (the block-sparse forward keeps its last V slot to stage the output in: `_epilogue_tma`)."""
+def _pv(acc, p_op, v_smem, v_ready, v_empty, s, ph, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr):
+    """acc += P V with the V tile of ring slot ``s`` (phase ``ph``); the slot's V is released after."""
     v_buf = v_smem.index(s).reshape([BLOCK_N, BLOCK_D])
     mbarrier.wait(v_ready.index(s), ph)
     acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
     acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p_op, v_buf))
-    if HOLD:
-        if not hold:
-            mbarrier.arrive(v_empty.index(s), count=1)
-    else:
-        mbarrier.arrive(v_empty.index(s), count=1)
+    mbarrier.arrive(v_empty.index(s), count=1)
     return acc
 
 
@@ -180,14 +174,12 @@ def _consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
 def _consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, start, end,
                            qk_scale, s_layout: gl.constexpr, p_layout: gl.constexpr,
                            BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-                           q_free=None, release=False, RELEASE_Q: gl.constexpr = False, hold=False,
-                           HOLD: gl.constexpr = False):
+                           q_free=None, release=False, RELEASE_Q: gl.constexpr = False):
     """The unmasked run with FlashAttention-3's intra-warpgroup overlap: the scores of tile j are issued, then
     P(j-1) V(j-1), and the softmax of tile j runs while P(j-1) V(j-1) is still on the tensor cores. Costs a
     second score tile and the bf16 P(j-1) in registers. RELEASE_Q (the persistent block-sparse forward): where
     ``release``, arrive on the barrier ``q_free`` once the run's last scores are done, its last softmax and P V
-    still to come, so that the next work item's Q loads meanwhile. HOLD / ``hold``: the last tile's V slot is kept
-    (`_pv`)."""
+    still to come, so that the next work item's Q loads meanwhile."""
     zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
     if start < end:
         # -- first tile: scores and softmax, its P V is issued in the next iteration --
@@ -223,7 +215,7 @@ def _consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty
             mbarrier.arrive(v_empty.index(s_prev), count=1)
             acc, p_op = _rescale_pack(acc, alpha, p, p_layout, k_smem.dtype)
         # -- P V of the last tile --
-        acc = _pv(acc, p_op, v_smem, v_ready, v_empty, s, ph, BLOCK_N, BLOCK_D, hold, HOLD)
+        acc = _pv(acc, p_op, v_smem, v_ready, v_empty, s, ph, BLOCK_N, BLOCK_D)
         i += 1
     return acc, l_i, m_i, i
 

@@ -234,20 +234,20 @@ def _trace(TR, n, WG: gl.constexpr, point: gl.constexpr):
 
 
 @gluon.jit
-def _epilogue_tma(acc, l_i, m_i, LSE, desc_o, buf, free_bar, off_b, off_h, Hq, Sq, my_start, offs_m,
-                  o_layout: gl.constexpr, ARRIVE: gl.constexpr):
-    """`flash_fwd_ws._epilogue` through shared memory: the output tile goes into ``buf`` (block (1, 1, 64, D) of
-    desc_o's layout: the warpgroup's Q buffer, its last scores done, or its half of the last V slot) and leaves by
-    the copy engine (which clips rows past Sq), so that 64 x D values cost one shared-memory pass instead of 32
-    strided 4-byte global stores per thread (the register layout of a wgmma accumulator: ~2,700 cycles per item,
-    session 10's trace). ARRIVE: the buffer is freed (``free_bar``) once the copy has read it."""
+def _epilogue_tma(acc, l_i, m_i, LSE, desc_o, q_buf, q_free_w, off_b, off_h, Hq, Sq, my_start, offs_m,
+                  o_layout: gl.constexpr, PERSIST: gl.constexpr):
+    """`flash_fwd_ws._epilogue` through shared memory: the output tile goes into the warpgroup's Q buffer (its
+    last scores are done) and leaves by the copy engine (which clips rows past Sq), so that 64 x D values cost
+    one shared-memory pass instead of 32 strided 4-byte global stores per thread (the register layout of a wgmma
+    accumulator: ~2,700 cycles per item, session 10's trace). The buffer is freed for the next item's Q once the
+    copy has read it."""
     out = acc * (1.0 / fws._store_lse(l_i, m_i, LSE, off_b, off_h, Hq, Sq, offs_m, o_layout))[:, None]
-    buf.reshape([WG_ROWS, desc_o.block_type.shape[3]]).store(out.to(desc_o.dtype))
+    q_buf.reshape([WG_ROWS, desc_o.block_type.shape[3]]).store(out.to(desc_o.dtype))
     bws.fence_async_shared()
-    _tma_store(desc_o, [off_b, off_h, my_start, 0], buf)
+    _tma_store(desc_o, [off_b, off_h, my_start, 0], q_buf)
     bws.tma.store_wait(0)  # the copy has read the buffer
-    if ARRIVE:
-        mbarrier.arrive(free_bar, count=1)
+    if PERSIST:
+        mbarrier.arrive(q_free_w, count=1)
 
 
 @gluon.jit
@@ -311,9 +311,8 @@ def _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_rea
                     Sk, lo, hi, kv_global, q_global, qk_scale,
                     s_layout: gl.constexpr, p_layout: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
                     HAS_GLOBAL: gl.constexpr, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                    STAGES: gl.constexpr, hold_last, HOLD: gl.constexpr):
-    """The listed sub-tiles with the element mask of MASK_KIND (0: the ragged end of Sk only). HOLD and
-    ``hold_last``: the last tile's V slot is kept (`flash_fwd_ws._pv`)."""
+                    STAGES: gl.constexpr):
+    """The listed sub-tiles with the element mask of MASK_KIND (0: the ragged end of Sk only)."""
     SUB: gl.constexpr = MASK_BS // BLOCK_N
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
@@ -329,8 +328,7 @@ def _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_rea
         qk = fws._scores(q, k_smem, k_ready, k_empty, s, ph, zero, BLOCK_N, BLOCK_D)
         p, m_i, alpha, l_i = fws._softmax_keep(qk, m_i, l_i, keep, qk_scale)
         acc, p_op = fws._rescale_pack(acc, alpha, p, p_layout, k_smem.dtype)
-        acc = fws._pv(acc, p_op, v_smem, v_ready, v_empty, s, ph, BLOCK_N, BLOCK_D, hold_last & (j == n_tiles - 1),
-                      HOLD)
+        acc = fws._pv(acc, p_op, v_smem, v_ready, v_empty, s, ph, BLOCK_N, BLOCK_D)
         i += 1
     return acc, l_i, m_i, i
 
@@ -344,13 +342,11 @@ def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_
               MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
               EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
               STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr,
-              EARLY_Q: gl.constexpr, O_TMA: gl.constexpr, O_IN_V: gl.constexpr, TRACE: gl.constexpr):
+              EARLY_Q: gl.constexpr, O_TMA: gl.constexpr, TRACE: gl.constexpr):
     """Work item entry ``e`` (`_entry`) with ``n_full`` / ``n_part`` listed blocks, the CTA's ``n``-th, for one
     warpgroup: 64 query rows against the listed kv blocks; writes their output and lse. ``i`` counts the K/V tiles
     consumed so far (ring slot and phase); returns it. O_TMA: the output leaves through Q's buffer and the copy
-    engine (`_epilogue_tma`); O_IN_V (with O_TMA, EARLY_Q, EVEN_SK, PIPE and 128-key tiles): through the
-    warpgroup's half of the last tile's V slot instead, so that Q is freed after the last scores and the next Q
-    loads during the last softmax, P V and the epilogue. TRACE: the SM clock at four points into TR (`_trace`)."""
+    engine (`_epilogue_tma`). TRACE: the SM clock at four points into TR (`_trace`)."""
     if TRACE:
         _trace(TR, n, WG, 0)
     s_layout: gl.constexpr = fws.wgmma_layout(BLOCK_N)
@@ -382,11 +378,6 @@ def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_
     # block follows, the full run's last tile releases it before its softmax and P V (else: after the masked run).
     # O_TMA: after the output has left through it (`_epilogue_tma`); the launcher never sets both.
     released = n_part < 0  # false
-    hold_full = n_part < 0
-    hold_part = n_part < 0
-    if O_IN_V:  # the last tile keeps its V slot for the output
-        hold_full = (n_part == 0) & (n_full > 0)
-        hold_part = n_part > 0
     # (compile-time branches: an `and` of constexprs makes a tensor here)
     if EARLY_Q:  # noqa: SIM102
         if PERSIST:  # noqa: SIM102
@@ -399,7 +390,7 @@ def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_
             acc, l_i, m_i, i = fws._consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty,
                                                           v_ready, v_empty, 0, n_full * SUB * BLOCK_N, qk_scale,
                                                           s_layout, p_layout, BLOCK_N, BLOCK_D, STAGES,
-                                                          q_free.index(WG), released, EARLY_Q, hold_full, O_IN_V)
+                                                          q_free.index(WG), released, EARLY_Q)
         else:
             acc, l_i, m_i, i = fws._consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
                                                 v_empty, offs_m, 0, n_full * SUB * BLOCK_N, Sk, 0, 0, qk_scale,
@@ -410,34 +401,16 @@ def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_
                                            v_empty, offs_m, qd, qp, FULL_row, n_full * SUB, qb, KDOC_b, KPOS_b,
                                            TILE_IDS_bh, stride_tq, TILES, Sk, lo, hi, kv_global, q_global,
                                            qk_scale, s_layout, p_layout, 0, False, False, MASK_BS, BLOCK_N,
-                                           BLOCK_D, STAGES, hold_full, False)
+                                           BLOCK_D, STAGES)
     # -- partial blocks: the element mask --
     acc, l_i, m_i, i = _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                                        offs_m, qd, qp, PART_row, n_part * SUB, qb, KDOC_b, KPOS_b, TILE_IDS_bh,
                                        stride_tq, TILES, Sk, lo, hi, kv_global, q_global, qk_scale,
                                        s_layout, p_layout, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N,
-                                       BLOCK_D, STAGES, hold_part, O_IN_V)
+                                       BLOCK_D, STAGES)
     if TRACE:
         _trace(TR, n, WG, 2)
-    if O_IN_V:
-        if n_full + n_part > 0:
-            if PERSIST:  # noqa: SIM102 (a compile-time branch around a run-time one)
-                if not released:
-                    mbarrier.arrive(q_free.index(WG), count=1)
-            # the ring seen as 64-row halves (the 128-byte swizzle repeats every 8 rows, so a half is a tile of
-            # desc_o's layout; Gluon has no reshape of a row slice)
-            halves_shape: gl.constexpr = [STAGES * NUM_CONSUMERS] + desc_o.block_type.shape
-            if _REINTERPRET_PUBLIC:
-                halves = v_smem.reinterpret(desc_o.dtype, halves_shape, desc_o.layout)
-            else:
-                halves = v_smem._reinterpret(desc_o.dtype, halves_shape, desc_o.layout)
-            s_last = (i - 1) % STAGES
-            _epilogue_tma(acc, l_i, m_i, LSE, desc_o, halves.index(s_last * NUM_CONSUMERS + WG),
-                          v_empty.index(s_last), off_b, off_h, Hq, Sq, my_start, offs_m, o_layout, True)
-        else:  # no tile, no V slot: through Q's buffer
-            _epilogue_tma(acc, l_i, m_i, LSE, desc_o, q_smem.index(WG), q_free.index(WG), off_b, off_h, Hq, Sq,
-                          my_start, offs_m, o_layout, PERSIST)
-    elif O_TMA:
+    if O_TMA:
         _epilogue_tma(acc, l_i, m_i, LSE, desc_o, q_smem.index(WG), q_free.index(WG), off_b, off_h, Hq, Sq,
                       my_start, offs_m, o_layout, PERSIST)
     else:
@@ -460,8 +433,7 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_rea
                   WG: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
                   HAS_GLOBAL: gl.constexpr, EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr,
-                  PERSIST: gl.constexpr, EARLY_Q: gl.constexpr, O_TMA: gl.constexpr, O_IN_V: gl.constexpr,
-                  TRACE: gl.constexpr):
+                  PERSIST: gl.constexpr, EARLY_Q: gl.constexpr, O_TMA: gl.constexpr, TRACE: gl.constexpr):
     """One warpgroup: its 64 rows of the CTA's work item (grid position), or with PERSIST of every item the
     producer hands out, until the tickets run out."""
     t = gl.program_id(0)
@@ -477,7 +449,7 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_rea
                           QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                           stride_tq, SCHED, TR, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
                           MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                          USE_SCHED, PERSIST, EARLY_Q, O_TMA, O_IN_V, TRACE)
+                          USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)
             t, e, n_full, n_part = _read_ticket(tickets, tk_ready, tk_empty, n)
             n += 1
     else:
@@ -487,7 +459,7 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_rea
                   QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                   stride_tq, SCHED, TR, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
                   MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                  USE_SCHED, PERSIST, EARLY_Q, O_TMA, O_IN_V, TRACE)
+                  USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)
 
 
 @gluon.jit
@@ -501,8 +473,7 @@ def sparse_fwd_ws_kernel(
     HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr, EVEN_SK: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PERSIST: gl.constexpr = False,
-    EARLY_Q: gl.constexpr = True, O_TMA: gl.constexpr = False, O_IN_V: gl.constexpr = False,
-    TRACE: gl.constexpr = False,
+    EARLY_Q: gl.constexpr = True, O_TMA: gl.constexpr = False, TRACE: gl.constexpr = False,
 ):
     """Grid: (n_items,), one CTA per work item ``tile + n_tiles * (b * Hq + h)`` (tiles of 128 query rows), or with
     PERSIST at most one CTA per SM, each taking items by ticket from the zeroed int32 counter CNT; num_warps=4
@@ -519,14 +490,14 @@ def sparse_fwd_ws_kernel(
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                          stride_tq, SCHED, TR, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 0,
                          MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                         USE_SCHED, PERSIST, EARLY_Q, O_TMA, O_IN_V, TRACE)),
+                         USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)),
         (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty, tickets,
                          tk_ready, tk_empty, desc_o, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                          stride_tq, SCHED, TR, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 1,
                          MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                         USE_SCHED, PERSIST, EARLY_Q, O_TMA, O_IN_V, TRACE)),
+                         USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)),
         (_fwd_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready,
                          v_empty, tickets, tk_ready, tk_empty, CNT,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,

@@ -129,9 +129,6 @@ VARIANT: dict = {
     # forward: the output leaves through the warpgroup's Q buffer and the copy engine (then Q is freed only once
     # the copy has read it, so not with ws_early_q), not by strided stores from registers
     "ws_o_tma": _flag("LONGCTX_SPARSE_WS_O_TMA", True),
-    # with ws_o_tma: the output staged in the last tile's V slot instead of Q's buffer, Q freed after the item's
-    # last scores (where the config allows: `_forward_ws`)
-    "ws_o_in_v": _flag("LONGCTX_SPARSE_WS_O_IN_V", False),
 }
 
 
@@ -377,7 +374,6 @@ def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs
     use_sched = _use_schedule(mkw, persist)
     sched = _schedule_cached(margs[0], margs[2], n_tiles, int(sws.CTA_ROWS), mask_bs, 1) if use_sched else lse
     o_tma = VARIANT["ws_o_tma"]
-    o_in_v = o_tma and VARIANT["ws_o_in_v"] and Sk % mask_bs == 0 and pipe and block_n == int(sws.CTA_ROWS)
     if WS_TRACE is not None and (WS_TRACE.dtype != torch.int64 or WS_TRACE.shape[:2] != (grid[0], 2)
                                  or WS_TRACE.shape[2:] != (int(sws.TRACE_ITEMS), 4)):  # fmt: skip
         raise ValueError(
@@ -390,8 +386,8 @@ def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs
         lse if cnt is None else cnt, lse if WS_TRACE is None else WS_TRACE, n_tiles * B * Hq, n_tiles,
         USE_SCHED=use_sched, Hq=Hq, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, qk_scale=scale * _LOG2E,
         HEAD_DIM=D, BLOCK_D=D, MASK_BS=mask_bs, EVEN_SK=Sk % mask_bs == 0,
-        BLOCK_N=block_n, STAGES=stages, PIPE=pipe, PERSIST=persist,
-        EARLY_Q=(VARIANT["ws_early_q"] and not o_tma) or o_in_v, O_TMA=o_tma, O_IN_V=o_in_v,
+        BLOCK_N=block_n, STAGES=stages, PIPE=pipe, PERSIST=persist, EARLY_Q=VARIANT["ws_early_q"] and not o_tma,
+        O_TMA=o_tma,
         TRACE=WS_TRACE is not None,
         CONSUMER_REGS=240, PRODUCER_REGS=24,
         num_warps=4, maxnreg=168, **mkw,
