@@ -13,6 +13,8 @@
 #       (diag_items.py --ratio), the mask table (at most 8 files under $OUT: the device returns no more).
 #   PART=d6: v18, the output staged in the last V slot (O_IN_V) against Q's buffer: GPU tests, the interleaved
 #       ratio rounds (q, v, q, v), a trace with O_IN_V (at most 8 files under $OUT).
+#   PART=f2: the final code (O_IN_V removed; the epilogues' shared lse helper): GPU tests of the sparse and dense
+#       warp-specialised kernels.
 #   PART=h1: host time of one forward / backward call by function (benchmarks/host_profile.py, cProfile).
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" sweep_out
@@ -112,6 +114,12 @@ d6)
   LONGCTX_SPARSE_WS_O_IN_V=1 DIAG_TAG=o_in_v timeout 150 python3 benchmarks/diag_items.py --ks 4,13 --scattered-only \
     --trace --json "$OUT/diag_items_d6_v.json" >/dev/null 2>&1
   python3 benchmarks/diag_items.py --summary "$OUT/diag_items_d6_v.json"
+  ;;
+f2)
+  LONGCTX_TRITON_AUTOTUNE=0 timeout 400 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu --maxfail=25 \
+    tests/gpu/test_sparse_ws_gpu.py tests/gpu/test_sparse_gpu.py tests/gpu/test_ws_gpu.py \
+    >"$OUT/gpu_tests_s10_f2.txt" 2>&1
+  grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpu_tests_s10_f2.txt" | tail -30 | cut -c1-300
   ;;
 h1)
   timeout 200 python3 benchmarks/host_profile.py --n 200 --out "$OUT/host" >"$OUT/host_profile_h1.txt" 2>&1
