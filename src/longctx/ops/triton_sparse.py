@@ -407,12 +407,15 @@ def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale: float, targs: lis
     grid, cnt, persist = _work_grid(n_tiles * B * Hkv, q.device)
     use_sched = _use_schedule(tkw, persist)
     sched = _schedule_cached(targs[0], targs[2], n_tiles, rows, mask_bs, Hq // Hkv) if use_sched else lse2
+    # dK / dV leave by the copy engine only in the persistent kernel with the bulk-reduced dQ and 64-row query
+    # tiles (`flash_sparse_ws._bwd_item`); elsewhere the descriptor slots take unused placeholders
+    dkdv_tma = persist and _tf.WS_BWD_DQ_TMA and block_m != rows
+    desc_dk, desc_dv = [_tf._gluon_desc(t, int(sws.WG_ROWS)) for t in (dk, dv)] if dkdv_tma else [dk, dv]
     sws.sparse_bwd_ws_kernel[grid](
         _tf._gluon_desc(q, block_m), _tf._gluon_desc(k, rows), _tf._gluon_desc(v, rows), _tf._gluon_desc(do, block_m),
         _tf._gluon_rows_desc(lse2, block_m), _tf._gluon_rows_desc(delta, block_m),
         dk, dv, dqa, _tf._dqa_desc(dqa, block_m, D) if _tf.WS_BWD_DQ_TMA else dqa,
-        _tf._gluon_desc(dk, int(sws.WG_ROWS)), _tf._gluon_desc(dv, int(sws.WG_ROWS)),
-        *dk.stride(), *dv.stride(), *dqa.stride()[:3], *targs, sched, lse2 if cnt is None else cnt,
+        desc_dk, desc_dv, *dk.stride(), *dv.stride(), *dqa.stride()[:3], *targs, sched, lse2 if cnt is None else cnt,
         n_tiles * B * Hkv, n_tiles, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, stride_lse=lse2.shape[2],
         qk_scale=scale * _LOG2E,
         sm_scale=scale, USE_SCHED=use_sched, BLOCK_D=D, MASK_BS=mask_bs,
