@@ -15,6 +15,7 @@
 #       ratio rounds (q, v, q, v), a trace with O_IN_V (at most 8 files under $OUT).
 #   PART=f2: the final code (O_IN_V removed; the epilogues' shared lse helper): GPU tests of the sparse and dense
 #       warp-specialised kernels.
+#   PART=f3: after the review (dK / dV descriptors only where used): the sparse and dense backward GPU tests.
 #   PART=h1: host time of one forward / backward call by function (benchmarks/host_profile.py, cProfile).
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" sweep_out
@@ -120,6 +121,11 @@ f2)
     tests/gpu/test_sparse_ws_gpu.py tests/gpu/test_sparse_gpu.py tests/gpu/test_ws_gpu.py \
     >"$OUT/gpu_tests_s10_f2.txt" 2>&1
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpu_tests_s10_f2.txt" | tail -30 | cut -c1-300
+  ;;
+f3)
+  LONGCTX_TRITON_AUTOTUNE=0 timeout 300 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu --maxfail=25 \
+    tests/gpu/test_sparse_ws_gpu.py tests/gpu/test_ws_bwd_gpu.py >"$OUT/gpu_tests_s10_f3.txt" 2>&1
+  grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpu_tests_s10_f3.txt" | tail -30 | cut -c1-300
   ;;
 h1)
   timeout 200 python3 benchmarks/host_profile.py --n 200 --out "$OUT/host" >"$OUT/host_profile_h1.txt" 2>&1
