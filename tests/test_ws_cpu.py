@@ -180,8 +180,10 @@ def test_sparse_ws_compiles_for_sm90(D, kind, even, tmp_path, sm90_compile):
     mask = dict(MASK_BS=128, MASK_KIND=kind, HAS_DOC=kind in (1, 3), HAS_GLOBAL=kind == 1, USE_SCHED=not even)
     block_n, stages, pipe = tf.WS_CONFIG[D]
     o_tma = ts.VARIANT["ws_o_tma"]
+    o_stage, v_stages = ts._o_stage(o_tma, D, block_n, stages, t.element_size())
     consts = dict(HEAD_DIM=D, BLOCK_D=D, EVEN_SK=even, BLOCK_N=block_n, STAGES=stages, PIPE=pipe, PERSIST=True,
-                  EARLY_Q=ts.VARIANT["ws_early_q"] and not o_tma, O_TMA=o_tma,
+                  EARLY_Q=ts.VARIANT["ws_early_q"] and (o_stage or not o_tma), O_TMA=o_tma, O_STAGE=o_stage,
+                  V_STAGES=v_stages,
                   CONSUMER_REGS=240, PRODUCER_REGS=24, **mask)  # fmt: skip
     descs = {"desc_q": tf._gluon_desc(t, int(ws.WG_ROWS)), "desc_k": tf._gluon_desc(t, block_n),
              "desc_v": tf._gluon_desc(t, block_n)}  # fmt: skip
@@ -203,6 +205,22 @@ def test_sparse_ws_compiles_for_sm90(D, kind, even, tmp_path, sm90_compile):
     usage = _check_resources(k, tmp_path)
     assert all(local == 0 and stack <= SPARSE_STACK_BOUND["bwd", D] for stack, local in usage), usage
     _check_dq_by_bulk_reduction(k)
+
+
+def test_sparse_ws_output_tile_rule(monkeypatch):
+    """`triton_sparse._o_stage`: output tiles of their own for the persistent forward with the output through the
+    copy engine; at D=128 the V ring gives up a slot to make room (4 x 16 KiB + 5 x 32 KiB), at D=64 nothing has
+    to give; none where not eligible, where it cannot fit, or switched off."""
+    from longctx.ops import triton_sparse as ts
+
+    monkeypatch.setitem(ts.VARIANT, "ws_o_stage", True)
+    assert ts._o_stage(True, 128, 128, 3, 2) == (True, 2)
+    assert ts._o_stage(True, 64, 128, 3, 2) == (True, 3)
+    assert ts._o_stage(False, 128, 128, 3, 2) == (False, 3)
+    assert ts._o_stage(True, 128, 128, 2, 2) == (True, 2)
+    assert ts._o_stage(True, 256, 128, 2, 2) == (False, 2)  # 2 x 2 tiles of 64 x 256 and 2 + 1 slots: too much
+    monkeypatch.setitem(ts.VARIANT, "ws_o_stage", False)
+    assert ts._o_stage(True, 128, 128, 3, 2) == (False, 3)
 
 
 def test_sparse_ws_schedule_puts_the_longest_items_first_within_each_head():

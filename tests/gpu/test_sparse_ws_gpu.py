@@ -133,33 +133,38 @@ def test_ws_work_ordered_schedule(name, S, spy, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "persist,sched,o_tma", [(False, False, False), (False, True, False), (True, False, False), (True, True, True),
-                            (False, False, True)],
+    "persist,sched,o_tma,stage",
+    [(False, False, False, False), (False, True, False, False), (True, False, False, False), (True, True, True, False),
+     (False, False, True, False), (True, True, True, True)],
 )  # fmt: skip
 @pytest.mark.parametrize("name,S", [("docs_causal", 1000), ("general", 1024), ("tiny_docs", 1024)])
-def test_ws_one_cta_per_item_and_other_orders(name, S, persist, sched, o_tma, spy, monkeypatch):
+def test_ws_one_cta_per_item_and_other_orders(name, S, persist, sched, o_tma, stage, spy, monkeypatch):
     """The other launch modes (the default is persistent CTAs in `_schedule`'s order, tested above): one CTA per
     work item (``LONGCTX_SPARSE_WS_PERSIST=0``) in the grid's order or the schedule's, and persistent CTAs in the
-    grid's order; the forward's output through the copy engine (``o_tma``; S=1000: rows past Sq clipped): the same
-    results."""
+    grid's order; the forward's output through the copy engine (``o_tma``; S=1000: rows past Sq clipped), through
+    Q's buffer (the default) or tiles of its own (``stage``, ``LONGCTX_SPARSE_WS_O_STAGE=1``, persistent only):
+    the same results."""
     monkeypatch.setitem(ts.VARIANT, "ws_persist", persist)
     monkeypatch.setitem(ts.VARIANT, "ws_sched", sched)
     monkeypatch.setitem(ts.VARIANT, "ws_o_tma", o_tma)
+    monkeypatch.setitem(ts.VARIANT, "ws_o_stage", stage)
     bm = _block_mask(name, S, S)
     q, k, v = _inputs(2, 8, 2, S, S, 128, torch.bfloat16, seed=18)
     _check(q, k, v, bm)
     assert spy() == {"fwd": 1, "bwd": 1}
 
 
-@pytest.mark.parametrize("q_free", ["early", "late", "o_tma"])
+@pytest.mark.parametrize("q_free", ["early", "late", "o_tma", "o_stage"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_ws_persistent_more_items_than_sms_gqa(D, q_free, spy, monkeypatch):
     """Many more work items than SMs (every CTA takes tickets until they run out), GQA, per-head random layouts
     with empty rows and columns and rows of one and two blocks, against the Triton kernels. A forward item's Q
     buffer is freed after its last scores (``early``, a row of one or two blocks frees it on its first or second),
-    after its last P V (``late``), or once its output has left through it (``o_tma``, the default)."""
-    monkeypatch.setitem(ts.VARIANT, "ws_early_q", q_free == "early")
-    monkeypatch.setitem(ts.VARIANT, "ws_o_tma", q_free == "o_tma")
+    after its last P V (``late``), once the output has left through it and the copy engine (``o_tma``, the
+    default), or after its last scores with the output through a tile of its own (``o_stage``)."""
+    monkeypatch.setitem(ts.VARIANT, "ws_early_q", q_free in ("early", "o_stage"))
+    monkeypatch.setitem(ts.VARIANT, "ws_o_tma", q_free in ("o_tma", "o_stage"))
+    monkeypatch.setitem(ts.VARIANT, "ws_o_stage", q_free == "o_stage")
     S, Hq, Hkv = 4096, 16, 4
     n = S // 128
     lay = torch.rand(Hq, n, n, generator=torch.Generator().manual_seed(3)) < 0.3

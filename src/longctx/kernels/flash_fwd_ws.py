@@ -143,6 +143,19 @@ def _pv(acc, p_op, v_smem, v_ready, v_empty, s, ph, BLOCK_N: gl.constexpr, BLOCK
 
 
 @gluon.jit
+def _v_slot(i, s, ph, STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+    """Ring slot and phase of the i-th tile's V, given its K slot ``s`` and phase ``ph`` (the same ones where both
+    rings have STAGES slots)."""
+    if V_STAGES == STAGES:
+        sv = s
+        phv = ph
+    else:
+        sv = i % V_STAGES
+        phv = (i // V_STAGES) & 1
+    return sv, phv
+
+
+@gluon.jit
 def _rescale_pack(acc, alpha, p, p_layout: gl.constexpr, dtype: gl.constexpr):
     """The accumulator rescaled by alpha, and P in the input dtype as the register operand of the PV wgmma."""
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
@@ -154,9 +167,10 @@ def _consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
                  Sk, lo, hi, qk_scale,
                  s_layout: gl.constexpr, p_layout: gl.constexpr, MASKED: gl.constexpr,
                  HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
-                 BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
+                 BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr):
     """Key tiles [start, end) for one warpgroup's 64 rows, one tile after the other; ``i`` counts tiles across
-    runs (it selects the ring slot and the barrier phase, in the producer's order)."""
+    runs (it selects the ring slots and the barrier phases, in the producer's order: K in a ring of STAGES slots,
+    V in one of V_STAGES)."""
     zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
     for start_n in range(start, end, BLOCK_N):
         s = i % STAGES
@@ -165,7 +179,8 @@ def _consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
         p, m_i, alpha, l_i = _softmax(qk, m_i, l_i, offs_m, start_n, Sk, lo, hi, qk_scale, s_layout, MASKED,
                                       HAS_LO, HAS_HI, BLOCK_N)
         acc, p_op = _rescale_pack(acc, alpha, p, p_layout, k_smem.dtype)
-        acc = _pv(acc, p_op, v_smem, v_ready, v_empty, s, ph, BLOCK_N, BLOCK_D)
+        sv, phv = _v_slot(i, s, ph, STAGES, V_STAGES)
+        acc = _pv(acc, p_op, v_smem, v_ready, v_empty, sv, phv, BLOCK_N, BLOCK_D)
         i += 1
     return acc, l_i, m_i, i
 
@@ -174,10 +189,10 @@ def _consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
 def _consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, start, end,
                            qk_scale, s_layout: gl.constexpr, p_layout: gl.constexpr,
                            BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-                           q_free=None, release=False, RELEASE_Q: gl.constexpr = False):
+                           V_STAGES: gl.constexpr, q_free=None, release=False, RELEASE_Q: gl.constexpr = False):
     """The unmasked run with FlashAttention-3's intra-warpgroup overlap: the scores of tile j are issued, then
     P(j-1) V(j-1), and the softmax of tile j runs while P(j-1) V(j-1) is still on the tensor cores. Costs a
-    second score tile and the bf16 P(j-1) in registers. RELEASE_Q (the persistent block-sparse forward): where
+    second score tile and the bf16 P(j-1) in registers. Rings as `_consume_run`'s. RELEASE_Q (the persistent block-sparse forward): where
     ``release``, arrive on the barrier ``q_free`` once the run's last scores are done, its last softmax and P V
     still to come, so that the next work item's Q loads meanwhile."""
     zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
@@ -192,16 +207,15 @@ def _consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty
         p, m_i, alpha, l_i = _softmax(qk, m_i, l_i, m_i, 0, 0, 0, 0, qk_scale, s_layout, False, False, False, BLOCK_N)
         acc, p_op = _rescale_pack(acc, alpha, p, p_layout, k_smem.dtype)
         for _tile in range(start + BLOCK_N, end, BLOCK_N):
-            s_prev = s
-            ph_prev = ph
+            sv_prev, phv_prev = _v_slot(i, s, ph, STAGES, V_STAGES)
             i += 1
             s = i % STAGES
             ph = (i // STAGES) & 1
             k_buf = k_smem.index(s).reshape([BLOCK_N, BLOCK_D])
-            v_prev = v_smem.index(s_prev).reshape([BLOCK_N, BLOCK_D])
+            v_prev = v_smem.index(sv_prev).reshape([BLOCK_N, BLOCK_D])
             mbarrier.wait(k_ready.index(s), ph)
             qk = warpgroup_mma(q, k_buf.permute((1, 0)), zero, use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(s_prev), ph_prev)
+            mbarrier.wait(v_ready.index(sv_prev), phv_prev)
             acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
             # scores of tile j done (groups retire in order); P(j-1) V(j-1) may still run
             qk, _, _ = warpgroup_mma_wait(1, deps=(qk, q, k_buf))
@@ -212,10 +226,11 @@ def _consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty
             p, m_i, alpha, l_i = _softmax(qk, m_i, l_i, m_i, 0, 0, 0, 0, qk_scale, s_layout, False, False, False,
                                           BLOCK_N)
             acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p_op, v_prev))
-            mbarrier.arrive(v_empty.index(s_prev), count=1)
+            mbarrier.arrive(v_empty.index(sv_prev), count=1)
             acc, p_op = _rescale_pack(acc, alpha, p, p_layout, k_smem.dtype)
         # -- P V of the last tile --
-        acc = _pv(acc, p_op, v_smem, v_ready, v_empty, s, ph, BLOCK_N, BLOCK_D)
+        sv, phv = _v_slot(i, s, ph, STAGES, V_STAGES)
+        acc = _pv(acc, p_op, v_smem, v_ready, v_empty, sv, phv, BLOCK_N, BLOCK_D)
         i += 1
     return acc, l_i, m_i, i
 
@@ -248,18 +263,18 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     i = 0
     acc, l_i, m_i, i = _consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, offs_m,
                                     k_lo, full_lo, Sk, lo, hi, qk_scale, s_layout, p_layout, True,
-                                    HAS_LO, HAS_HI, BLOCK_N, BLOCK_D, STAGES)
+                                    HAS_LO, HAS_HI, BLOCK_N, BLOCK_D, STAGES, STAGES)
     if PIPE:
         acc, l_i, m_i, i = _consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
                                                   v_empty, full_lo, full_hi, qk_scale, s_layout, p_layout,
-                                                  BLOCK_N, BLOCK_D, STAGES)
+                                                  BLOCK_N, BLOCK_D, STAGES, STAGES)
     else:
         acc, l_i, m_i, i = _consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                                         offs_m, full_lo, full_hi, Sk, lo, hi, qk_scale, s_layout, p_layout, False,
-                                        HAS_LO, HAS_HI, BLOCK_N, BLOCK_D, STAGES)
+                                        HAS_LO, HAS_HI, BLOCK_N, BLOCK_D, STAGES, STAGES)
     acc, l_i, m_i, i = _consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, offs_m,
                                     full_hi, k_end, Sk, lo, hi, qk_scale, s_layout, p_layout, True,
-                                    HAS_LO, HAS_HI, BLOCK_N, BLOCK_D, STAGES)
+                                    HAS_LO, HAS_HI, BLOCK_N, BLOCK_D, STAGES, STAGES)
 
     _epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od, off_b, off_h, Hq, Sq, my_start,
               offs_m, o_layout, HEAD_DIM, BLOCK_D)
@@ -293,25 +308,31 @@ def _epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
 
 
 @gluon.jit
-def _shared(desc_q, desc_k, desc_v, STAGES: gl.constexpr):
-    """The CTA's shared memory: Q of both consumers, the K / V ring of STAGES slots, and their mbarriers,
+def _shared(desc_q, desc_k, desc_v, STAGES: gl.constexpr, V_STAGES: gl.constexpr, O_TILES: gl.constexpr):
+    """The CTA's shared memory: Q of both consumers (then, with O_TILES=1, an output tile of Q's shape for each:
+    index ``2 + consumer``), a ring of STAGES K slots and one of V_STAGES V slots, and their mbarriers,
     initialised (a slot's "empty" barrier completes when both consumers released it)."""
     dtype: gl.constexpr = desc_q.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [(1 + O_TILES) * NUM_CONSUMERS] + desc_q.block_type.shape,
+                                       desc_q.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [V_STAGES] + desc_v.block_type.shape, desc_v.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     for w in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_bar.index(w), count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(s), count=1)
-        mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(k_empty.index(s), count=NUM_CONSUMERS)
-        mbarrier.init(v_empty.index(s), count=NUM_CONSUMERS)
+    for s in gl.static_range(max(STAGES, V_STAGES)):
+        if s < STAGES:
+            mbarrier.init(k_ready.index(s), count=1)
+        if s < V_STAGES:
+            mbarrier.init(v_ready.index(s), count=1)
+        if s < STAGES:
+            mbarrier.init(k_empty.index(s), count=NUM_CONSUMERS)
+        if s < V_STAGES:
+            mbarrier.init(v_empty.index(s), count=NUM_CONSUMERS)
     return q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty
 
 
@@ -329,7 +350,7 @@ def attn_fwd_ws_kernel(
     (consumer 0) plus the workers' 4 + 1 warps. desc_q has block (1, 1, 64, BLOCK_D), desc_k / desc_v
     (1, 1, BLOCK_N, BLOCK_D); O is written through pointers with its own strides, LSE is (B, Hq, Sq) float32."""
     BLOCK_M: gl.constexpr = WG_ROWS * NUM_CONSUMERS
-    q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty = _shared(desc_q, desc_k, desc_v, STAGES)
+    q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty = _shared(desc_q, desc_k, desc_v, STAGES, STAGES, 0)
 
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,

@@ -233,26 +233,38 @@ def _trace(TR, n, WG: gl.constexpr, point: gl.constexpr):
     gl.store(TR + row * 4 + point + lanes * 0, clk, mask=(lanes == 0) & (n < TRACE_ITEMS))
 
 
+@gluon.constexpr_function
+def _early_q(early_q, o_tma, o_stage):
+    """Whether a persistent forward item may free its Q buffer after its last scores: asked for (EARLY_Q), and the
+    output does not leave through that buffer (no O_TMA, or O_TMA with O_STAGE)."""
+    return bool(early_q) and (bool(o_stage) or not bool(o_tma))
+
+
 @gluon.jit
-def _epilogue_tma(acc, l_i, m_i, LSE, desc_o, q_buf, q_free_w, off_b, off_h, Hq, Sq, my_start, offs_m,
-                  o_layout: gl.constexpr, PERSIST: gl.constexpr):
+def _epilogue_tma(acc, l_i, m_i, LSE, desc_o, buf, q_free_w, off_b, off_h, Hq, Sq, my_start, offs_m,
+                  o_layout: gl.constexpr, PERSIST: gl.constexpr, STAGED: gl.constexpr):
     """`flash_fwd_ws._epilogue` through shared memory: the output tile goes into the warpgroup's Q buffer (its
     last scores are done) and leaves by the copy engine (which clips rows past Sq), so that 64 x D values cost
     one shared-memory pass instead of 32 strided 4-byte global stores per thread (the register layout of a wgmma
     accumulator: ~2,700 cycles per item, session 10's trace). The buffer is freed for the next item's Q once the
-    copy has read it."""
+    copy has read it. STAGED: ``buf`` is the warpgroup's own output tile instead (Q's buffer was freed earlier);
+    the copy is waited for only before the next item's output goes into it."""
     out = acc * (1.0 / fws._store_lse(l_i, m_i, LSE, off_b, off_h, Hq, Sq, offs_m, o_layout))[:, None]
-    q_buf.reshape([WG_ROWS, desc_o.block_type.shape[3]]).store(out.to(desc_o.dtype))
+    if STAGED:
+        bws.tma.store_wait(0)  # the previous item's copy has read the tile
+    buf.reshape([WG_ROWS, desc_o.block_type.shape[3]]).store(out.to(desc_o.dtype))
     bws.fence_async_shared()
-    _tma_store(desc_o, [off_b, off_h, my_start, 0], q_buf)
-    bws.tma.store_wait(0)  # the copy has read the buffer
-    if PERSIST:
-        mbarrier.arrive(q_free_w, count=1)
+    _tma_store(desc_o, [off_b, off_h, my_start, 0], buf)
+    if not STAGED:
+        bws.tma.store_wait(0)  # the copy has read the buffer
+        if PERSIST:
+            mbarrier.arrive(q_free_w, count=1)
 
 
 @gluon.jit
 def _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, off_b, off_kvh, IDX_row,
-                   n_tiles, i, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                   n_tiles, i, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   V_STAGES: gl.constexpr):
     SUB: gl.constexpr = MASK_BS // BLOCK_N
     for j in range(n_tiles):
         start_n = gl.load(IDX_row + j // SUB) * MASK_BS + (j % SUB) * BLOCK_N
@@ -261,9 +273,10 @@ def _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_
         mbarrier.wait(k_empty.index(s), ph ^ 1)
         mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
         fws._tma_load(desc_k, [off_b, off_kvh, start_n, 0], k_ready.index(s), k_smem.index(s))
-        mbarrier.wait(v_empty.index(s), ph ^ 1)
-        mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
-        fws._tma_load(desc_v, [off_b, off_kvh, start_n, 0], v_ready.index(s), v_smem.index(s))
+        sv = i % V_STAGES
+        mbarrier.wait(v_empty.index(sv), ((i // V_STAGES) & 1) ^ 1)
+        mbarrier.expect(v_ready.index(sv), desc_v.block_type.nbytes)
+        fws._tma_load(desc_v, [off_b, off_kvh, start_n, 0], v_ready.index(sv), v_smem.index(sv))
         i += 1
     return i
 
@@ -273,7 +286,7 @@ def _fwd_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free,
                   tickets, tk_ready, tk_empty, CNT,
                   KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                   SCHED, n_items, n_tiles, Hq, GROUP, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr):
+                  STAGES: gl.constexpr, V_STAGES: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr):
     """One warp, per work item: Q of both consumers, then the K/V sub-tiles of the full kv blocks, then of the
     partial ones. PERSIST: items until the tickets run out (`_next_item`; Q waits until the consumers freed its
     buffer)."""
@@ -296,9 +309,9 @@ def _fwd_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free,
             mbarrier.expect(bar, desc_q.block_type.nbytes)
             fws._tma_load(desc_q, [off_b, off_h, start_m + w * WG_ROWS, 0], bar, q_smem.index(w))
         i = _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, off_b, off_kvh,
-                           FULL_row, n_full * SUB, i, MASK_BS, BLOCK_N, STAGES)
+                           FULL_row, n_full * SUB, i, MASK_BS, BLOCK_N, STAGES, V_STAGES)
         i = _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, off_b, off_kvh,
-                           PART_row, n_part * SUB, i, MASK_BS, BLOCK_N, STAGES)
+                           PART_row, n_part * SUB, i, MASK_BS, BLOCK_N, STAGES, V_STAGES)
         t, e, n_full, n_part = _next_item(CNT, nprog, tickets, tk_ready, tk_empty, n, n_items, SCHED, KV_NUM,
                                           FULL_NUM, stride_nb, stride_nh, n_tiles, Hq, MASK_BS, USE_SCHED, True,
                                           PERSIST)
@@ -311,7 +324,7 @@ def _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_rea
                     Sk, lo, hi, kv_global, q_global, qk_scale,
                     s_layout: gl.constexpr, p_layout: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
                     HAS_GLOBAL: gl.constexpr, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                    STAGES: gl.constexpr):
+                    STAGES: gl.constexpr, V_STAGES: gl.constexpr):
     """The listed sub-tiles with the element mask of MASK_KIND (0: the ragged end of Sk only)."""
     SUB: gl.constexpr = MASK_BS // BLOCK_N
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -328,7 +341,7 @@ def _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_rea
         qk = fws._scores(q, k_smem, k_ready, k_empty, s, ph, zero, BLOCK_N, BLOCK_D)
         p, m_i, alpha, l_i = fws._softmax_keep(qk, m_i, l_i, keep, qk_scale)
         acc, p_op = fws._rescale_pack(acc, alpha, p, p_layout, k_smem.dtype)
-        acc = fws._pv(acc, p_op, v_smem, v_ready, v_empty, s, ph, BLOCK_N, BLOCK_D)
+        acc = fws._pv(acc, p_op, v_smem, v_ready, v_empty, i % V_STAGES, (i // V_STAGES) & 1, BLOCK_N, BLOCK_D)
         i += 1
     return acc, l_i, m_i, i
 
@@ -341,12 +354,15 @@ def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_
               SCHED, TR, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG: gl.constexpr,
               MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
               EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr,
-              EARLY_Q: gl.constexpr, O_TMA: gl.constexpr, TRACE: gl.constexpr):
+              STAGES: gl.constexpr, V_STAGES: gl.constexpr, O_STAGE: gl.constexpr, PIPE: gl.constexpr,
+              USE_SCHED: gl.constexpr, PERSIST: gl.constexpr, EARLY_Q: gl.constexpr, O_TMA: gl.constexpr,
+              TRACE: gl.constexpr):
     """Work item entry ``e`` (`_entry`) with ``n_full`` / ``n_part`` listed blocks, the CTA's ``n``-th, for one
     warpgroup: 64 query rows against the listed kv blocks; writes their output and lse. ``i`` counts the K/V tiles
-    consumed so far (ring slot and phase); returns it. O_TMA: the output leaves through Q's buffer and the copy
-    engine (`_epilogue_tma`). TRACE: the SM clock at four points into TR (`_trace`)."""
+    consumed so far (ring slots and phases); returns it. O_TMA: the output leaves by the copy engine
+    (`_epilogue_tma`) through Q's buffer, or with O_STAGE through the warpgroup's own output tile (then Q's buffer
+    is freed as with EARLY_Q, and no epilogue waits for its own copy). TRACE: the SM clock at four points into TR
+    (`_trace`)."""
     if TRACE:
         _trace(TR, n, WG, 0)
     s_layout: gl.constexpr = fws.wgmma_layout(BLOCK_N)
@@ -374,12 +390,12 @@ def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_
     mbarrier.wait(q_bar.index(WG), n & 1)
     if TRACE:
         _trace(TR, n, WG, 1)
-    # PERSIST: Q's buffer is refilled for the next item once this one's last scores are done; where no partial
-    # block follows, the full run's last tile releases it before its softmax and P V (else: after the masked run).
-    # O_TMA: after the output has left through it (`_epilogue_tma`); the launcher never sets both.
+    # PERSIST with EARLY_Q: Q's buffer is refilled for the next item once this one's last scores are done; where no
+    # partial block follows, the full run's last tile releases it before its softmax and P V (else: after the
+    # masked run). O_TMA without O_STAGE: after the output has left through it (`_epilogue_tma`), so never early.
     released = n_part < 0  # false
     # (compile-time branches: an `and` of constexprs makes a tensor here)
-    if EARLY_Q:  # noqa: SIM102
+    if _early_q(EARLY_Q, O_TMA, O_STAGE):  # noqa: SIM102
         if PERSIST:  # noqa: SIM102
             if EVEN_SK:  # noqa: SIM102
                 if PIPE:
@@ -389,30 +405,39 @@ def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_
         if PIPE:
             acc, l_i, m_i, i = fws._consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty,
                                                           v_ready, v_empty, 0, n_full * SUB * BLOCK_N, qk_scale,
-                                                          s_layout, p_layout, BLOCK_N, BLOCK_D, STAGES,
-                                                          q_free.index(WG), released, EARLY_Q)
+                                                          s_layout, p_layout, BLOCK_N, BLOCK_D, STAGES, V_STAGES,
+                                                          q_free.index(WG), released,
+                                                          _early_q(EARLY_Q, O_TMA, O_STAGE))
         else:
             acc, l_i, m_i, i = fws._consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
                                                 v_empty, offs_m, 0, n_full * SUB * BLOCK_N, Sk, 0, 0, qk_scale,
-                                                s_layout, p_layout, False, False, False, BLOCK_N, BLOCK_D, STAGES)
+                                                s_layout, p_layout, False, False, False, BLOCK_N, BLOCK_D, STAGES,
+                                                V_STAGES)
     else:
         # the last kv block reaches past Sk: its keys there arrive as zeros and must be masked
         acc, l_i, m_i, i = _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
                                            v_empty, offs_m, qd, qp, FULL_row, n_full * SUB, qb, KDOC_b, KPOS_b,
                                            TILE_IDS_bh, stride_tq, TILES, Sk, lo, hi, kv_global, q_global,
                                            qk_scale, s_layout, p_layout, 0, False, False, MASK_BS, BLOCK_N,
-                                           BLOCK_D, STAGES)
+                                           BLOCK_D, STAGES, V_STAGES)
     # -- partial blocks: the element mask --
     acc, l_i, m_i, i = _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                                        offs_m, qd, qp, PART_row, n_part * SUB, qb, KDOC_b, KPOS_b, TILE_IDS_bh,
                                        stride_tq, TILES, Sk, lo, hi, kv_global, q_global, qk_scale,
                                        s_layout, p_layout, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N,
-                                       BLOCK_D, STAGES)
+                                       BLOCK_D, STAGES, V_STAGES)
     if TRACE:
         _trace(TR, n, WG, 2)
     if O_TMA:
-        _epilogue_tma(acc, l_i, m_i, LSE, desc_o, q_smem.index(WG), q_free.index(WG), off_b, off_h, Hq, Sq,
-                      my_start, offs_m, o_layout, PERSIST)
+        if O_STAGE:
+            if PERSIST:  # noqa: SIM102 (a compile-time branch around a run-time one)
+                if not released:
+                    mbarrier.arrive(q_free.index(WG), count=1)  # the item's wgmmas are done
+            _epilogue_tma(acc, l_i, m_i, LSE, desc_o, q_smem.index(WG + NUM_CONSUMERS), q_free.index(WG), off_b,
+                          off_h, Hq, Sq, my_start, offs_m, o_layout, PERSIST, True)
+        else:
+            _epilogue_tma(acc, l_i, m_i, LSE, desc_o, q_smem.index(WG), q_free.index(WG), off_b, off_h, Hq, Sq,
+                          my_start, offs_m, o_layout, PERSIST, False)
     else:
         if PERSIST:  # noqa: SIM102 (a compile-time branch around a run-time one)
             if not released:
@@ -432,7 +457,8 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_rea
                   SCHED, TR, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale,
                   WG: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
                   HAS_GLOBAL: gl.constexpr, EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, O_STAGE: gl.constexpr,
+                  PIPE: gl.constexpr, USE_SCHED: gl.constexpr,
                   PERSIST: gl.constexpr, EARLY_Q: gl.constexpr, O_TMA: gl.constexpr, TRACE: gl.constexpr):
     """One warpgroup: its 64 rows of the CTA's work item (grid position), or with PERSIST of every item the
     producer hands out, until the tickets run out."""
@@ -448,8 +474,8 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_rea
                           KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                           QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                           stride_tq, SCHED, TR, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
-                          MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                          USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)
+                          MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES,
+                          V_STAGES, O_STAGE, PIPE, USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)
             t, e, n_full, n_part = _read_ticket(tickets, tk_ready, tk_empty, n)
             n += 1
     else:
@@ -458,8 +484,11 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_rea
                   KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                   QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                   stride_tq, SCHED, TR, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
-                  MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                  USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)
+                  MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, V_STAGES,
+                  O_STAGE, PIPE, USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)
+    if O_TMA:  # noqa: SIM102
+        if O_STAGE:
+            bws.tma.store_wait(0)  # the last item's output copy (`_epilogue_tma` waits for the others')
 
 
 @gluon.jit
@@ -474,13 +503,18 @@ def sparse_fwd_ws_kernel(
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PERSIST: gl.constexpr = False,
     EARLY_Q: gl.constexpr = True, O_TMA: gl.constexpr = False, TRACE: gl.constexpr = False,
+    V_STAGES: gl.constexpr = 0, O_STAGE: gl.constexpr = False,
 ):
     """Grid: (n_items,), one CTA per work item ``tile + n_tiles * (b * Hq + h)`` (tiles of 128 query rows), or with
     PERSIST at most one CTA per SM, each taking items by ticket from the zeroed int32 counter CNT; num_warps=4
     (consumer 0) plus the workers' 4 + 1 warps (the next item's K/V loads while this one ends; its Q once the
     consumers release their buffer). Descriptors as `flash_fwd_ws.attn_fwd_ws_kernel`'s; the mask arguments as
-    `flash_sparse.sparse_fwd_kernel`'s."""
-    q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty = fws._shared(desc_q, desc_k, desc_v, STAGES)
+    `flash_sparse.sparse_fwd_kernel`'s. V_STAGES: slots of the V ring (0: STAGES, as the K ring). O_STAGE (with
+    O_TMA): each warpgroup's output leaves through a tile of its own (allocated as a second set of Q buffers), so
+    that its Q buffer is freed after the item's last scores (EARLY_Q) and no epilogue waits for its copy."""
+    VS: gl.constexpr = STAGES if V_STAGES == 0 else V_STAGES
+    q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty = fws._shared(desc_q, desc_k, desc_v, STAGES,
+                                                                                    VS, 1 if O_STAGE else 0)
     tickets, tk_ready, tk_empty, q_free = _persistent_shared(NUM_CONSUMERS, False)
 
     gl.warp_specialize([
@@ -489,19 +523,19 @@ def sparse_fwd_ws_kernel(
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                          stride_tq, SCHED, TR, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 0,
-                         MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                         USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)),
+                         MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES,
+                         VS, O_STAGE, PIPE, USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)),
         (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty, tickets,
                          tk_ready, tk_empty, desc_o, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                          stride_tq, SCHED, TR, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 1,
-                         MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE,
-                         USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)),
+                         MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES,
+                         VS, O_STAGE, PIPE, USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)),
         (_fwd_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready,
                          v_empty, tickets, tk_ready, tk_empty, CNT,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
-                         SCHED, n_items, n_tiles, Hq, GROUP, MASK_BS, BLOCK_N, STAGES, USE_SCHED, PERSIST)),
+                         SCHED, n_items, n_tiles, Hq, GROUP, MASK_BS, BLOCK_N, STAGES, VS, USE_SCHED, PERSIST)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

@@ -33,8 +33,10 @@ work items by ticket, in `_schedule`'s order: heads in order, the longest items 
 ``LONGCTX_SPARSE_WS_PERSIST=0`` launches one CTA per item, in that order for analytic masks only
 (`_use_schedule`); ``LONGCTX_SPARSE_WS_SCHED=1`` / ``0`` takes the order always / never. The order is kept per
 mask (`_schedule_cached`). Their forward writes the output through the warpgroup's Q buffer and the copy engine
-(``LONGCTX_SPARSE_WS_O_TMA=0``: from registers, and then ``LONGCTX_SPARSE_WS_EARLY_Q=0`` frees Q after the last P V
-rather than the last scores). `WS_TRACE` records each forward item's timeline (benchmarks/diag_items.py --trace).
+(``LONGCTX_SPARSE_WS_O_STAGE=1``, persistent only: through a tile of its own, so that Q is freed after the item's
+last scores; ``LONGCTX_SPARSE_WS_O_TMA=0``: from registers, and then ``LONGCTX_SPARSE_WS_EARLY_Q=0`` frees Q after
+the last P V rather than the last scores).
+`WS_TRACE` records each forward item's timeline (benchmarks/diag_items.py --trace).
 `FORCE_CONFIG` pins tiles per kernel
 (``LONGCTX_SPARSE_TILES="fwd=128,64,8,3;dkdv=32,128,8,3"``) for tuning sessions;
 benchmarks/sweep_sparse_configs.py compares the variants against FlexAttention.
@@ -127,9 +129,17 @@ VARIANT: dict = {
     # (where no partial block follows), not after its last P V
     "ws_early_q": _flag("LONGCTX_SPARSE_WS_EARLY_Q", True),
     # forward: the output leaves through the warpgroup's Q buffer and the copy engine (then Q is freed only once
-    # the copy has read it, so not with ws_early_q), not by strided stores from registers
+    # the copy has read it, so not with ws_early_q unless ws_o_stage), not by strided stores from registers
     "ws_o_tma": _flag("LONGCTX_SPARSE_WS_O_TMA", True),
+    # persistent forward with ws_o_tma: the output through a shared tile of its own, so Q is freed after the last
+    # scores (ws_early_q) and no epilogue waits for its copy; where shared memory runs short (D=128) the V ring
+    # has a slot fewer. Off by default: at D=128 the 10% layout's kernel time did not move and causal's tiles
+    # slowed 7% with two V slots (benchmarks/NOTES.md, session 11)
+    "ws_o_stage": _flag("LONGCTX_SPARSE_WS_O_STAGE"),
 }
+
+# shared memory a CTA may use on sm_90 (227 KiB), less what the barriers and the ticket ring take
+_SMEM_BYTES = 232448 - 2048
 
 
 # Diagnostic: an int64 tensor of shape (grid, 2, flash_sparse_ws.TRACE_ITEMS, 4), zeroed, makes the warp-specialised
@@ -362,6 +372,21 @@ def _work_grid(n_items: int, device: torch.device) -> tuple[tuple[int], torch.Te
     return (min(n_items, _num_sms(idx)),), torch.zeros(1, dtype=torch.int32, device=device), True
 
 
+def _o_stage(eligible: bool, D: int, block_n: int, stages: int, itemsize: int) -> tuple[bool, int]:
+    """(output tiles of their own, V ring slots) of the warp-specialised forward: own output tiles where
+    VARIANT["ws_o_stage"] and the launch is ``eligible`` (persistent, output through the copy engine), with as many
+    V slots as K slots where shared memory allows and one fewer otherwise (D=128: 2 x 16 KiB of Q and 2 of output,
+    3 K and 2 V slots of 32 KiB); else none and ``stages`` V slots."""
+    if not (eligible and VARIANT["ws_o_stage"]):
+        return False, stages
+    q_bytes = 2 * 2 * 64 * D * itemsize  # Q and output tiles of both warpgroups, 64 rows each
+    tile = block_n * D * itemsize
+    for v_stages in (stages, stages - 1):
+        if v_stages >= 2 and q_bytes + (stages + v_stages) * tile <= _SMEM_BYTES:
+            return True, v_stages
+    return False, stages
+
+
 def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs: int, config) -> None:
     """Launch `flash_sparse_ws.sparse_fwd_ws_kernel` (conditions and config: `_ws_config`)."""
     from longctx.kernels import flash_sparse_ws as sws
@@ -374,6 +399,7 @@ def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs
     use_sched = _use_schedule(mkw, persist)
     sched = _schedule_cached(margs[0], margs[2], n_tiles, int(sws.CTA_ROWS), mask_bs, 1) if use_sched else lse
     o_tma = VARIANT["ws_o_tma"]
+    o_stage, v_stages = _o_stage(persist and o_tma, D, block_n, stages, q.element_size())
     if WS_TRACE is not None and (WS_TRACE.dtype != torch.int64 or WS_TRACE.shape[:2] != (grid[0], 2)
                                  or WS_TRACE.shape[2:] != (int(sws.TRACE_ITEMS), 4)):  # fmt: skip
         raise ValueError(
@@ -386,8 +412,8 @@ def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs
         lse if cnt is None else cnt, lse if WS_TRACE is None else WS_TRACE, n_tiles * B * Hq, n_tiles,
         USE_SCHED=use_sched, Hq=Hq, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, qk_scale=scale * _LOG2E,
         HEAD_DIM=D, BLOCK_D=D, MASK_BS=mask_bs, EVEN_SK=Sk % mask_bs == 0,
-        BLOCK_N=block_n, STAGES=stages, PIPE=pipe, PERSIST=persist, EARLY_Q=VARIANT["ws_early_q"] and not o_tma,
-        O_TMA=o_tma,
+        BLOCK_N=block_n, STAGES=stages, PIPE=pipe, PERSIST=persist,
+        EARLY_Q=VARIANT["ws_early_q"] and (o_stage or not o_tma), O_TMA=o_tma, O_STAGE=o_stage, V_STAGES=v_stages,
         TRACE=WS_TRACE is not None,
         CONSUMER_REGS=240, PRODUCER_REGS=24,
         num_warps=4, maxnreg=168, **mkw,
