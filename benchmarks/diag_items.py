@@ -96,6 +96,8 @@ def trace(fwd, n_sm: int) -> dict:
     out["items_per_cta"] = float(seen[:, 0].sum(-1).double().mean())
     per_cta = t[:, :, :, 3].amax((1, 2)) - torch.where(seen, t[..., 0], float("inf")).amin((1, 2))
     out["cta_span_median"] = float(per_cta.median())
+    out["cta_span_max"] = float(per_cta.max())  # (each SM's own clock: spans compare, start times do not)
+    out["tiles_share"] = float(segs["tiles"][seen].sum() / per_cta.sum() / 2)  # of the warpgroups' time
     return out
 
 
