@@ -273,8 +273,8 @@ def _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_
         mbarrier.wait(k_empty.index(s), ph ^ 1)
         mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
         fws._tma_load(desc_k, [off_b, off_kvh, start_n, 0], k_ready.index(s), k_smem.index(s))
-        sv = i % V_STAGES
-        mbarrier.wait(v_empty.index(sv), ((i // V_STAGES) & 1) ^ 1)
+        sv, phv = fws._v_slot(i, s, ph, STAGES, V_STAGES)
+        mbarrier.wait(v_empty.index(sv), phv ^ 1)
         mbarrier.expect(v_ready.index(sv), desc_v.block_type.nbytes)
         fws._tma_load(desc_v, [off_b, off_kvh, start_n, 0], v_ready.index(sv), v_smem.index(sv))
         i += 1
@@ -341,7 +341,8 @@ def _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_rea
         qk = fws._scores(q, k_smem, k_ready, k_empty, s, ph, zero, BLOCK_N, BLOCK_D)
         p, m_i, alpha, l_i = fws._softmax_keep(qk, m_i, l_i, keep, qk_scale)
         acc, p_op = fws._rescale_pack(acc, alpha, p, p_layout, k_smem.dtype)
-        acc = fws._pv(acc, p_op, v_smem, v_ready, v_empty, i % V_STAGES, (i // V_STAGES) & 1, BLOCK_N, BLOCK_D)
+        sv, phv = fws._v_slot(i, s, ph, STAGES, V_STAGES)
+        acc = fws._pv(acc, p_op, v_smem, v_ready, v_empty, sv, phv, BLOCK_N, BLOCK_D)
         i += 1
     return acc, l_i, m_i, i
 
@@ -394,8 +395,9 @@ def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_
     # partial block follows, the full run's last tile releases it before its softmax and P V (else: after the
     # masked run). O_TMA without O_STAGE: after the output has left through it (`_epilogue_tma`), so never early.
     released = n_part < 0  # false
+    EARLY: gl.constexpr = _early_q(EARLY_Q, O_TMA, O_STAGE)
     # (compile-time branches: an `and` of constexprs makes a tensor here)
-    if _early_q(EARLY_Q, O_TMA, O_STAGE):  # noqa: SIM102
+    if EARLY:  # noqa: SIM102
         if PERSIST:  # noqa: SIM102
             if EVEN_SK:  # noqa: SIM102
                 if PIPE:
@@ -406,8 +408,7 @@ def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_
             acc, l_i, m_i, i = fws._consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty,
                                                           v_ready, v_empty, 0, n_full * SUB * BLOCK_N, qk_scale,
                                                           s_layout, p_layout, BLOCK_N, BLOCK_D, STAGES, V_STAGES,
-                                                          q_free.index(WG), released,
-                                                          _early_q(EARLY_Q, O_TMA, O_STAGE))
+                                                          q_free.index(WG), released, EARLY)
         else:
             acc, l_i, m_i, i = fws._consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
                                                 v_empty, offs_m, 0, n_full * SUB * BLOCK_N, Sk, 0, 0, qk_scale,
