@@ -1,0 +1,238 @@
+"""Energy per call of the block-sparse kernels (NVML's energy counter), for issue 4's 5x question: is the 10%
+layout's time against causal's set by the board's power cap rather than by idle cycles (benchmarks/NOTES.md,
+session 12)?
+
+For each case, the calls run back to back for ``--secs`` seconds after a warm-up, and NVML is read (nothing is
+set): the energy counter before and after, and meanwhile, every 10 ms, the SM clock, the power draw and the
+clock-event reasons (the software power cap among them). Cases: the 10% block layout and causal through
+`triton_sparse` (forward; backward with its side passes), at ``--s`` with ``--hkv`` key/value heads (1 is MQA:
+the same blocks and items, a sixteenth of the K/V bytes), and two calibrations: a device copy (energy per byte
+moved) and a bf16 matmul (energy per FLOP), plus the idle board.
+
+    python benchmarks/energy.py [--s 16384] [--hkv 16] [--secs 3] [--cases layout,causal,copy,mm,idle]
+                                [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+# NVML clock-event (throttle) reason bits
+_REASONS = {
+    0x1: "idle",
+    0x2: "app_clocks",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x20: "sw_thermal",
+    0x40: "hw_thermal",
+    0x80: "hw_power_brake",
+}
+
+
+class Nvml:
+    """Read-only NVML through ctypes (the driver's library; no Python package needed)."""
+
+    def __init__(self, cuda_index: int = 0):
+        self.lib = ctypes.CDLL("libnvidia-ml.so.1")
+        self._ok(self.lib.nvmlInit_v2())
+        self.h = ctypes.c_void_p()
+        try:
+            key = ("GPU-" + str(torch.cuda.get_device_properties(cuda_index).uuid)).encode()
+        except Exception:  # an older torch: the index (one GPU machines agree on it)
+            key = b""
+        if not key or self.lib.nvmlDeviceGetHandleByUUID(key, ctypes.byref(self.h)) != 0:
+            self._ok(self.lib.nvmlDeviceGetHandleByIndex_v2(cuda_index, ctypes.byref(self.h)))
+        name = "nvmlDeviceGetCurrentClocksEventReasons"
+        self._reasons_fn = getattr(self.lib, name, None) or self.lib.nvmlDeviceGetCurrentClocksThrottleReasons
+
+    @staticmethod
+    def _ok(rc: int) -> None:
+        if rc != 0:
+            raise RuntimeError(f"NVML call failed with code {rc}")
+
+    def _u(self, fn, *args, kind=ctypes.c_uint) -> int:
+        x = kind()
+        self._ok(fn(self.h, *args, ctypes.byref(x)))
+        return int(x.value)
+
+    def energy_mj(self) -> int:
+        return self._u(self.lib.nvmlDeviceGetTotalEnergyConsumption, kind=ctypes.c_ulonglong)
+
+    def power_w(self) -> float:
+        return self._u(self.lib.nvmlDeviceGetPowerUsage) / 1000
+
+    def limit_w(self) -> float:
+        return self._u(self.lib.nvmlDeviceGetEnforcedPowerLimit) / 1000
+
+    def sm_mhz(self) -> int:
+        return self._u(self.lib.nvmlDeviceGetClockInfo, 1)  # NVML_CLOCK_SM
+
+    def max_sm_mhz(self) -> int:
+        return self._u(self.lib.nvmlDeviceGetMaxClockInfo, 1)
+
+    def temp_c(self) -> int:
+        return self._u(self.lib.nvmlDeviceGetTemperature, 0)
+
+    def reasons(self) -> int:
+        return self._u(self._reasons_fn, kind=ctypes.c_ulonglong)
+
+
+class _Sampler(threading.Thread):
+    def __init__(self, nv: Nvml, period: float = 0.01):
+        super().__init__(daemon=True)
+        self.nv, self.period, self.rows, self.stop = nv, period, [], threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            self.rows.append((self.nv.sm_mhz(), self.nv.power_w(), self.nv.reasons()))
+            time.sleep(self.period)
+
+
+def measure(nv: Nvml, fn, secs: float, warm_secs: float = 1.0) -> dict:
+    """Energy and time per call of ``fn`` run back to back, with the clock / power / reasons seen meanwhile."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    per = max((time.perf_counter() - t0) / 3, 1e-5)
+    for _ in range(max(1, int(warm_secs / per))):  # steady clocks and power before the count starts
+        fn()
+    torch.cuda.synchronize()
+    n = max(5, int(secs / per))
+    s = _Sampler(nv)
+    e0, t0 = nv.energy_mj(), time.perf_counter()
+    s.start()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    t1, e1 = time.perf_counter(), nv.energy_mj()
+    s.stop.set()
+    s.join()
+    mhz = [r[0] for r in s.rows]
+    watts = [r[1] for r in s.rows]
+    cap = sum(1 for r in s.rows if r[2] & 0x4) / max(1, len(s.rows))
+    seen = 0
+    for r in s.rows:
+        seen |= r[2]
+    return {
+        "calls": n,
+        "ms_per_call": 1000 * (t1 - t0) / n,
+        "mj_per_call": (e1 - e0) / n,
+        "watts": (e1 - e0) / 1000 / (t1 - t0),
+        "sm_mhz_median": statistics.median(mhz) if mhz else None,
+        "sm_mhz_min": min(mhz) if mhz else None,
+        "watts_sampled_median": statistics.median(watts) if watts else None,
+        "power_cap_share": cap,
+        "reasons_seen": [name for bit, name in _REASONS.items() if seen & bit],
+        "temp_c": nv.temp_c(),
+    }
+
+
+def _gpu_ms(fn, n: int = 5) -> float:
+    """Milliseconds of GPU kernels per call (profiler), to tell a host-bound loop from a GPU-bound one."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from diag_items import _profile
+
+    return sum(_profile(fn, n).values()) / 1000
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--s", type=int, default=16384)
+    ap.add_argument("--hkv", type=int, default=16)
+    ap.add_argument("--secs", type=float, default=3.0)
+    ap.add_argument("--cases", default="layout,causal,copy,mm,idle")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    import longctx
+    from longctx import block_sparse as bsm
+    from longctx.ops import triton_sparse as ts
+
+    nv = Nvml(torch.cuda.current_device())
+    S, H, D, Hkv = args.s, 16, 128, args.hkv
+    n = S // 128
+    scale = D**-0.5
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(1, Hkv, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    lay10 = torch.rand(H, n, n, generator=torch.Generator().manual_seed(1)) < 0.1  # the mask table's
+    masks = {
+        "layout": longctx.BlockMask.from_layout(lay10.cuda(), 128, S, S),
+        "causal": longctx.block_mask(bsm.causal_mask, None, None, S, S, device="cuda"),
+    }
+    head = {
+        "gpu": torch.cuda.get_device_name(),
+        "tag": args.tag,
+        "S": S,
+        "H": H,
+        "Hkv": Hkv,
+        "D": D,
+        "power_limit_w": nv.limit_w(),
+        "max_sm_mhz": nv.max_sm_mhz(),
+    }
+    print(json.dumps(head), flush=True)
+    rows = []
+    which = args.cases.split(",")
+    for name in ("layout", "causal"):
+        if name not in which:
+            continue
+        bm = masks[name]
+        blocks = int((bm.block_kind > 0).sum()) * (H if bm.block_kind.shape[1] == 1 else 1)
+        out, lse = ts.sparse_forward(q, k, v, scale=scale, block_mask=bm)
+        do = torch.randn_like(out)
+        fns = {
+            "fwd": lambda bm=bm: ts.sparse_forward(q, k, v, scale=scale, block_mask=bm),
+            "bwd": lambda bm=bm, out=out, lse=lse, do=do: ts.sparse_backward(
+                do, q, k, v, out, lse, scale=scale, block_mask=bm
+            ),
+        }
+        for side, fn in fns.items():
+            r = {"case": f"{name} {side}", "blocks": blocks, "gpu_ms_per_call": _gpu_ms(fn)}
+            r.update(measure(nv, fn, args.secs))
+            r["uj_per_block"] = 1000 * r["mj_per_call"] / blocks
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    if "copy" in which:
+        src = torch.empty(64 * 2**20, device="cuda", dtype=torch.bfloat16)  # 128 MiB, read and written once
+        dst = torch.empty_like(src)
+        r = {"case": "copy 128 MiB", "bytes_moved": 2 * src.numel() * 2}
+        r.update(measure(nv, lambda: dst.copy_(src), args.secs))
+        r["mj_per_gb"] = r["mj_per_call"] / (r["bytes_moved"] / 1e9)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        del src, dst
+    if "mm" in which:
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn_like(a)
+        r = {"case": "matmul 8192^3", "flops": 2 * 8192**3}
+        r.update(measure(nv, lambda: a @ b, args.secs))
+        r["pj_per_flop"] = 1e9 * r["mj_per_call"] / r["flops"]
+        r["tflops"] = r["flops"] / r["ms_per_call"] / 1e9
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    if "idle" in which:
+        torch.cuda.synchronize()
+        r = {"case": "idle"}
+        r.update(measure(nv, lambda: time.sleep(0.05), args.secs, warm_secs=0.5))
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"head": head, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Session 12's device calls (H100), one part per call: PART=g1 ... (results under $OUT, copied to
+# benchmarks/results/raw/sweeps_2026-11-21_s12/ with the part as prefix; predictions and outcomes in NOTES.md).
+#   PART=g1: energy per call (benchmarks/energy.py) of the 10% layout and causal at 16K (MHA and MQA) and 64K, with
+#            the copy / matmul / idle calibrations; causal / 10% layout in 3 interleaved rounds at 64K; the mask
+#            table's layout and causal cases at 64K.
+set -uo pipefail
+source "$(dirname "$0")/_device_env.sh" sweep_out
+LOG="$OUT/sweep.txt"
+energy() {  # $1: tag, rest: options of benchmarks/energy.py
+  local tag=$1
+  shift
+  timeout 240 python3 benchmarks/energy.py --tag "$tag" --json "$OUT/energy_$tag.json" "$@" 2>&1 | cut -c1-400
+}
+case "${PART:-g1}" in
+g1)
+  nvidia-smi --query-gpu=name,power.limit,power.max_limit,clocks.max.sm --format=csv >>"$LOG" 2>&1
+  energy mha16k --s 16384
+  energy mqa16k --s 16384 --hkv 1 --cases layout,causal
+  energy mha64k --s 65536 --cases layout,causal
+  timeout 200 python3 benchmarks/diag_items.py --s 65536 --skip-items --ratio 3 --json "$OUT/ratio_64k.json" \
+    2>&1 | tail -1 | cut -c1-600
+  timeout 300 python3 -m longctx.bench.masks --layout-s 65536 --cases layout,causal --no-build --out-dir "$OUT" \
+    --tag _s12_64k >>"$LOG" 2>&1
+  grep -E "^\| (random|causal)" "$LOG" | cut -c1-250
+  ;;
+esac
