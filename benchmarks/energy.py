@@ -10,7 +10,7 @@ the same blocks and items, a sixteenth of the K/V bytes), and two calibrations: 
 moved) and a bf16 matmul (energy per FLOP), plus the idle board.
 
     python benchmarks/energy.py [--s 16384] [--hkv 16] [--secs 3] [--cases layout,causal,copy,mm,idle]
-                                [--json out.json]
+                                [--sides fwd,bwd] [--json out.json]
 """
 
 from __future__ import annotations
@@ -153,6 +153,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hkv", type=int, default=16)
     ap.add_argument("--secs", type=float, default=3.0)
     ap.add_argument("--cases", default="layout,causal,copy,mm,idle")
+    ap.add_argument("--sides", default="fwd,bwd", help="of the attention cases")
     ap.add_argument("--tag", default="")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -199,6 +200,8 @@ def main(argv=None) -> int:
             ),
         }
         for side, fn in fns.items():
+            if side not in args.sides.split(","):
+                continue
             r = {"case": f"{name} {side}", "blocks": blocks, "gpu_ms_per_call": _gpu_ms(fn)}
             r.update(measure(nv, fn, args.secs))
             r["uj_per_block"] = 1000 * r["mj_per_call"] / blocks

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 12's device calls (H100), one part per call: PART=g1 ... (results under $OUT, copied to
 # benchmarks/results/raw/sweeps_2026-11-21_s12/ with the part as prefix; predictions and outcomes in NOTES.md).
+#   PART=g2: the forward's O_STAGE off / on / off / on / off / on at the power cap (energy and time per call, steady).
 #   PART=g1: energy per call (benchmarks/energy.py) of the 10% layout and causal at 16K (MHA and MQA) and 64K, with
 #            the copy / matmul / idle calibrations; causal / 10% layout in 3 interleaved rounds at 64K; the mask
 #            table's layout and causal cases at 64K.
@@ -13,6 +14,12 @@ energy() {  # $1: tag, rest: options of benchmarks/energy.py
   timeout 240 python3 benchmarks/energy.py --tag "$tag" --json "$OUT/energy_$tag.json" "$@" 2>&1 | cut -c1-400
 }
 case "${PART:-g1}" in
+g2)
+  for v in s0:0 s1:1 s0b:0 s1b:1 s0c:0 s1c:1; do
+    IFS=: read -r tag on <<<"$v"
+    LONGCTX_SPARSE_WS_O_STAGE=$on energy "o_stage_$tag" --cases layout,causal --sides fwd --secs 3 | grep case
+  done
+  ;;
 g1)
   nvidia-smi --query-gpu=name,power.limit,power.max_limit,clocks.max.sm --format=csv >>"$LOG" 2>&1
   energy mha16k --s 16384
