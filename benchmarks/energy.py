@@ -97,24 +97,42 @@ class _Sampler(threading.Thread):
             time.sleep(self.period)
 
 
-def measure(nv: Nvml, fn, secs: float, warm_secs: float = 1.0) -> dict:
-    """Energy and time per call of ``fn`` run back to back, with the clock / power / reasons seen meanwhile."""
+def graphed(fn, n: int):
+    """``fn`` run ``n`` times in one CUDA graph (no host time between the calls): the replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    torch.cuda.synchronize()
+    return g.replay
+
+
+def measure(nv: Nvml, fn, secs: float, warm_secs: float = 1.0, per: int = 1) -> dict:
+    """Energy and time per call of ``fn`` run back to back, with the clock / power / reasons seen meanwhile (``fn``
+    makes ``per`` calls, e.g. a graph's replay). ``host_share``: the share of the time the host took to issue
+    them; near 1 the loop is host-bound and the GPU idles between calls."""
     fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    per = max((time.perf_counter() - t0) / 3, 1e-5)
-    for _ in range(max(1, int(warm_secs / per))):  # steady clocks and power before the count starts
+    t_fn = max((time.perf_counter() - t0) / 3, 1e-5)
+    for _ in range(max(1, int(warm_secs / t_fn))):  # steady clocks and power before the count starts
         fn()
     torch.cuda.synchronize()
-    n = max(5, int(secs / per))
+    n = max(5, int(secs / t_fn))
     s = _Sampler(nv)
     e0, t0 = nv.energy_mj(), time.perf_counter()
     s.start()
     for _ in range(n):
         fn()
+    t_issue = time.perf_counter()
     torch.cuda.synchronize()
     t1, e1 = time.perf_counter(), nv.energy_mj()
     s.stop.set()
@@ -126,9 +144,10 @@ def measure(nv: Nvml, fn, secs: float, warm_secs: float = 1.0) -> dict:
     for r in s.rows:
         seen |= r[2]
     return {
-        "calls": n,
-        "ms_per_call": 1000 * (t1 - t0) / n,
-        "mj_per_call": (e1 - e0) / n,
+        "calls": n * per,
+        "ms_per_call": 1000 * (t1 - t0) / n / per,
+        "mj_per_call": (e1 - e0) / n / per,
+        "host_share": (t_issue - t0) / (t1 - t0),
         "watts": (e1 - e0) / 1000 / (t1 - t0),
         "sm_mhz_median": statistics.median(mhz) if mhz else None,
         "sm_mhz_min": min(mhz) if mhz else None,
@@ -154,6 +173,7 @@ def main(argv=None) -> int:
     ap.add_argument("--secs", type=float, default=3.0)
     ap.add_argument("--cases", default="layout,causal,copy,mm,idle")
     ap.add_argument("--sides", default="fwd,bwd", help="of the attention cases")
+    ap.add_argument("--graph", type=int, default=0, help="the attention calls in CUDA graphs of this many calls")
     ap.add_argument("--tag", default="")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -172,6 +192,8 @@ def main(argv=None) -> int:
     masks = {
         "layout": longctx.BlockMask.from_layout(lay10.cuda(), 128, S, S),
         "causal": longctx.block_mask(bsm.causal_mask, None, None, S, S, device="cuda"),
+        # one block per query tile (the diagonal): a call that reads Q, K, V and writes O once, with 1 tile per item
+        "diag": longctx.BlockMask.from_layout(torch.eye(n, dtype=torch.bool, device="cuda")[None], 128, S, S),
     }
     head = {
         "gpu": torch.cuda.get_device_name(),
@@ -186,7 +208,7 @@ def main(argv=None) -> int:
     print(json.dumps(head), flush=True)
     rows = []
     which = args.cases.split(",")
-    for name in ("layout", "causal"):
+    for name in ("layout", "causal", "diag"):
         if name not in which:
             continue
         bm = masks[name]
@@ -202,9 +224,16 @@ def main(argv=None) -> int:
         for side, fn in fns.items():
             if side not in args.sides.split(","):
                 continue
-            r = {"case": f"{name} {side}", "blocks": blocks, "gpu_ms_per_call": _gpu_ms(fn)}
-            r.update(measure(nv, fn, args.secs))
-            r["uj_per_block"] = 1000 * r["mj_per_call"] / blocks
+            r = {"case": f"{name} {side}", "blocks": blocks, "graph": args.graph}
+            try:
+                r["gpu_ms_per_call"] = _gpu_ms(fn)
+                if args.graph:
+                    r.update(measure(nv, graphed(fn, args.graph), args.secs, per=args.graph))
+                else:
+                    r.update(measure(nv, fn, args.secs))
+                r["uj_per_block"] = 1000 * r["mj_per_call"] / blocks
+            except Exception as exc:  # report and go on
+                r["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(r)
             print(json.dumps(r), flush=True)
     if "copy" in which:
