@@ -10,7 +10,8 @@ the same blocks and items, a sixteenth of the K/V bytes), and two calibrations: 
 moved) and a bf16 matmul (energy per FLOP), plus the idle board.
 
     python benchmarks/energy.py [--s 16384] [--hkv 16] [--secs 3] [--cases layout,causal,copy,mm,idle]
-                                [--sides fwd,bwd] [--json out.json]
+                                [--sides fwd,bwd] [--graph 20] [--json out.json]
+    python benchmarks/energy.py --summary out.json   # the rows, and energy = fixed + per kept block
 """
 
 from __future__ import annotations
@@ -158,6 +159,50 @@ def measure(nv: Nvml, fn, secs: float, warm_secs: float = 1.0, per: int = 1) -> 
     }
 
 
+def fit(rows: list[dict], target: float = 5.0) -> dict:
+    """Per side (fwd / bwd): energy per call = fixed + per_block * kept blocks, through the 10% layout and causal
+    rows; the ratios of causal's time and energy to the layout's; and the largest fixed part (mJ) that would give
+    causal / layout = ``target`` at the same per-block energy."""
+    by = {r["case"]: r for r in rows if "mj_per_call" in r}
+    out = {}
+    for side in ("fwd", "bwd"):
+        lay, cau = by.get(f"layout {side}"), by.get(f"causal {side}")
+        if lay is None or cau is None:
+            continue
+        per = (cau["mj_per_call"] - lay["mj_per_call"]) / (cau["blocks"] - lay["blocks"])
+        fixed = lay["mj_per_call"] - per * lay["blocks"]
+        out[side] = {
+            "uj_per_block": 1000 * per,
+            "fixed_mj": fixed,
+            "fixed_share_of_layout": fixed / lay["mj_per_call"],
+            "time_ratio": cau["ms_per_call"] / lay["ms_per_call"],
+            "energy_ratio": cau["mj_per_call"] / lay["mj_per_call"],
+            "block_ratio": cau["blocks"] / lay["blocks"],
+            "fixed_mj_for_target": cau["mj_per_call"] / target - per * lay["blocks"],
+        }
+        diag = by.get(f"diag {side}")
+        if diag is not None:
+            out[side]["diag_fixed_mj"] = diag["mj_per_call"] - per * diag["blocks"]
+    return out
+
+
+def summary(path: str) -> None:
+    """The rows of a ``--json`` file, one line each, and `fit`."""
+    with open(path) as f:
+        d = json.load(f)
+    print(json.dumps(d["head"]))
+    for r in d["rows"]:
+        if "error" in r:
+            print(f"{r['case']:16s} {r['error']}")
+            continue
+        print(
+            f"{r['case']:16s} {r['ms_per_call']:9.4f} ms {r['mj_per_call']:9.1f} mJ {r['watts']:5.0f} W "
+            f"{r['sm_mhz_median']:6.0f} MHz  power cap {100 * r['power_cap_share']:3.0f}%"
+        )
+    for side, x in fit(d["rows"]).items():
+        print(f"{side}: " + ", ".join(f"{k} {v:.4g}" for k, v in x.items()))
+
+
 def _gpu_ms(fn, n: int = 5) -> float:
     """Milliseconds of GPU kernels per call (profiler), to tell a host-bound loop from a GPU-bound one."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -176,7 +221,11 @@ def main(argv=None) -> int:
     ap.add_argument("--graph", type=int, default=0, help="the attention calls in CUDA graphs of this many calls")
     ap.add_argument("--tag", default="")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--summary", default=None, help="print a --json file's rows and fit, and exit")
     args = ap.parse_args(argv)
+    if args.summary:
+        summary(args.summary)
+        return 0
     import longctx
     from longctx import block_sparse as bsm
     from longctx.ops import triton_sparse as ts

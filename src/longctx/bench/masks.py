@@ -2,13 +2,14 @@
 
 Cases (B=1, H=16, D=128, bf16 by default): causal sliding window 4096 at S = 16K and 64K; packed documents
 with random lengths 512..8192 (causal inside each) at 16K and 64K; random block layouts (block 128) at 10%
-and 50% density; dense causal for scale. FLOPs count only the score entries the mask keeps:
-forward ``4 * B * H * S^2 * D * kept_fraction``, backward 2.5x that; `triton.testing.do_bench` medians,
-backward timed alone (``autograd.grad`` of a saved graph). FlexAttention runs compiled (``torch.compile``,
-dynamo's recompile limits raised) with its own ``create_block_mask`` of the same mask_mod.
+and 50% density and dense causal for scale, at 16K (``--layout-s 16384,65536`` adds 64K). FLOPs count only
+the score entries the mask keeps: forward ``4 * B * H * S^2 * D * kept_fraction``, backward 2.5x that;
+`triton.testing.do_bench` medians, backward timed alone (``autograd.grad`` of a saved graph). FlexAttention
+runs compiled (``torch.compile``, dynamo's recompile limits raised) with its own ``create_block_mask`` of the
+same mask_mod.
 Also: the time to build each mask at 64K, ours vs ``create_block_mask``.
 
-    python -m longctx.bench.masks [--out-dir benchmarks/results] [--s 16384,65536] [--quick]
+    python -m longctx.bench.masks [--out-dir benchmarks/results] [--s 16384,65536] [--layout-s 16384] [--quick]
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _flex_setup():
     return create_block_mask, torch.compile(flex_attention, dynamic=False)
 
 
-def _cases(seqs: list[int], layout_s: int, which: set[str]):
+def _cases(seqs: list[int], layout_seqs: list[int], which: set[str]):
     from longctx import block_sparse as bsm
 
     cases = []
@@ -70,11 +71,12 @@ def _cases(seqs: list[int], layout_s: int, which: set[str]):
             ids = _doc_ids(S).cuda()
             mm = bsm.document_mask(ids) & bsm.causal_mask
             cases.append((f"documents 512..8192 causal, S={S}", S, "docs", mm))
-    if "layout" in which:
-        for dens in (0.1, 0.5):
-            cases.append((f"random layout {int(dens * 100)}%, S={layout_s}", layout_s, f"layout{dens}", dens))
-    if "causal" in which:
-        cases.append((f"causal (for scale), S={layout_s}", layout_s, "causal", bsm.causal_mask))
+    for S in layout_seqs:
+        if "layout" in which:
+            for dens in (0.1, 0.5):
+                cases.append((f"random layout {int(dens * 100)}%, S={S}", S, f"layout{dens}", dens))
+        if "causal" in which:
+            cases.append((f"causal (for scale), S={S}", S, "causal", bsm.causal_mask))
     return cases
 
 
@@ -126,7 +128,7 @@ def _build_time(fn, n: int = 3) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m longctx.bench.masks", description=__doc__.splitlines()[0])
     ap.add_argument("--s", default="16384,65536", help="sequence lengths of the window/document cases")
-    ap.add_argument("--layout-s", type=int, default=16384, help="sequence length of the layout/causal cases")
+    ap.add_argument("--layout-s", default="16384", help="sequence lengths of the layout/causal cases")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=25)
@@ -155,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     scale = D**-0.5
     create_block_mask, flex = (None, None) if args.no_flex else _flex_setup()
     rows = []
-    for label, S, kind, spec in _cases(seqs, args.layout_s, set(args.cases.split(","))):
+    layout_seqs = [int(x) for x in args.layout_s.split(",") if x]
+    for label, S, kind, spec in _cases(seqs, layout_seqs, set(args.cases.split(","))):
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=dtype, generator=g) for _ in range(3))
         n = -(-S // 128)
