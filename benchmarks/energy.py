@@ -4,12 +4,13 @@ session 12)?
 
 For each case, the calls run back to back for ``--secs`` seconds after a warm-up, and NVML is read (nothing is
 set): the energy counter before and after, and meanwhile, every 10 ms, the SM clock, the power draw and the
-clock-event reasons (the software power cap among them). Cases: the 10% block layout and causal through
-`triton_sparse` (forward; backward with its side passes), at ``--s`` with ``--hkv`` key/value heads (1 is MQA:
-the same blocks and items, a sixteenth of the K/V bytes), and two calibrations: a device copy (energy per byte
-moved) and a bf16 matmul (energy per FLOP), plus the idle board.
+clock-event reasons (the software power cap among them). Cases: the 10% block layout, causal and (``diag``)
+one block per query tile, through `triton_sparse` (forward; backward with its side passes), at ``--s`` with
+``--hkv`` key/value heads (1 is MQA: the same blocks and items, a sixteenth of the K/V bytes), optionally in
+CUDA graphs (``--graph``: no host time between the calls); and calibrations: a device copy (energy per byte
+moved), a bf16 matmul (energy per FLOP) and the idle board.
 
-    python benchmarks/energy.py [--s 16384] [--hkv 16] [--secs 3] [--cases layout,causal,copy,mm,idle]
+    python benchmarks/energy.py [--s 16384] [--hkv 16] [--secs 3] [--cases layout,causal,diag,copy,mm,idle]
                                 [--sides fwd,bwd] [--graph 20] [--json out.json]
     python benchmarks/energy.py --summary out.json   # the rows, and energy = fixed + per kept block
 """
