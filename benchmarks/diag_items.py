@@ -69,6 +69,23 @@ def _circulant(n: int, k: int, scattered: bool, seed: int) -> torch.Tensor:
     return lay
 
 
+def _table_masks(S: int, H: int) -> dict:
+    """The mask table's 10% random layout and causal at ``S`` (`longctx.bench.masks`), on the GPU."""
+    import longctx
+    from longctx import block_sparse as bsm
+    from longctx.bench.masks import _random_layout
+
+    return {
+        "layout 10%": longctx.BlockMask.from_layout(_random_layout(H, S, 0.1, "cuda"), 128, S, S),
+        "causal": longctx.block_mask(bsm.causal_mask, None, None, S, S, device="cuda"),
+    }
+
+
+def _kept_blocks(bm, H: int) -> int:
+    """Kept (non-empty) 128 x 128 blocks over all ``H`` heads of a B=1 mask (heads broadcast or per head)."""
+    return int((bm.block_kind > 0).sum()) * (H if bm.block_kind.shape[1] == 1 else 1)
+
+
 def trace(fwd, n_sm: int) -> dict:
     """One forward with `triton_sparse.WS_TRACE`: medians over the work items after each CTA's first (SM clock
     cycles) of Q wait (item start -> Q ready), tiles (Q ready -> last tile done), epilogue (-> output written)
@@ -180,7 +197,6 @@ def main(argv=None) -> int:
         summary(args.summary)
         return 0
     import longctx
-    from longctx import block_sparse as bsm
     from longctx.bench.masks import _bench
     from longctx.ops import triton_sparse as ts
 
@@ -190,11 +206,7 @@ def main(argv=None) -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-    lay10 = torch.rand(H, n, n, generator=torch.Generator().manual_seed(1)) < 0.1  # the mask table's
-    masks = {
-        "layout 10%": longctx.BlockMask.from_layout(lay10.cuda(), 128, S, S),
-        "causal": longctx.block_mask(bsm.causal_mask, None, None, S, S, device="cuda"),
-    }
+    masks = _table_masks(S, H)
     if not args.skip_items:
         for kb in (int(x) for x in args.ks.split(",") if x):
             for scat in (True,) if args.scattered_only else (True, False):
@@ -211,7 +223,7 @@ def main(argv=None) -> int:
     for name, bm in masks.items():
         kept = bm.kept_fraction()
         flops = 4 * H * S * S * D * kept
-        tiles = int((bm.block_kind > 0).sum()) * (H if bm.block_kind.shape[1] == 1 else 1)
+        tiles = _kept_blocks(bm, H)
 
         def fwd(bm=bm):
             return ts.sparse_forward(q, k, v, scale=scale, block_mask=bm)[0]

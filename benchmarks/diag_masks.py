@@ -44,16 +44,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import longctx
     from longctx import block_sparse as bsm
-    from longctx.bench.masks import _doc_ids, _fwd_bwd_times
+    from longctx.bench.masks import _doc_ids, _fwd_bwd_times, _random_layout
     from longctx.ops import triton_sparse as ts
 
     S, H, D = args.s, 16, 128
     scale = D**-0.5
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    n = S // 128
     ids = _doc_ids(S).cuda()
-    lay10 = torch.rand(H, n, n, generator=torch.Generator().manual_seed(1)) < 0.1
+    lay10 = _random_layout(H, S, 0.1)
     docs = longctx.block_mask(bsm.document_mask(ids) & bsm.causal_mask, None, None, S, S, device="cuda")
     causal = longctx.block_mask(bsm.causal_mask, None, None, S, S, device="cuda")
     masks = {

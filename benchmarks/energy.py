@@ -28,6 +28,9 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from diag_items import _kept_blocks, _profile, _table_masks  # noqa: E402
+
 # NVML clock-event (throttle) reason bits
 _REASONS = {
     0x1: "idle",
@@ -206,9 +209,6 @@ def summary(path: str) -> None:
 
 def _gpu_ms(fn, n: int = 5) -> float:
     """Milliseconds of GPU kernels per call (profiler), to tell a host-bound loop from a GPU-bound one."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from diag_items import _profile
-
     return sum(_profile(fn, n).values()) / 1000
 
 
@@ -228,7 +228,6 @@ def main(argv=None) -> int:
         summary(args.summary)
         return 0
     import longctx
-    from longctx import block_sparse as bsm
     from longctx.ops import triton_sparse as ts
 
     nv = Nvml(torch.cuda.current_device())
@@ -238,10 +237,10 @@ def main(argv=None) -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(1, Hkv, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    lay10 = torch.rand(H, n, n, generator=torch.Generator().manual_seed(1)) < 0.1  # the mask table's
+    table = _table_masks(S, H)
     masks = {
-        "layout": longctx.BlockMask.from_layout(lay10.cuda(), 128, S, S),
-        "causal": longctx.block_mask(bsm.causal_mask, None, None, S, S, device="cuda"),
+        "layout": table["layout 10%"],
+        "causal": table["causal"],
         # one block per query tile (the diagonal): a call that reads Q, K, V and writes O once, with 1 tile per item
         "diag": longctx.BlockMask.from_layout(torch.eye(n, dtype=torch.bool, device="cuda")[None], 128, S, S),
     }
@@ -262,7 +261,7 @@ def main(argv=None) -> int:
         if name not in which:
             continue
         bm = masks[name]
-        blocks = int((bm.block_kind > 0).sum()) * (H if bm.block_kind.shape[1] == 1 else 1)
+        blocks = _kept_blocks(bm, H)
         out, lse = ts.sparse_forward(q, k, v, scale=scale, block_mask=bm)
         do = torch.randn_like(out)
         fns = {

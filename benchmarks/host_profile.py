@@ -20,14 +20,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import longctx
+    from longctx.bench.masks import _random_layout
     from longctx.ops import triton_sparse as ts
 
     S, H, D = 16384, 16, 128
-    n = S // 128
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    lay = torch.rand(H, n, n, generator=torch.Generator().manual_seed(1)) < 0.1
-    bm = longctx.BlockMask.from_layout(lay.cuda(), 128, S, S)
+    bm = longctx.BlockMask.from_layout(_random_layout(H, S, 0.1, "cuda"), 128, S, S)
     qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
     out = ts.triton_sparse_attention(qq, kk, vv, scale=D**-0.5, block_mask=bm)[0]
     do = torch.randn_like(out)

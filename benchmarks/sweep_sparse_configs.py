@@ -106,7 +106,7 @@ def _mask(name: str, S: int, device: str):
     """(our BlockMask, what Flex needs to build its own: a mask_mod or a layout)."""
     import longctx
     from longctx import block_sparse as bsm
-    from longctx.bench.masks import _doc_ids
+    from longctx.bench.masks import _doc_ids, _random_layout
 
     if name == "sliding":
         mm = bsm.sliding_window_mask(4096)
@@ -116,8 +116,7 @@ def _mask(name: str, S: int, device: str):
         mm = bsm.causal_mask
     else:  # "layout0.1", "layout0.5": per-head random block layouts
         dens = float(name[len("layout") :])
-        n = -(-S // 128)
-        lay = (torch.rand(H, n, n, generator=torch.Generator().manual_seed(1)) < dens).to(device)
+        lay = _random_layout(H, S, dens, device)
         return longctx.BlockMask.from_layout(lay, 128, S, S), lay
     return longctx.block_mask(mm, None, None, S, S, device=device), mm
 

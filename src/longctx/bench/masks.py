@@ -47,6 +47,13 @@ def _doc_ids(S: int, seed: int = 0, lo: int = 512, hi: int = 8192) -> torch.Tens
     return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
 
 
+def _random_layout(H: int, S: int, density: float, device="cpu") -> torch.Tensor:
+    """The mask table's random block layout: (H, n, n) bool with n = ceil(S / 128), each block kept with
+    probability ``density`` (CPU generator, seed 1, so every script that times it times the same blocks)."""
+    n = -(-S // 128)
+    return (torch.rand(H, n, n, generator=torch.Generator().manual_seed(1)) < density).to(device)
+
+
 def _flex_setup():
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -161,10 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     for label, S, kind, spec in _cases(seqs, layout_seqs, set(args.cases.split(","))):
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=dtype, generator=g) for _ in range(3))
-        n = -(-S // 128)
         if kind.startswith("layout"):
-            lay = torch.rand(H, n, n, generator=torch.Generator().manual_seed(1)) < spec
-            lay = lay.cuda()
+            lay = _random_layout(H, S, spec, "cuda")
             bm = longctx.BlockMask.from_layout(lay, 128, S, S)
             H_mask = H
         else:
