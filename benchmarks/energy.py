@@ -8,7 +8,8 @@ clock-event reasons (the software power cap among them). Cases: the 10% block la
 one block per query tile, through `triton_sparse` (forward; backward with its side passes), at ``--s`` with
 ``--hkv`` key/value heads (1 is MQA: the same blocks and items, a sixteenth of the K/V bytes), optionally in
 CUDA graphs (``--graph``: no host time between the calls); and calibrations: a device copy (energy per byte
-moved), a bf16 matmul (energy per FLOP) and the idle board.
+moved), a bf16 matmul (energy per FLOP) and the idle board. Keep ``--secs`` at 2-3 or more: a 0.5 s run gave
+energies off by tens of percent (the counter's updates are coarse, the power manager not yet settled).
 
     python benchmarks/energy.py [--s 16384] [--hkv 16] [--secs 3] [--cases layout,causal,diag,copy,mm,idle]
                                 [--sides fwd,bwd] [--graph 20] [--json out.json]
