@@ -19,9 +19,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "GPT": "longctx.models.gpt",
     "GPTConfig": "longctx.models.gpt",
-    "BlockMask": "longctx.block_sparse",
-    "block_mask": "longctx.block_sparse",
-    "flash_attn_varlen_func": "longctx.varlen",
+    "BlockMask": "longctx.masks",
+    "block_mask": "longctx.masks",
+    "flash_attn_varlen_func": "longctx.api.varlen",
     "distributed": "longctx.distributed",
 }
 

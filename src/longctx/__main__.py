@@ -1,3 +1,3 @@
-from longctx.cli import main
+from longctx.cli.main import main
 
 raise SystemExit(main())

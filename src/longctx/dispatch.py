@@ -20,9 +20,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-import torch
-
-from longctx.masks import Band
+from longctx.backends.base import AttnInputs, Backend
 
 __all__ = [
     "AttnInputs",
@@ -36,97 +34,8 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class AttnInputs:
-    """What a backend needs to know to say whether it can run a call (no tensors, only facts)."""
-
-    device: torch.device
-    dtype: torch.dtype
-    batch: int
-    hq: int
-    hkv: int
-    sq: int
-    sk: int
-    head_dim: int
-    band: Band = Band()
-    needs_grad: bool = False
-    return_lse: bool = False
-    deterministic: bool = False
-    block_mask: bool = False  # a block-sparse mask (longctx.block_mask) is given
-    varlen: bool = False  # packed documents (cu_seqlens)
-    capability: tuple[int, int] | None = None  # CUDA compute capability, None off CUDA
-    pinned: bool = False  # the backend was asked for by name (argument or LONGCTX_ATTN_BACKEND), not by auto
-
-    @classmethod
-    def from_tensors(
-        cls,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        *,
-        band: Band,
-        return_lse: bool = False,
-        deterministic: bool = False,
-        block_mask: bool = False,
-        varlen: bool = False,
-        needs_grad: bool | None = None,
-    ) -> AttnInputs:
-        cap = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
-        if needs_grad is None:
-            needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-        return cls(
-            device=q.device,
-            dtype=q.dtype,
-            batch=q.shape[0],
-            hq=q.shape[1],
-            hkv=k.shape[1],
-            sq=q.shape[2],
-            sk=k.shape[2],
-            head_dim=q.shape[3],
-            band=band,
-            needs_grad=needs_grad,
-            return_lse=return_lse,
-            deterministic=deterministic,
-            block_mask=block_mask,
-            varlen=varlen,
-            capability=cap,
-        )
-
-
-class Backend:
-    """One way of computing attention. Subclasses set the class attributes and implement `run`.
-
-    ``family`` groups backends for the environment switches: ``"flash"`` (longctx's own kernels),
-    ``"fused"`` (cuDNN), ``"peer"`` (other PyTorch kernels), ``"reference"`` (never switched off).
-    """
-
-    name: str = ""
-    family: str = "peer"
-    description: str = ""
-
-    def not_supported_reasons(self, inp: AttnInputs) -> list[str]:
-        raise NotImplementedError
-
-    def available(self) -> tuple[bool, str]:
-        """Whether the backend can run at all in this installation (and why not)."""
-        return True, ""
-
-    def run(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        scale: float,
-        band: Band,
-        return_lse: bool,
-        deterministic: bool = False,
-        block_mask=None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Differentiable attention: ``(out, lse)``; lse may be None when ``return_lse`` is False."""
-        raise NotImplementedError
-
-
 _REGISTRY: dict[str, Backend] = {}
+_LOADED: list[bool] = []
 # Auto-selection order, best first; backends registered without a place are appended. The order follows what
 # was measured side by side on an H100 (benchmarks/results/2026-11-20_H100-80GB-HBM3.md): cuDNN is the fastest
 # kernel wherever it can compute the request (no mask or Sq == Sk causal, no lse, not deterministic), so it
@@ -155,8 +64,24 @@ def register_backend(backend: Backend, *, priority: int | None = None) -> Backen
 
 
 def _ensure_loaded() -> None:
-    # Importing the backend modules registers them; done lazily to keep `import longctx` light.
-    from longctx.ops import backends  # noqa: F401
+    # The backend modules import torch.nn.functional, Triton's launchers and FlexAttention: loaded on first use to
+    # keep `import longctx` light.
+    if _LOADED:
+        return
+    from longctx.backends import math, sdpa, tiled, triton, triton_sparse
+
+    for backend in (
+        sdpa.SDPACuDNN(),
+        triton.TritonBackend(),
+        triton_sparse.TritonSparseBackend(),
+        sdpa.SDPAFlash(),
+        sdpa.FlexBackend(),
+        sdpa.SDPAEfficient(),
+        tiled.TiledBackend(),
+        math.MathBackend(),
+    ):
+        _REGISTRY.setdefault(backend.name, backend)
+    _LOADED.append(True)
 
 
 def backend_names() -> list[str]:

@@ -89,7 +89,7 @@ def _provider_fn(name: str, case: Case):
     gqa = case.hq != case.hkv
     if name == "triton":
         from longctx.masks import Band
-        from longctx.ops.triton_flash import triton_attention
+        from longctx.ops.flash import triton_attention
 
         band = Band.from_args(case.s, case.s, causal=case.causal)
         return lambda q, k, v: triton_attention(q, k, v, scale=scale, band=band)[0]

@@ -439,7 +439,7 @@ class _CapWatch:
 
 def _final_hidden(model, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """``GPT.forward`` up to the final norm: the hidden states (B, S, h) its output layer turns into logits."""
-    from longctx.recompute import recompute_active, run_layers
+    from longctx.layers.recompute import recompute_active, run_layers
 
     cos, sin = model.rotary(position_ids)
     x = model.embedding_dropout(model.embedding(tokens))
@@ -458,7 +458,7 @@ def _ce_sum(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def chunked_lm_loss_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
     """Sum of the token losses of hidden states h (B, S, hidden) against labels (B, S), ``chunk`` tokens of
     logits at a time, each chunk recomputed in the backward: the logits of the whole sequence never exist."""
-    from longctx.recompute import checkpoint_call
+    from longctx.layers.recompute import checkpoint_call
 
     total = None
     for s in range(0, h.shape[1], chunk):

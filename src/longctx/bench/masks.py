@@ -67,7 +67,7 @@ def _flex_setup():
 
 
 def _cases(seqs: list[int], layout_seqs: list[int], which: set[str]):
-    from longctx import block_sparse as bsm
+    import longctx.masks as bsm
 
     cases = []
     if "sliding" in which:
@@ -152,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         print("longctx.bench.masks: needs a CUDA GPU", file=sys.stderr)
         return 1
     import longctx
-    from longctx import block_sparse as bsm
-    from longctx.ops.triton_sparse import sparse_forward, triton_sparse_attention
+    import longctx.masks as bsm
+    from longctx.launchers.sparse import sparse_forward
+    from longctx.ops.sparse import triton_sparse_attention
 
     seqs = [int(x) for x in args.s.split(",") if x]
     if args.quick:

@@ -114,7 +114,7 @@ def measure(
         out["base_bytes"] = base  # parameters (and anything else resident) before the step
         out["activation_bytes"] = out["peak_bytes"] - base - params  # minus the gradients made in backward
     else:
-        from longctx.memory import peak_live_bytes
+        from longctx.memory.measure import peak_live_bytes
 
         out["peak_bytes"] = out["activation_bytes"] = peak_live_bytes(step)
         out["base_bytes"] = 0

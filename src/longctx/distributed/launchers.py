@@ -4,7 +4,7 @@
 Context parallelism never calls an autograd.Function of a backend: it calls the launchers block by block and
 merges the partial results with their lse itself (as ring-flash-attention does with flash-attn's launchers).
 
-backend "auto": the Triton launchers (`longctx.ops.triton_flash`) on CUDA for float16/bfloat16 when that module
+backend "auto": the Triton launchers (`longctx.launchers.flash`) on CUDA for float16/bfloat16 when that module
 imports, else the tiled launchers (plain PyTorch, any device and dtype). "tiled" and "triton" pin one.
 """
 
@@ -51,7 +51,7 @@ def _tiled() -> Launchers:
 @functools.cache
 def _triton_module():
     try:
-        return importlib.import_module("longctx.ops.triton_flash"), None
+        return importlib.import_module("longctx.launchers.flash"), None
     except Exception as e:  # noqa: BLE001 - any import failure means "not available"
         return None, f"{type(e).__name__}: {e}"
 
@@ -60,7 +60,7 @@ def _triton_module():
 def _triton() -> Launchers:
     mod, err = _triton_module()
     if mod is None:
-        raise ValueError(f"backend='triton' was requested but longctx.ops.triton_flash does not import ({err})")
+        raise ValueError(f"backend='triton' was requested but longctx.launchers.flash does not import ({err})")
 
     def fwd(q, k, v, *, scale: float, band: Band):
         return mod.triton_forward(q, k, v, scale=scale, band=band)

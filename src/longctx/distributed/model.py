@@ -124,7 +124,7 @@ class ContextParallel:
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """Shard full (B, S) inputs, labels (inputs shifted by one, made *before* sharding) and loss mask.
 
-        Every rank must pass the same full batch (longctx.data batches are a function of (seed, step)).
+        Every rank must pass the same full batch (longctx.training.data batches are a function of (seed, step)).
         Returns ``(inputs, labels, loss_mask, position_ids)`` for this rank, each (B, S/P) except the
         (S/P,) position ids.
         """

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import longctx
+from longctx.layers.recompute import checkpoint_call, recompute_active
 from longctx.layers.rotary import apply_rotary
-from longctx.recompute import checkpoint_call, recompute_active
 
 __all__ = ["CoreAttentionFn", "SelfAttention", "default_core_attention", "dense_attention_with_dropout"]
 
@@ -93,7 +93,7 @@ class SelfAttention(nn.Module):
         self.linear_qkv = nn.Linear(hidden_size, qkv_out, bias=bias)
         self.linear_proj = nn.Linear(num_attention_heads * kv_channels, hidden_size, bias=bias)
         self.core_attention: CoreAttentionFn = default_core_attention(backend)
-        # Set by the recomputation policy (longctx.recompute): checkpoint the core attention when it is unfused.
+        # Set by the recomputation policy (longctx.layers.recompute): checkpoint the core attention when it is unfused.
         self.recompute_core_attention = False
 
     def set_core_attention(self, fn: CoreAttentionFn | None) -> None:

@@ -28,8 +28,8 @@ from torch import nn
 from longctx.layers.attention import CoreAttentionFn, SelfAttention
 from longctx.layers.mlp import SwiGLUMLP
 from longctx.layers.norms import RMSNorm
+from longctx.layers.recompute import plan_layers, recompute_active, run_layers, validate_recompute
 from longctx.layers.rotary import RotaryEmbedding
-from longctx.recompute import plan_layers, recompute_active, run_layers, validate_recompute
 
 __all__ = ["GPTConfig", "PRESETS", "TransformerLayer", "GPT", "lm_loss"]
 
@@ -61,7 +61,7 @@ class GPTConfig:
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     attention_backend: str = "auto"  # any name from longctx.backends(), or "auto"
-    recompute_granularity: str | None = None  # None, "full" or "selective" (see longctx.recompute)
+    recompute_granularity: str | None = None  # None, "full" or "selective" (see longctx.layers.recompute)
     recompute_method: str | None = None  # "uniform" or "block" (full only)
     recompute_num_layers: int | None = None  # 1..num_layers (full only)
     share_embeddings_and_output_weights: bool = True  # tied input and output embeddings

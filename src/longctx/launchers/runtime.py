@@ -1,0 +1,161 @@
+"""The shared Triton runtime of the launchers: is Triton there, the interpreter (``TRITON_INTERPRET=1``) and its
+NumPy shim, the scratch allocator of device-side tensor descriptors, TMA-loadability, host-built descriptors for the
+Gluon kernels, and the Hopper capability check."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken installation
+        return f"triton is not importable ({type(exc).__name__}: {exc}); install it with `pip install triton`"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _patch_interpreter_for_numpy2() -> None:
+    """Triton 3.6's interpreter turns a scalar into ``int(ndarray of shape (1,))`` when it is a loop bound,
+    which NumPy >= 2.4 rejects ("only 0-dimensional arrays can be converted to Python scalars"). Make its
+    ``__index__`` read the single element instead. Only ever applied under TRITON_INTERPRET=1."""
+    try:
+        from triton.runtime import interpreter
+    except Exception:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_longctx_patched", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._longctx_patched = True
+    interpreter._patch_lang_tensor = patched
+
+
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    # device-side tensor descriptors need a small global scratch buffer per launch (current CUDA device)
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+@functools.cache
+def _triton_allocator_state():
+    """(triton.set_allocator, the ContextVar holding the allocator, the type of "none set"); the last two are
+    None on a Triton whose internals differ (then the allocator is set unconditionally)."""
+    import triton
+
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+    except ImportError:
+        return triton.set_allocator, None, None
+    return triton.set_allocator, _allocator, NullAllocator
+
+
+def _set_tma_allocator() -> None:
+    """Install the scratch allocator of device-side tensor descriptors for the calling thread.
+
+    Triton keeps its allocator in a ContextVar, i.e. per thread: setting it once is not enough, because the
+    autograd engine runs backward (and with activation checkpointing, the recomputed forward) in its own
+    threads. So this runs before every launch that needs it; it keeps an allocator the caller installed.
+    """
+    if _interpret():  # the interpreter's descriptors live in host memory
+        import triton
+
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+        return
+    set_allocator, current, null_type = _triton_allocator_state()
+    if current is not None and not isinstance(current.get(), null_type):
+        return
+    set_allocator(_tma_scratch)
+
+
+# Tensor descriptors also run in the Triton interpreter (not its TMA reduce); tests of the TMA variants set this to
+# run them there. Off: under the interpreter the pointer path runs.
+TMA_IN_INTERPRETER = False
+
+
+def _tma_ok(t: torch.Tensor, D: int, bd: int, in_interpreter: bool | None = None) -> bool:
+    """Whether rows of t (B, H, S, D) can be loaded through TMA descriptors: unit stride on D, 16-byte aligned
+    rows, HEAD_DIM == BLOCK_D; a CUDA tensor, or under the interpreter when ``in_interpreter`` (default
+    TMA_IN_INTERPRETER) allows it."""
+    if _interpret():
+        if not (TMA_IN_INTERPRETER if in_interpreter is None else in_interpreter):
+            return False
+    elif t.device.type != "cuda":
+        return False
+    if bd != D or t.stride(3) != 1:
+        return False
+    es = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((t.stride(i) * es) % 16 == 0 for i in range(3))
+
+
+@functools.cache
+def _ws_capable(device_index: int) -> bool:
+    """Gluon importable and an sm_90 GPU (the kernel uses Hopper's wgmma, TMA and setmaxnreg)."""
+    if _interpret() or torch.cuda.get_device_capability(device_index)[0] != 9:
+        return False
+    try:
+        from longctx.kernels.gluon import flash_fwd_ws  # noqa: F401
+    except Exception:  # a Triton without Gluon
+        return False
+    return True
+
+
+def warn_ws_fallback(which: str, exc: Exception) -> None:
+    """The warning of a warp-specialised kernel that does not compile (shared with the block-sparse launchers)."""
+    import warnings
+
+    warnings.warn(
+        f"longctx: the warp-specialised {which} (Gluon) does not compile with this Triton; using the Triton {which} "
+        f"instead ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+@functools.cache
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
+    """The shared-memory layout of a TMA block (cached: building one costs as much host time as the descriptor)."""
+    from triton.experimental.gluon import language as gl
+
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), gdt)
+
+
+def _gluon_desc(t: torch.Tensor, rows: int):
+    """Host-built TMA descriptor of a (B, H, S, D) fp16/bf16 tensor for the Gluon kernels: block (1, 1, rows, D),
+    any strides (TMA-loadable ones: `_ws_inputs_ok`); rows past S load as zeros."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    block = [1, 1, rows, t.shape[3]]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _shared_layout(tuple(block), t.dtype))
+
+
+def _gluon_rows_desc(t: torch.Tensor, rows: int):
+    """1-D TMA descriptor over a contiguous float32 (B, H, padded S) tensor (the backward's lse2 / Delta, each
+    head's rows padded to a multiple of 4 floats: `bwd_preprocess`'s row_stride), read ``rows`` at a time."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    flat = t.view(-1)
+    return TensorDescriptor(flat, [flat.numel()], [1], [rows], _shared_layout((rows,), torch.float32))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp16/bf16 products are exact in the tensor cores either way; float32 takes tf32 on the GPU (documented).
+    return "ieee" if _interpret() else "tf32"

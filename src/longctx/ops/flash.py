@@ -1,0 +1,72 @@
+"""The dense Triton attention as `torch.library` ops with autograd: ``torch.ops.longctx.triton_attn_fwd`` /
+``triton_attn_bwd`` (fake implementations included, so `torch.compile` traces through them) and `triton_attention`."""
+
+from __future__ import annotations
+
+import torch
+
+from longctx.launchers.flash import _backward_impl, _forward_impl
+from longctx.masks import Band
+
+__all__ = ["triton_attention"]
+
+# -- torch.library registration --
+
+_FWD_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, float scale, SymInt? lo, SymInt? hi, bool deterministic=False) -> (Tensor, Tensor)"
+)
+_BWD_SCHEMA = (
+    "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float scale, "
+    "SymInt? lo, SymInt? hi, bool deterministic=False) -> (Tensor, Tensor, Tensor)"
+)
+
+
+@torch.library.custom_op("longctx::triton_attn_fwd", mutates_args=(), schema=_FWD_SCHEMA)
+def _attn_fwd_op(q, k, v, scale, lo, hi, deterministic=False):
+    return _forward_impl(q, k, v, scale, lo, hi)
+
+
+@_attn_fwd_op.register_fake
+def _(q, k, v, scale, lo, hi, deterministic=False):
+    B, Hq, Sq, _ = q.shape
+    return torch.empty_like(q), q.new_empty((B, Hq, Sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("longctx::triton_attn_bwd", mutates_args=(), schema=_BWD_SCHEMA)
+def _attn_bwd_op(do, q, k, v, out, lse, dlse, scale, lo, hi, deterministic=False):
+    return _backward_impl(do, q, k, v, out, lse, dlse, scale, lo, hi, deterministic)
+
+
+@_attn_bwd_op.register_fake
+def _(do, q, k, v, out, lse, dlse, scale, lo, hi, deterministic=False):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, scale, lo, hi, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.scale, ctx.lo, ctx.hi, ctx.deterministic = scale, lo, hi, deterministic
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.longctx.triton_attn_bwd(
+        dout, q, k, v, out, lse, dlse, ctx.scale, ctx.lo, ctx.hi, ctx.deterministic
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def triton_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, band: Band, deterministic: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable ``(out, lse)`` through the registered op (traceable by torch.compile).
+
+    ``deterministic`` selects the backward without atomics (see `triton_backward`).
+    """
+    return torch.ops.longctx.triton_attn_fwd(q, k, v, float(scale), band.lo, band.hi, bool(deterministic))

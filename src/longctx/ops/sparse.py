@@ -1,0 +1,78 @@
+"""The block-sparse Triton attention as `torch.library` ops with autograd: ``torch.ops.longctx.triton_sparse_fwd`` /
+``triton_sparse_bwd`` and `triton_sparse_attention` (which unpacks a `BlockMask` into the ops' arguments)."""
+
+from __future__ import annotations
+
+import torch
+
+from longctx.launchers.sparse import _backward_impl, _forward_impl
+from longctx.masks import BlockMask
+
+__all__ = ["triton_sparse_attention"]
+
+# -- torch.library registration: the mask travels as its tensors and ints (a BlockMask is not an op argument) --
+
+_FWD_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, float scale, Tensor[] mask, int[] meta, bool deterministic) -> (Tensor, Tensor)"
+)
+_BWD_SCHEMA = (
+    "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float scale, Tensor[] mask, "
+    "int[] meta, bool deterministic) -> (Tensor, Tensor, Tensor)"
+)
+
+
+@torch.library.custom_op("longctx::triton_sparse_fwd", mutates_args=(), schema=_FWD_SCHEMA)
+def _sparse_fwd_op(q, k, v, scale, mask, meta, deterministic):
+    return _forward_impl(q, k, v, scale, tuple(mask), list(meta))
+
+
+@_sparse_fwd_op.register_fake
+def _(q, k, v, scale, mask, meta, deterministic):
+    B, Hq, Sq, _ = q.shape
+    return torch.empty_like(q), q.new_empty((B, Hq, Sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("longctx::triton_sparse_bwd", mutates_args=(), schema=_BWD_SCHEMA)
+def _sparse_bwd_op(do, q, k, v, out, lse, dlse, scale, mask, meta, deterministic):
+    return _backward_impl(do, q, k, v, out, lse, dlse, scale, tuple(mask), list(meta), deterministic)
+
+
+@_sparse_bwd_op.register_fake
+def _(do, q, k, v, out, lse, dlse, scale, mask, meta, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, scale, mask, meta, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *mask)
+    ctx.scale, ctx.meta, ctx.deterministic = scale, meta, deterministic
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, *mask = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.longctx.triton_sparse_bwd(
+        dout, q, k, v, out, lse, dlse, ctx.scale, mask, ctx.meta, ctx.deterministic
+    )
+    return dq, dk, dv, None, [None] * len(mask), None, None
+
+
+_sparse_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def triton_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    block_mask: BlockMask,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable block-sparse attention on the Triton kernels: ``(out, lse)``, through the registered op
+    ``torch.ops.longctx.triton_sparse_fwd`` (traceable by torch.compile, no graph break)."""
+    block_mask.check_compatible(q, k)
+    mt, meta = block_mask.kernel_tensors(), block_mask.kernel_meta()
+    return torch.ops.longctx.triton_sparse_fwd(q, k, v, float(scale), list(mt), meta, bool(deterministic))

@@ -1,0 +1,1 @@
+"""`longctx train`: configuration, the trainer, data, checkpoints and metrics."""

@@ -1,0 +1,189 @@
+"""GPU tests of the warp-specialised block-sparse kernels (`kernels.flash_sparse_ws`, Gluon; Hopper only, skipped
+elsewhere): against the float64 oracle with the equivalent dense mask (the 2x-of-PyTorch rule of
+test_sparse_gpu.py), with a spy on the launchers so that a test fails if the inputs fell back to the Triton
+kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_sparse_gpu import MASKS, _check, _inputs
+
+import longctx
+from longctx.launchers import sparse as ts
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"
+    ),
+]
+
+
+@pytest.fixture
+def spy(monkeypatch, count_calls):
+    """``spy()``: the warp-specialised launches so far, {"fwd": n, "bwd": m}; the variant switches are restored
+    afterwards."""
+    monkeypatch.setattr(ts, "VARIANT", dict(ts.VARIANT, ws=True, ws_bwd=True))
+    fwd, bwd = count_calls(ts, "_forward_ws"), count_calls(ts, "_backward_ws")
+    return lambda: {"fwd": len(fwd), "bwd": len(bwd)}
+
+
+def _block_mask(name, Sq, Sk, block_size=128, H=None):
+    return longctx.block_mask(MASKS[name](max(Sq, Sk)), None, H, Sq, Sk, block_size=block_size, device="cuda")
+
+
+@pytest.mark.parametrize("S", [1024, 1000])  # block-aligned (no bounds masks on full blocks) and ragged
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("name", list(MASKS))
+def test_ws_masks_against_oracle(name, D, S, spy):
+    bm = _block_mask(name, S, S)
+    q, k, v = _inputs(2, 8, 2, S, S, D, torch.bfloat16, seed=11)
+    _check(q, k, v, bm)
+    assert spy() == {"fwd": 1, "bwd": 1}
+
+
+@pytest.mark.parametrize("name", ["docs_causal", "general", "local_global"])
+def test_ws_float16_mha(name, spy):
+    bm = _block_mask(name, 777, 777)
+    q, k, v = _inputs(1, 4, 4, 777, 777, 128, torch.float16, seed=12)
+    _check(q, k, v, bm)
+    assert spy() == {"fwd": 1, "bwd": 1}
+
+
+@pytest.mark.parametrize("S", [1024, 1100])
+@pytest.mark.parametrize("density", [0.1, 0.5])
+def test_ws_random_layout_per_head_with_empty_rows(density, S, spy):
+    g = torch.Generator().manual_seed(5)
+    nb = -(-S // 128)
+    layout = torch.rand(4, nb, nb, generator=g) < density
+    layout[1, 2] = False  # a query block that sees nothing: output 0, lse -inf, no gradient
+    layout[2, :, 3] = False  # a kv block nobody sees: dK = dV = 0
+    bm = longctx.BlockMask.from_layout(layout.cuda(), 128, S, S)
+    q, k, v = _inputs(1, 4, 4, S, S, 128, torch.bfloat16, seed=13)
+    _check(q, k, v, bm)
+    assert spy() == {"fwd": 1, "bwd": 1}
+
+
+@pytest.mark.parametrize("name", ["docs_causal", "general"])
+def test_ws_block_size_256(name, spy):
+    """Several CTA tiles per mask block (forward: 2 query tiles and 2 key sub-tiles; backward: 4 query tiles)."""
+    bm = _block_mask(name, 1300, 1300, block_size=256)
+    q, k, v = _inputs(1, 4, 2, 1300, 1300, 64, torch.bfloat16, seed=14)
+    _check(q, k, v, bm)
+    assert spy() == {"fwd": 1, "bwd": 1}
+
+
+def test_ws_per_head_general_mask_sq_ne_sk_empty_rows(spy):
+    mm = lambda b, h, q, kv: ((q + 2 * kv + h) % 5 != 0) & (q % 13 != 4) & (kv < 400 + 100 * h)
+    bm = longctx.block_mask(mm, None, 4, 300, 777, block_size=128, device="cuda")
+    q, k, v = _inputs(1, 4, 1, 300, 777, 64, torch.float16, seed=15)
+    _check(q, k, v, bm)
+    assert spy() == {"fwd": 1, "bwd": 1}
+
+
+def test_ws_varlen_sq_ne_sk(spy):
+    """Packed documents through flash_attn_varlen_func (causal bottom-right per document, GQA)."""
+    from test_sparse_gpu import test_varlen_gpu_against_per_document_oracle
+
+    test_varlen_gpu_against_per_document_oracle(True, (-1, -1))
+    assert spy()["fwd"] >= 1 and spy()["bwd"] >= 1
+
+
+def test_deterministic_backward_keeps_the_triton_kernels(spy):
+    bm = _block_mask("docs_causal", 1024, 1024)
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 4, 2, 1024, 1024, 128, torch.bfloat16, seed=16))
+    grads = []
+    for det in (True, False):
+        out = longctx.attention(q, k, v, block_mask=bm, backend="triton_sparse", deterministic=det)
+        grads.append(torch.autograd.grad(out.float().square().sum(), (q, k, v)))
+    assert spy() == {"fwd": 2, "bwd": 1}
+    for a, b in zip(*grads):
+        assert (a.float() - b.float()).abs().max().item() <= 2e-2 * max(1.0, b.float().abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["sliding_200", "docs_causal", "general"])
+def test_ws_agrees_with_the_triton_kernels_at_4k(name, spy, monkeypatch):
+    """A longer sequence (many kv blocks per query block, deep rings) against the Triton kernels of the same
+    backend (tested against the oracle in test_sparse_gpu.py)."""
+    S = 4096
+    bm = _block_mask(name, S, S)
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 8, 2, S, S, 128, torch.bfloat16, seed=17))
+    do = torch.randn_like(q)
+    res = []
+    for on in (True, False):
+        monkeypatch.setitem(ts.VARIANT, "ws", on)
+        monkeypatch.setitem(ts.VARIANT, "ws_bwd", on)
+        out = longctx.attention(q, k, v, block_mask=bm, backend="triton_sparse")
+        res.append((out.float(), *(g.float() for g in torch.autograd.grad(out, (q, k, v), do))))
+    assert spy() == {"fwd": 1, "bwd": 1}
+    for n, a, b in zip(("out", "dq", "dk", "dv"), *res):
+        err = (a - b).abs().max().item()
+        assert err <= 2e-2 * max(1.0, b.abs().max().item()), f"{n}: {err:.3e}"
+
+
+@pytest.mark.parametrize("name,S", [("docs_causal", 1000), ("general", 1024), ("tiny_docs", 1024)])
+def test_ws_work_ordered_schedule(name, S, spy, monkeypatch):
+    """The CTAs in order of work (`VARIANT["ws_sched"]`, `triton_sparse._schedule`): the same results."""
+    monkeypatch.setitem(ts.VARIANT, "ws_sched", True)
+    bm = _block_mask(name, S, S)
+    q, k, v = _inputs(2, 8, 2, S, S, 128, torch.bfloat16, seed=18)
+    _check(q, k, v, bm)
+    assert spy() == {"fwd": 1, "bwd": 1}
+
+
+@pytest.mark.parametrize(
+    "persist,sched,o_tma,stage",
+    [(False, False, False, False), (False, True, False, False), (True, False, False, False), (True, True, True, False),
+     (False, False, True, False), (True, True, True, True)],
+)  # fmt: skip
+@pytest.mark.parametrize("name,S", [("docs_causal", 1000), ("general", 1024), ("tiny_docs", 1024)])
+def test_ws_one_cta_per_item_and_other_orders(name, S, persist, sched, o_tma, stage, spy, monkeypatch):
+    """The other launch modes (the default is persistent CTAs in `_schedule`'s order, tested above): one CTA per
+    work item (``LONGCTX_SPARSE_WS_PERSIST=0``) in the grid's order or the schedule's, and persistent CTAs in the
+    grid's order; the forward's output through the copy engine (``o_tma``; S=1000: rows past Sq clipped), through
+    Q's buffer (the default) or tiles of its own (``stage``, ``LONGCTX_SPARSE_WS_O_STAGE=1``, persistent only):
+    the same results."""
+    monkeypatch.setitem(ts.VARIANT, "ws_persist", persist)
+    monkeypatch.setitem(ts.VARIANT, "ws_sched", sched)
+    monkeypatch.setitem(ts.VARIANT, "ws_o_tma", o_tma)
+    monkeypatch.setitem(ts.VARIANT, "ws_o_stage", stage)
+    bm = _block_mask(name, S, S)
+    q, k, v = _inputs(2, 8, 2, S, S, 128, torch.bfloat16, seed=18)
+    _check(q, k, v, bm)
+    assert spy() == {"fwd": 1, "bwd": 1}
+
+
+@pytest.mark.parametrize("q_free", ["early", "late", "o_tma", "o_stage"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_ws_persistent_more_items_than_sms_gqa(D, q_free, spy, monkeypatch):
+    """Many more work items than SMs (every CTA takes tickets until they run out), GQA, per-head random layouts
+    with empty rows and columns and rows of one and two blocks, against the Triton kernels. A forward item's Q
+    buffer is freed after its last scores (``early``, a row of one or two blocks frees it on its first or second),
+    after its last P V (``late``), once the output has left through it and the copy engine (``o_tma``, the
+    default), or after its last scores with the output through a tile of its own (``o_stage``)."""
+    monkeypatch.setitem(ts.VARIANT, "ws_early_q", q_free in ("early", "o_stage"))
+    monkeypatch.setitem(ts.VARIANT, "ws_o_tma", q_free in ("o_tma", "o_stage"))
+    monkeypatch.setitem(ts.VARIANT, "ws_o_stage", q_free == "o_stage")
+    S, Hq, Hkv = 4096, 16, 4
+    n = S // 128
+    lay = torch.rand(Hq, n, n, generator=torch.Generator().manual_seed(3)) < 0.3
+    lay[:, 5] = False
+    lay[:, :, 7] = False
+    lay[:, 9] = False
+    lay[:, 9, 3] = True
+    lay[:, 11] = False
+    lay[:, 11, 20:22] = True
+    bm = longctx.BlockMask.from_layout(lay.cuda(), 128, S, S)
+    q, k, v = (t.requires_grad_() for t in _inputs(2, Hq, Hkv, S, S, D, torch.bfloat16, seed=19))
+    do = torch.randn_like(q)
+    res = []
+    for on in (True, False):
+        ts.VARIANT["ws"] = ts.VARIANT["ws_bwd"] = on
+        out = longctx.attention(q, k, v, block_mask=bm, backend="triton_sparse")
+        res.append((out.float(), *(g.float() for g in torch.autograd.grad(out, (q, k, v), do))))
+    assert spy() == {"fwd": 1, "bwd": 1}
+    assert 2 * (S // 128) * Hq > 4 * torch.cuda.get_device_properties(0).multi_processor_count
+    for nm, a, b in zip(("out", "dq", "dk", "dv"), *res):
+        err = (a - b).abs().max().item()
+        assert err <= 2e-2 * max(1.0, b.abs().max().item()), f"{nm}: {err:.3e}"

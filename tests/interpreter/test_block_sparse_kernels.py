@@ -1,0 +1,163 @@
+"""The triton_sparse kernels under TRITON_INTERPRET=1 (tiny fp32/fp16 shapes), in a subprocess so that the
+interpreter flag is set before triton is imported."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+pytestmark = pytest.mark.interpreter
+
+COMMON = textwrap.dedent(
+    r"""
+    import os
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    import torch
+    import longctx
+    import longctx.masks as bsm
+    from longctx.reference.naive import naive_attention
+
+    def check(q, k, v, bm, name):
+        scale = q.shape[-1] ** -0.5
+        mask = bm.dense_mask()
+        g = torch.Generator().manual_seed(5)
+        go = torch.randn(q.shape, generator=g).to(q.dtype)
+        res = []
+        for fn, dt in (
+            (lambda a, b, c: longctx.attention(a, b, c, block_mask=bm, backend="triton_sparse", return_lse=True), None),
+            (lambda a, b, c: naive_attention(a, b, c, scale=scale, mask=mask, upcast=torch.float64), torch.float64),
+            (lambda a, b, c: naive_attention(a, b, c, scale=scale, mask=mask), None),
+        ):
+            a, b, c = (t.detach().to(dt or t.dtype).requires_grad_() for t in (q, k, v))
+            out, lse = fn(a, b, c)
+            grads = torch.autograd.grad((out.double() * go.double()).sum(), (a, b, c))
+            fin = torch.isfinite(lse)
+            res.append((out.double(), torch.where(fin, lse.double(), 0.0), fin, *[x.double() for x in grads]))
+        ours, ref, low = res
+        assert torch.equal(ours[2], ref[2]), name + ": -inf rows differ"
+        for i, nm in ((0, "out"), (1, "lse"), (3, "dq"), (4, "dk"), (5, "dv")):
+            assert torch.isfinite(ours[i]).all(), name + " " + nm
+            err = (ours[i] - ref[i]).abs().max().item()
+            base = (low[i] - ref[i]).abs().max().item()
+            floor = 1e-5 if q.dtype == torch.float32 else 2e-3
+            assert err <= 2 * base + floor, f"{name} {nm}: {err:.3g} vs {base:.3g}"
+        print("ok", name, flush=True)
+
+    def inputs(B, Hq, Hkv, Sq, Sk, D, dtype, seed):
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(B, Hq, Sq, D, generator=g).to(dtype), torch.randn(B, Hkv, Sk, D, generator=g).to(dtype),
+                torch.randn(B, Hkv, Sk, D, generator=g).to(dtype))
+
+    """
+)
+
+SCRIPT = COMMON + textwrap.dedent(
+    r"""
+    # ready-made analytic masks (docs with a length-1 document, globals), ragged S, GQA
+    S = 75
+    docs = torch.tensor([0] * 1 + [1] * 40 + [2] * 34)
+    for i, mm in enumerate([bsm.causal_mask, bsm.document_mask(docs) & bsm.causal_mask, bsm.local_global_mask(9, 5)]):
+        q, k, v = inputs(1, 4, 2, S, S, 16, torch.float32, i)
+        check(q, k, v, longctx.block_mask(mm, None, None, S, S, block_size=32, device="cpu"), repr(mm))
+    # general mask_mod, per-head and per-batch, Sq != Sk, rows with nothing visible, fp16, MQA
+    mm = lambda b, h, q, kv: ((q + kv + h + b) % 3 == 0) & (q % 7 != 2)
+    q, k, v = inputs(2, 2, 1, 40, 70, 16, torch.float16, 7)
+    check(q, k, v, longctx.block_mask(mm, 2, 2, 40, 70, block_size=16, device="cpu"), "general per-head fp16")
+    # random layout (full blocks only), head dim 24 (padded)
+    lay = torch.rand(2, 3, 4, generator=torch.Generator().manual_seed(1)) < 0.5
+    q, k, v = inputs(1, 2, 2, 48, 64, 24, torch.float32, 3)
+    check(q, k, v, longctx.BlockMask.from_layout(lay, 16, 48, 64), "layout")
+    # packed documents through flash_attn_varlen_func (Sq != Sk per document, length-1 documents, causal)
+    lq, lk = [1, 30, 5, 20], [3, 18, 5, 1]
+    cu = lambda L: torch.tensor([0] + torch.tensor(L).cumsum(0).tolist(), dtype=torch.int32)
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(sum(lq), 2, 16, generator=g)
+    k = torch.randn(sum(lk), 1, 16, generator=g)
+    v = torch.randn(sum(lk), 1, 16, generator=g)
+    f = longctx.flash_attn_varlen_func
+    a = f(q, k, v, cu(lq), cu(lk), 30, 18, causal=True, backend="triton_sparse", block_size=16)
+    b = f(q, k, v, cu(lq), cu(lk), 30, 18, causal=True, backend="tiled", block_size=16)
+    assert (a - b).abs().max().item() < 1e-5
+    print("ok varlen", flush=True)
+    # torch.compile(fullgraph=True) traces longctx.attention(block_mask=...) through the registered ops
+    docs = torch.tensor([0] * 10 + [1] * 38)
+    bm = longctx.block_mask(bsm.document_mask(docs) & bsm.causal_mask, None, None, 48, 48, block_size=16, device="cpu")
+    q, k, v = (t.requires_grad_() for t in inputs(1, 4, 2, 48, 48, 16, torch.float32, 11))
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(q, k, v, bm):
+        return longctx.attention(q, k, v, block_mask=bm, backend="triton_sparse")
+
+    res = []
+    for fn in (f, lambda *a: longctx.attention(*a[:3], block_mask=a[3], backend="tiled")):
+        out = fn(q, k, v, bm)
+        res.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+    for a, b in zip(*res):
+        assert (a - b).abs().max().item() < 1e-5
+    print("ok compile", flush=True)
+    """
+)
+
+
+# The kernel variants of longctx.ops.triton_sparse.VARIANT (tensor descriptors run in the interpreter here; its
+# TMA reduce does not, so atomic_dq="tma" runs the pointer atomics). Block 32 with the interpreter's 16x16 tiles:
+# two sub-tiles per mask block.
+VARIANT_SCRIPT = COMMON + textwrap.dedent(
+    r"""
+    import json
+    from longctx.launchers import sparse as ts
+    ts.VARIANT.update(json.loads(os.environ["SPARSE_VARIANT"]))
+    ts.TMA_IN_INTERPRETER = True
+    S = 75
+    docs = torch.tensor([0] * 1 + [1] * 40 + [2] * 34)
+    q, k, v = inputs(1, 4, 2, S, S, 16, torch.float32, 0)
+    mm = bsm.document_mask(docs) & bsm.causal_mask
+    check(q, k, v, longctx.block_mask(mm, None, None, S, S, block_size=32, device="cpu"), "docs ragged GQA")
+    mm = lambda b, h, q, kv: ((q + kv + h + b) % 3 == 0) & (q % 7 != 2)
+    q, k, v = inputs(2, 2, 1, 40, 70, 16, torch.float16, 7)
+    check(q, k, v, longctx.block_mask(mm, 2, 2, 40, 70, block_size=32, device="cpu"), "general per-head fp16")
+    lay = torch.rand(2, 3, 4, generator=torch.Generator().manual_seed(1)) < 0.6
+    q, k, v = inputs(1, 2, 2, 96, 128, 16, torch.float32, 3)
+    check(q, k, v, longctx.BlockMask.from_layout(lay, 32, 96, 128), "layout")
+    """
+)
+
+
+def _run(script: str, extra_env: dict | None = None) -> str:
+    env = dict(os.environ, TRITON_INTERPRET="1", LONGCTX_TRITON_AUTOTUNE="0", **(extra_env or {}))
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+def test_sparse_kernels_in_interpreter():
+    assert _run(SCRIPT).count("ok") == 7
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {
+            "grid_swap": True,
+            "prefetch_idx": True,
+            "tma": True,
+            "tma_dq": True,
+            "pipe_qk": True,
+            "reverse_m": True,
+            "atomic_dq": "ptr",
+        },
+        {"pipe_qk": True, "reverse_m": True, "tma_dq": True, "prefetch_idx": True},
+    ],
+    ids=["all-atomic", "dq-kernel"],
+)
+def test_sparse_kernel_variants_in_interpreter(variant):
+    assert _run(VARIANT_SCRIPT, {"SPARSE_VARIANT": json.dumps(variant)}).count("ok") == 3

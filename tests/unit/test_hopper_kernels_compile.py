@@ -1,0 +1,300 @@
+"""CPU checks of the warp-specialised kernels: which inputs take the forward (`kernels.flash_fwd_ws`), and that
+it and the backward (`kernels.flash_bwd_ws`) compile for sm_90a within shared memory, with their register budgets
+and no spills beyond the known ones (Triton compiles for a GPU target without one; cuobjdump ships with Triton).
+
+The kernels themselves run only on Hopper GPUs: tests/gpu/test_ws_gpu.py and tests/gpu/test_triton_gpu.py run them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+from longctx.launchers import flash as tf
+from longctx.launchers import runtime
+
+
+@pytest.mark.parametrize(
+    "D,S,lo,hi,expected",
+    [
+        (128, 16384, False, False, tf.WS_CONFIG[128]),
+        (128, 1024, False, False, tf.WS_CONFIG[128]),  # dense: faster at every length measured
+        (128, 8192, False, True, tf.WS_CONFIG[128]),
+        (128, 4096, False, True, tf.WS_CONFIG_SHORT_CAUSAL[128]),
+        (128, 2048, False, True, None),  # short causal: the Triton forward measured faster
+        (128, 8192, True, True, tf.WS_CONFIG[128]),  # windows / shifted bands: like causal
+        (64, 8192, False, False, tf.WS_CONFIG[64]),
+        (64, 16384, False, True, None),  # D=64 with a band: the Triton forward
+        (256, 16384, False, False, None),  # no config: the Triton forward
+        (96, 4096, False, False, None),
+    ],
+)
+def test_ws_config_rule(D, S, lo, hi, expected):
+    assert tf._ws_config(D, S, S, lo, hi) == expected
+
+
+def test_ws_not_taken_on_cpu_tensors():
+    q = torch.randn(1, 2, 256, 128, dtype=torch.bfloat16)
+    assert not tf._ws_ok(q, q, q)
+
+
+@pytest.fixture
+def sm90_compile():
+    """Offline compilation of a Gluon kernel for sm_90a with the launchers' options (num_warps=4, maxnreg=168):
+    ``compile(fn, consts, descs, types)``; ``descs`` maps the descriptor arguments to the launcher's own host TMA
+    descriptors (specialised here as the JIT would), ``types`` the other non-constexpr arguments to their types
+    (i32 where absent). Skips where this Triton lacks the internals it uses."""
+    triton = pytest.importorskip("triton")
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend, GPUTarget
+        from triton.experimental.gluon._runtime import GluonASTSource
+    except ImportError as exc:  # another Triton version: the internals this test uses moved
+        pytest.skip(f"Triton internals for offline compilation not found: {exc}")
+
+    def compile_(fn, consts: dict, descs: dict, types: dict):
+        sig = {}
+        for name in fn.arg_names:
+            if name in consts:
+                sig[name] = "constexpr"
+            elif name in descs:
+                sig[name] = native_specialize_impl(BaseBackend, descs[name], False, True, True)[0]
+            else:
+                sig[name] = types.get(name, "i32")
+        src = GluonASTSource(fn=fn, signature=sig, constexprs=consts)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
+
+    return compile_
+
+
+def _check_resources(k, tmp_path) -> list[tuple[int, int]]:
+    """Shared memory within an H100 block, the setmaxnreg budgets, at most 168 registers; returns (STACK, LOCAL)
+    in bytes per function of the cubin Triton assembled (either > 0: spills to local memory)."""
+    import triton
+
+    assert k.metadata.shared <= 232448, "more shared memory than an H100 block can have"
+    # register reallocation between the partitions (setmaxnreg): 240 for the consumer worker, 24 for the producer
+    budgets = {int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])}
+    assert {240, 24} <= budgets, budgets
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        pytest.skip("no cuobjdump in this Triton installation")
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(k.asm["cubin"])
+    res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    usage = re.findall(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", res)
+    assert usage and all(int(reg) <= 168 for reg, _, _ in usage), res
+    return [(int(stack), int(local)) for _, stack, local in usage]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("D,causal", [(128, True), (64, False)])
+def test_ws_compiles_for_sm90_without_spills(D, causal, tmp_path, sm90_compile):
+    from longctx.kernels.gluon import flash_fwd_ws as ws
+
+    block_n, stages, pipe = tf.WS_CONFIG[D]
+    t = torch.empty(1, 1, 256, D, dtype=torch.bfloat16)
+    consts = dict(HEAD_DIM=D, BLOCK_D=D, HAS_LO=False, HAS_HI=causal, LONGEST_FIRST=causal, BLOCK_N=block_n,
+                  STAGES=stages, PIPE=pipe, CONSUMER_REGS=240, PRODUCER_REGS=24)  # fmt: skip
+    descs = {"desc_q": runtime._gluon_desc(t, int(ws.WG_ROWS)), "desc_k": runtime._gluon_desc(t, block_n),
+             "desc_v": runtime._gluon_desc(t, block_n)}  # fmt: skip
+    k = sm90_compile(ws.attn_fwd_ws_kernel, consts, descs, {"O": "*bf16", "LSE": "*fp32", "qk_scale": "fp32"})
+    usage = _check_resources(k, tmp_path)
+    assert all(stack == 0 and local == 0 for stack, local in usage), usage
+
+
+# Stack bytes allowed in the backward's cubin. D=128 is known to spill: measured 432 bytes dense, 424 causal (Triton
+# 3.6, this signature, where every integer argument is an i32; the JIT, which makes unit strides and GROUP = 1
+# constants, got 88 for a contiguous MHA launch). More than the bound: the kernel spills more than it did, a
+# regression to look at.
+BWD_STACK_BOUND = {64: 0, 128: 512}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_ws_bwd_compiles_for_sm90(D, causal, tmp_path, sm90_compile):
+    from longctx.kernels.gluon import flash_bwd_ws as ws
+
+    block_m, stages, early_dv = tf.WS_BWD_CONFIG[D]
+    block_n = int(ws.WG_ROWS) * int(ws.NUM_CONSUMERS)
+    t = torch.empty(1, 1, 256, D, dtype=torch.bfloat16)
+    # lse2 / Delta: (B, Hq, Sq padded to 4) float32
+    desc_rows = runtime._gluon_rows_desc(torch.empty(1, 1, 256, dtype=torch.float32), block_m)
+    consts = dict(BLOCK_D=D, HAS_LO=False, HAS_HI=causal, BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv,
+                  CONSUMER_REGS=240, PRODUCER_REGS=24, DQ_TMA=tf.WS_BWD_DQ_TMA)  # fmt: skip
+    descs = {"desc_q": runtime._gluon_desc(t, block_m), "desc_k": runtime._gluon_desc(t, block_n),
+             "desc_v": runtime._gluon_desc(t, block_n), "desc_do": runtime._gluon_desc(t, block_m),
+             "desc_lse2": desc_rows, "desc_delta": desc_rows, "desc_dqa": _dqa_desc(D, block_m)}  # fmt: skip
+    types = {"DK": "*bf16", "DV": "*bf16", "DQA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32"}
+    k = sm90_compile(ws.attn_bwd_ws_kernel, consts, descs, types)
+    usage = _check_resources(k, tmp_path)
+    assert all(local == 0 for _, local in usage), usage
+    assert all(stack <= BWD_STACK_BOUND[D] for stack, _ in usage), usage
+    _check_dq_by_bulk_reduction(k)
+
+
+def _dqa_desc(D: int, block_m: int):
+    """The launchers' descriptor of the float32 dQ accumulator (B, Hq, Sq, D)."""
+    return tf._dqa_desc(torch.empty(1, 1, 256, D, dtype=torch.float32), block_m, D)
+
+
+def _check_dq_by_bulk_reduction(k) -> None:
+    """dQ leaves the backward by the copy engine's bulk reduction (tf.WS_BWD_DQ_TMA), never by element atomics."""
+    ptx = k.asm["ptx"]
+    assert "cp.reduce.async.bulk.tensor" in ptx and ".add" in ptx
+    # (the persistent kernels' one integer atomic is their work ticket)
+    assert not re.search(r"\b(red|atom)\.global[\w.]*\.(f32|v2\.f32)", ptx), "element atomics in the backward"
+
+
+# the mask arguments of the block-sparse kernels: pointers (the rest are i32)
+_SPARSE_TYPES = {"O": "*bf16", "desc_o": "*bf16", "LSE": "*fp32", "DK": "*bf16", "DV": "*bf16",
+                 "DQA": "*fp32", "TILES": "*u8", "TR": "*i64", "qk_scale": "fp32", "sm_scale": "fp32"}  # fmt: skip
+_SPARSE_TYPES.update({n: "*i32" for n in ("KV_NUM", "KV_IDX", "Q_NUM", "Q_IDX", "FULL_NUM", "FULL_IDX", "QDOC",
+                                          "KDOC", "QPOS", "KPOS", "TILE_IDS", "SCHED", "CNT")})  # fmt: skip
+
+
+# Stack bytes allowed in the block-sparse kernels (this signature, the persistent kernels). Measured with Triton 3.6:
+# the forward spills 176 bytes at D=128 with every part of the analytic rule on (documents and global rows /
+# columns; 16 in interval form; 224 with Triton 3.9), 104 at D=64; the backward 160 at D=128, 24 at D=64. The
+# spills sit in the per-item code (the item's lists, pointers and epilogue), not in the tile loops (session 9, SASS
+# read offline); the kernels with one CTA per item spill less (forward 0-96).
+SPARSE_STACK_BOUND = {("fwd", 64): 128, ("fwd", 128): 256, ("bwd", 64): 64, ("bwd", 128): BWD_STACK_BOUND[128]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind,even", [(1, True), (2, False), (3, False)], ids=["analytic-even", "tiles-ragged", "intervals-ragged"]
+)
+@pytest.mark.parametrize("D", [64, 128])
+def test_sparse_ws_compiles_for_sm90(D, kind, even, tmp_path, sm90_compile):
+    """The block-sparse warp-specialised kernels (`kernels.flash_sparse_ws`) with the dense kernels' configs and the
+    launcher's default variants, within shared memory and the stack bounds above."""
+    from longctx.kernels.gluon import flash_sparse_ws as ws
+    from longctx.launchers import sparse as ts
+
+    t = torch.empty(1, 1, 256, D, dtype=torch.bfloat16)
+    mask = dict(MASK_BS=128, MASK_KIND=kind, HAS_DOC=kind in (1, 3), HAS_GLOBAL=kind == 1, USE_SCHED=not even)
+    block_n, stages, pipe = tf.WS_CONFIG[D]
+    o_tma = ts.VARIANT["ws_o_tma"]
+    o_stage, v_stages = ts._o_stage(o_tma, D, block_n, stages, t.element_size())
+    consts = dict(HEAD_DIM=D, BLOCK_D=D, EVEN_SK=even, BLOCK_N=block_n, STAGES=stages, PIPE=pipe, PERSIST=True,
+                  EARLY_Q=ts.VARIANT["ws_early_q"] and (o_stage or not o_tma), O_TMA=o_tma, O_STAGE=o_stage,
+                  V_STAGES=v_stages,
+                  CONSUMER_REGS=240, PRODUCER_REGS=24, **mask)  # fmt: skip
+    descs = {"desc_q": runtime._gluon_desc(t, int(ws.WG_ROWS)), "desc_k": runtime._gluon_desc(t, block_n),
+             "desc_v": runtime._gluon_desc(t, block_n)}  # fmt: skip
+    if o_tma:
+        descs["desc_o"] = runtime._gluon_desc(t, int(ws.WG_ROWS))
+    usage = _check_resources(sm90_compile(ws.sparse_fwd_ws_kernel, consts, descs, _SPARSE_TYPES), tmp_path)
+    assert all(local == 0 and stack <= SPARSE_STACK_BOUND["fwd", D] for stack, local in usage), usage
+
+    block_m, stages, early_dv = tf.WS_BWD_CONFIG[D]
+    rows = int(ws.CTA_ROWS)
+    desc_rows = runtime._gluon_rows_desc(torch.empty(1, 1, 256, dtype=torch.float32), block_m)
+    consts = dict(BLOCK_D=D, EVEN=even, BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv, CONSUMER_REGS=240,
+                  PRODUCER_REGS=24, DQ_TMA=tf.WS_BWD_DQ_TMA, PERSIST=True, **mask)  # fmt: skip
+    descs = {"desc_q": runtime._gluon_desc(t, block_m), "desc_k": runtime._gluon_desc(t, rows),
+             "desc_v": runtime._gluon_desc(t, rows),
+             "desc_do": runtime._gluon_desc(t, block_m), "desc_lse2": desc_rows, "desc_delta": desc_rows,
+             "desc_dqa": _dqa_desc(D, block_m), "desc_dk": runtime._gluon_desc(t, int(ws.WG_ROWS)),
+             "desc_dv": runtime._gluon_desc(t, int(ws.WG_ROWS))}  # fmt: skip
+    k = sm90_compile(ws.sparse_bwd_ws_kernel, consts, descs, _SPARSE_TYPES)
+    usage = _check_resources(k, tmp_path)
+    assert all(local == 0 and stack <= SPARSE_STACK_BOUND["bwd", D] for stack, local in usage), usage
+    _check_dq_by_bulk_reduction(k)
+
+
+def test_sparse_ws_output_tile_rule(monkeypatch):
+    """`triton_sparse._o_stage`: output tiles of their own for the persistent forward with the output through the
+    copy engine; at D=128 the V ring gives up a slot to make room (4 x 16 KiB + 5 x 32 KiB), at D=64 nothing has
+    to give; none where not eligible, where it cannot fit, or switched off."""
+    from longctx.launchers import sparse as ts
+
+    monkeypatch.setitem(ts.VARIANT, "ws_o_stage", True)
+    assert ts._o_stage(True, 128, 128, 3, 2) == (True, 2)
+    assert ts._o_stage(True, 64, 128, 3, 2) == (True, 3)
+    assert ts._o_stage(False, 128, 128, 3, 2) == (False, 3)
+    assert ts._o_stage(True, 128, 128, 2, 2) == (True, 2)
+    assert ts._o_stage(True, 256, 128, 2, 2) == (False, 2)  # 2 x 2 tiles of 64 x 256 and 2 + 1 slots: too much
+    monkeypatch.setitem(ts.VARIANT, "ws_o_stage", False)
+    assert ts._o_stage(True, 128, 128, 3, 2) == (False, 3)
+
+
+def test_sparse_ws_schedule_puts_the_longest_items_first_within_each_head():
+    """`triton_sparse._schedule`: a permutation of the work items, heads in order, and within each head work
+    non-increasing, the tiles' own order where work is equal (packed documents: the first key blocks of the long
+    document come first)."""
+    import longctx
+    import longctx.masks as bsm
+    from longctx.launchers import sparse as ts
+
+    S, B, Hq, Hkv = 2048, 2, 4, 2
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([256, 1536, 256]))
+    bm = longctx.block_mask(bsm.document_mask(ids) & bsm.causal_mask, None, None, S, S, block_size=128)
+    args, _ = ts._mask_args(bm.kernel_tensors(), bm.kernel_meta(), B, Hq, transposed=True)
+    n_tiles = S // 128
+    order = ts._schedule(args[0], args[2], n_tiles, 128, 128, Hq // Hkv).long()
+    assert order.dtype == torch.long and sorted(order.tolist()) == list(range(B * Hkv * n_tiles))
+    work = (args[0] + args[2]).reshape(B, Hkv, Hq // Hkv, -1).sum(2).reshape(-1)[order]
+    head = order // n_tiles
+    assert bool((head[:-1] <= head[1:]).all()), "heads in order"
+    for h in range(B * Hkv):
+        w, pos = work[head == h], order[head == h]
+        assert bool((w[:-1] >= w[1:]).all()), "most work first within a head"
+        assert bool(((w[:-1] > w[1:]) | (pos[:-1] < pos[1:])).all()), "stable where work is equal"
+    assert order[0].item() == 2  # key block 2 (first of the long document) of batch 0, kv head 0: 12 blocks x 2
+
+
+def test_sparse_ws_schedule_is_kept_per_mask_and_recomputed_when_it_changes():
+    """`triton_sparse._schedule_cached`: the same mask tensors and arguments give the kept order (no recomputation),
+    another group or an in-place change of the mask's counts gives a new one, equal to `_schedule`'s."""
+    import longctx
+    from longctx.launchers import sparse as ts
+
+    ts._SCHEDULES.clear()
+    lay = torch.rand(2, 8, 8, generator=torch.Generator().manual_seed(0)) < 0.4
+    bm = longctx.BlockMask.from_layout(lay, 128)
+    args, _ = ts._mask_args(bm.kernel_tensors(), bm.kernel_meta(), 1, 2, transposed=False)
+    first = ts._schedule_cached(args[0], args[2], 8, 128, 128, 1)
+    assert ts._schedule_cached(args[0], args[2], 8, 128, 128, 1) is first
+    assert torch.equal(first, ts._schedule(args[0], args[2], 8, 128, 128, 1))
+    other = ts._schedule_cached(args[0], args[2], 8, 128, 128, 2)
+    assert other is not first and torch.equal(other, ts._schedule(args[0], args[2], 8, 128, 128, 2))
+    bm.kernel_tensors()[2].zero_()  # the full-block counts change in place: a new version
+    again = ts._schedule_cached(args[0], args[2], 8, 128, 128, 1)
+    assert again is not first and torch.equal(again, ts._schedule(args[0], args[2], 8, 128, 128, 1))
+    for _ in range(ts._SCHEDULES_MAX + 5):  # bounded
+        ts._schedule_cached(args[0], args[2], 8, 1 + len(ts._SCHEDULES), 128, 1)
+    assert len(ts._SCHEDULES) <= ts._SCHEDULES_MAX
+
+
+@pytest.mark.parametrize(
+    "setting,persistent,kind,has_doc,expected",
+    [("auto", False, 1, True, True), ("auto", False, 1, False, False), ("auto", False, 3, True, True),
+     ("auto", False, 0, False, False), ("auto", False, 2, False, False), ("auto", True, 0, False, True),
+     ("auto", True, 2, False, True), (True, False, 1, False, True), (False, True, 1, True, False)],
+)  # fmt: skip
+def test_sparse_ws_schedule_rule(setting, persistent, kind, has_doc, expected, monkeypatch):
+    """`triton_sparse._use_schedule`: by default the persistent kernels always take the work order; one CTA per
+    item takes it for the analytic masks with document ids and those in interval form (MASK_KIND 3), not for block
+    layouts and stored tiles; ``LONGCTX_SPARSE_WS_SCHED=1`` / ``0`` (VARIANT True / False) forces it either way."""
+    from longctx.launchers import sparse as ts
+
+    monkeypatch.setitem(ts.VARIANT, "ws_sched", setting)
+    assert ts._use_schedule({"HAS_DOC": has_doc, "MASK_KIND": kind}, persistent) is expected
+
+
+def test_sparse_ws_schedule_setting_from_env(monkeypatch):
+    from longctx.launchers import sparse as ts
+
+    monkeypatch.delenv("LONGCTX_SPARSE_WS_SCHED", raising=False)
+    assert ts._tristate("LONGCTX_SPARSE_WS_SCHED") == "auto"
+    monkeypatch.setenv("LONGCTX_SPARSE_WS_SCHED", "1")
+    assert ts._tristate("LONGCTX_SPARSE_WS_SCHED") is True
+    monkeypatch.setenv("LONGCTX_SPARSE_WS_SCHED", "0")
+    assert ts._tristate("LONGCTX_SPARSE_WS_SCHED") is False
