@@ -23,10 +23,10 @@ def main() -> int:
     ap.add_argument("--bwd", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("LONGCTX_TRITON_AUTOTUNE", "1")
+    from longctx import tuning as configs
     from longctx.bench.attention import Case, _inputs
-    from longctx.kernels import configs
+    from longctx.launchers import flash as tf
     from longctx.masks import Band
-    from longctx.ops import triton_flash as tf
 
     print(torch.cuda.get_device_name(), flush=True)
     for spec in args.cases.split(";"):

@@ -72,7 +72,7 @@ def _circulant(n: int, k: int, scattered: bool, seed: int) -> torch.Tensor:
 def _table_masks(S: int, H: int) -> dict:
     """The mask table's 10% random layout and causal at ``S`` (`longctx.bench.masks`), on the GPU."""
     import longctx
-    from longctx import block_sparse as bsm
+    import longctx.masks as bsm
     from longctx.bench.masks import _random_layout
 
     return {
@@ -90,8 +90,8 @@ def trace(fwd, n_sm: int) -> dict:
     """One forward with `triton_sparse.WS_TRACE`: medians over the work items after each CTA's first (SM clock
     cycles) of Q wait (item start -> Q ready), tiles (Q ready -> last tile done), epilogue (-> output written)
     and gap (output written -> next item's start), per warpgroup pair."""
-    from longctx.kernels import flash_sparse_ws as sws
-    from longctx.ops import triton_sparse as ts
+    from longctx.kernels.gluon import flash_sparse_ws as sws
+    from longctx.launchers import sparse as ts
 
     buf = torch.zeros((n_sm, 2, int(sws.TRACE_ITEMS), 4), dtype=torch.int64, device="cuda")
     ts.WS_TRACE = buf
@@ -124,7 +124,7 @@ def _ratio(causal, layout, q, k, v, qq, kk, vv, scale, args) -> int:
     import statistics
 
     from longctx.bench.masks import _bench
-    from longctx.ops import triton_sparse as ts
+    from longctx.launchers import sparse as ts
 
     def sides(bm):
         out = ts.triton_sparse_attention(qq, kk, vv, scale=scale, block_mask=bm)[0]
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
         return 0
     import longctx
     from longctx.bench.masks import _bench
-    from longctx.ops import triton_sparse as ts
+    from longctx.launchers import sparse as ts
 
     S, H, D = args.s, 16, 128
     n = S // 128

@@ -43,9 +43,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import longctx
-    from longctx import block_sparse as bsm
+    import longctx.masks as bsm
     from longctx.bench.masks import _doc_ids, _fwd_bwd_times, _random_layout
-    from longctx.ops import triton_sparse as ts
+    from longctx.launchers import sparse as ts
 
     S, H, D = args.s, 16, 128
     scale = D**-0.5

@@ -229,7 +229,7 @@ def main(argv=None) -> int:
         summary(args.summary)
         return 0
     import longctx
-    from longctx.ops import triton_sparse as ts
+    from longctx.launchers import sparse as ts
 
     nv = Nvml(torch.cuda.current_device())
     S, H, D, Hkv = args.s, 16, 128, args.hkv

@@ -21,7 +21,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import longctx
     from longctx.bench.masks import _random_layout
-    from longctx.ops import triton_sparse as ts
+    from longctx.launchers import sparse as ts
 
     S, H, D = 16384, 16, 128
     g = torch.Generator(device="cuda").manual_seed(0)

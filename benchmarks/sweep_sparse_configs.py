@@ -12,7 +12,7 @@ each checked against the "base" variant's output and gradients. TFLOP/s count on
 a saved graph), as `longctx.bench.masks` does.
 
 A variant is a setting of `longctx.ops.triton_sparse.VARIANT` (flags described in
-`longctx.kernels.flash_sparse`) plus forced tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel; "base"
+`longctx.kernels.triton.flash_sparse`) plus forced tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel; "base"
 is the current default. To fit one call, the Triton kernels of every (case, variant) are compiled first, in
 parallel worker processes that need no GPU (Triton's cache on disk is shared with the main process), while
 the main process compiles and times FlexAttention. Rows go to DIR/sweep_sparse.jsonl as they are measured;
@@ -105,7 +105,7 @@ def _set_variant(ts, flags: dict, tiles: dict) -> None:
 def _mask(name: str, S: int, device: str):
     """(our BlockMask, what Flex needs to build its own: a mask_mod or a layout)."""
     import longctx
-    from longctx import block_sparse as bsm
+    import longctx.masks as bsm
     from longctx.bench.masks import _doc_ids, _random_layout
 
     if name == "sliding":
@@ -161,8 +161,8 @@ def _compile_job(job: tuple) -> dict:
             return torch.device("cpu")
 
     driver.set_active(_Driver())
-    from longctx.ops import triton_flash as tf
-    from longctx.ops import triton_sparse as ts
+    from longctx.launchers import flash as tf
+    from longctx.launchers import sparse as ts
 
     compiled = {}
 
@@ -280,7 +280,7 @@ def _rel_err(a: list, b: list) -> float:
 
 def main_variants(args) -> int:
     from longctx.bench import masks as mb
-    from longctx.ops import triton_sparse as ts
+    from longctx.launchers import sparse as ts
 
     t_start = time.perf_counter()
     left = lambda: args.budget_s - (time.perf_counter() - t_start)  # noqa: E731
@@ -470,7 +470,7 @@ DEFAULT = {"fwd": (128, 128, 8, 2), "dkdv": (64, 128, 8, 2), "dq": (128, 64, 8, 
 def main_tiles(args) -> int:
     import triton
 
-    from longctx.ops import triton_sparse as ts
+    from longctx.launchers import sparse as ts
 
     S = args.s
     bm = _mask("docs", S, "cuda")[0]
@@ -526,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("TRITON_INTERPRET") != "1":
             print("--dry-run needs TRITON_INTERPRET=1", file=sys.stderr)
             return 1
-        from longctx.ops import triton_sparse as ts
+        from longctx.launchers import sparse as ts
 
         ts.TMA_IN_INTERPRETER = True
         DEV, DTYPE, H = "cpu", torch.float32, 2

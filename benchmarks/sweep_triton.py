@@ -1,6 +1,6 @@
 """Tile/variant sweep of the triton backend's kernels on one GPU (a tuning aid; results go to NOTES.md).
 
-Times the forward and backward of ``longctx.ops.triton_flash`` at forced tile configs and kernel variants
+Times the forward and backward of ``longctx.launchers.flash`` at forced tile configs and kernel variants
 (pointer loads vs TMA descriptors, warp specialisation, atomic vs separate dQ) so one device call compares
 many versions. Each variant is compiled and timed in isolation; a variant that fails to compile is reported
 and skipped.
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import triton
 
-    from longctx.ops import triton_flash as tf
+    from longctx.launchers import flash as tf
 
     tf._set_tma_allocator()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
@@ -75,8 +75,8 @@ def _sweep_case(args, cfgs, D: int, S: int, causal: bool) -> None:
     import triton
 
     from longctx.bench.attention import Case, _inputs
+    from longctx.launchers import flash as tf
     from longctx.masks import Band
-    from longctx.ops import triton_flash as tf
 
     B, H = max(1, 16384 // S), 2048 // D
     Hkv = H

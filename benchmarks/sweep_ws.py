@@ -46,7 +46,7 @@ def _case(args, d: int, s: int, causal: bool) -> dict:
     import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from longctx.ops import triton_flash as tf
+    from longctx.launchers import flash as tf
 
     peers, ws_cfgs, q, k, v, scale, band, flops, _ = case_inputs(args, d, s, causal)
 

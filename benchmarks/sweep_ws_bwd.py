@@ -41,7 +41,7 @@ def _case(args, d: int, s: int, causal: bool) -> dict:
     import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from longctx.ops import triton_flash as tf
+    from longctx.launchers import flash as tf
 
     peers, ws_cfgs, q, k, v, scale, band, fwd_flops, g = case_inputs(args, d, s, causal)
     do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)

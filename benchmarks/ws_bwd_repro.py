@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from longctx.ops import triton_flash as tf
+from longctx.launchers import flash as tf
 
 
 def main() -> None:

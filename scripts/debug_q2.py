@@ -10,8 +10,8 @@ import torch
 
 sys.path.insert(0, "src")
 import longctx  # noqa: E402
-from longctx import block_sparse as bsm  # noqa: E402
-from longctx.ops import triton_sparse as ts  # noqa: E402
+import longctx.masks as bsm  # noqa: E402
+from longctx.launchers import sparse as ts  # noqa: E402
 
 torch.manual_seed(0)
 for D in [int(x) for x in os.environ.get('DS', '64,128').split(',')]:
