@@ -4,22 +4,22 @@
 #
 #   (a) check   NCCL bf16 correctness, Triton launchers, S = 8192, Hkv = 4: cp_attention against a float64
 #               oracle next to the single-GPU kernel, 3 masks x 3 methods x 2 layouts (QUICK: ring only)
-#   (b) sweep   per-GPU TFLOP/s of forward+backward at 8K, 16K, 32K, 64K tokens per GPU (S up to 256K),
+#   (b) throughput per-GPU TFLOP/s of forward+backward at 8K, 16K, 32K, 64K tokens per GPU (S up to 256K),
 #               ring/allgather/ulysses x zigzag/contiguous against the single-GPU kernel
 #               (QUICK: 16K and 32K, zigzag only, 2 warm-ups and 3 timed calls)
 #   (c) max-seq longest S that trains the 350M GPT (full recomputation, bf16, AdamW) on 1, 2 and 4 GPUs
 #               under a 16 GiB cap per GPU (peak allocated + 1 GiB margin; both peaks reported): doubling
 #               then bisection
 #
-# Limits: 130 + 130 + 195 = 455 s at the very worst (device run 5 of 2026-11-21 took 171 s); QUICK=1:
-# 55 + 70 + 115 = 240 s (run 6, 192 s).
+# Time limits: 130 + 130 + 195 = 455 s at the very worst (a full run takes about 170 s); QUICK=1:
+# 55 + 70 + 115 = 240 s (about 190 s).
 #
-#   bash scripts/cp_suite.sh                      # writes under ${OUT:-cp_suite_out}
-#   QUICK=1 bash scripts/cp_suite.sh              # the shorter second call (files tagged check2, sweep2, maxseq2)
-#   SMOKE=1 NPROC=2 bash scripts/cp_suite.sh      # the same stages on the CPU (gloo, tiny sizes): checks this script
+#   bash dev/cp_suite.sh                      # writes under ${OUT:-cp_suite_out}
+#   QUICK=1 bash dev/cp_suite.sh              # a shorter run (fewer points, ring only in the check)
+#   SMOKE=1 NPROC=2 bash dev/cp_suite.sh      # the same stages on the CPU (gloo, tiny sizes): checks this script
 #
-# What comes back from $OUT (at most 8 files on the device machine): suite.log (everything printed, with the
-# time of each stage) and the Markdown + JSON of each stage, cp_<date>_H200x4_{check,sweep,maxseq}.{md,json}.
+# What comes back from $OUT: suite.log (everything printed, with the time of each stage) and the Markdown + JSON
+# of each stage, cp_<gpu>x<P>_{check,throughput,maxseq}.{md,json}: copy them to benchmarks/results/ to publish.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-cp_suite_out}
@@ -33,14 +33,14 @@ export LONGCTX_TRITON_AUTOTUNE=0 PYTHONUNBUFFERED=1
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 NPROC=${NPROC:-4}
 PY=${PYTHON:-python3}
-RUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" benchmarks/bench_cp.py --out-dir "$OUT")
+RUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m longctx.bench.cp --out-dir "$OUT")
 T0=$SECONDS
 # what differs between the full and the QUICK call: time limits, the check's methods, the sweep's points
 if [ "${QUICK:-0}" = 1 ]; then
-    LIMITS=(55 70 115) TAG=2 BUDGET=90
+    LIMITS=(55 70 115) BUDGET=90
     CHECK_SEL=(--methods ring) SWEEP_SEL=(--layouts zigzag --warmup 2 --iters 3) TOKENS=16384,32768
 else
-    LIMITS=(130 130 195) TAG="" BUDGET=130
+    LIMITS=(130 130 195) BUDGET=130
     CHECK_SEL=() SWEEP_SEL=(--warmup 1 --iters 2) TOKENS=8192,16384,32768,65536
 fi
 # the sizes of each stage (SMOKE=1: CPU, gloo, a tiny GPT and made-up memory; for checking this script only)
@@ -73,14 +73,14 @@ stage() {  # stage NAME LIMIT_S ARGS...: one torchrun, killed at LIMIT_S; its ex
               "triton", triton.__version__, "gpus", torch.cuda.device_count())'
 } 2>&1 | tee -a "$LOG"
 
-stage check "${LIMITS[0]}" --check --no-bench "${CHECK_SEL[@]}" "${CHECK[@]}" --tag "_check$TAG"
+stage check "${LIMITS[0]}" --check --no-bench "${CHECK_SEL[@]}" "${CHECK[@]}" --tag _check
 
-stage sweep "${LIMITS[1]}" "${SWEEP[@]}" "${SWEEP_SEL[@]}" --tag "_sweep$TAG"
+stage throughput "${LIMITS[1]}" "${SWEEP[@]}" "${SWEEP_SEL[@]}" --tag _throughput
 
 # expandable segments: the memory the allocator reserves follows what is allocated
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 stage maxseq "${LIMITS[2]}" --no-bench --max-seq --max-seq-gpus "1,2,$NPROC" --max-seq-criterion allocated \
-    --max-seq-margin-gib 1 "${MAXSEQ[@]}" --tag "_maxseq$TAG"
+    --max-seq-margin-gib 1 "${MAXSEQ[@]}" --tag _maxseq
 unset PYTORCH_CUDA_ALLOC_CONF
 
 say "=== suite done in $((SECONDS - T0)) s; files in $OUT:"
