@@ -74,7 +74,15 @@ def validate(
     return scale, band
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn):
+    # What `torch.compiler.assume_constant_result` does (torch/_dynamo/decorators.py), without importing
+    # torch._dynamo when longctx is imported: that import alone doubles the time of `import longctx`.
+    # tests/unit/test_torch_compile.py checks that torch.compile still traces attention in one graph.
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def _select_name_for_compile(
     requested: str,
     device: torch.device,
