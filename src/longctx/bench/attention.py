@@ -11,9 +11,9 @@ FLASH_ATTENTION), ``flex`` (compiled FlexAttention, dynamo's recompile limit rai
 eager), ``tiled`` (longctx's PyTorch FlashAttention; only up to 2K, it is slow) and ``math`` (the dense
 reference, up to 4K where its S x S scores fit in memory).
 
-Writes ``<out-dir>/<date>_<gpu>.json``, ``.md`` and ``.png`` with the GPU name and the torch, triton and cuDNN
-versions. ``--masks`` also runs ``longctx.bench.masks`` (sliding window, documents, block-sparse) when that
-module exists.
+Writes ``<out-dir>/attention_<gpu>[<tag>].json``, ``.md`` and ``.png`` (overwriting the previous run on that
+GPU) with the GPU name and the torch, triton and cuDNN versions. ``--masks`` also runs ``longctx.bench.masks``
+(sliding window, documents, block-sparse).
 
     longctx bench attention --quick                      # D=128, S in {2K, 8K}, ours vs cudnn/fa2
     longctx bench attention --d 128 --s 4096,16384 --providers triton,cudnn --no-bwd
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import importlib
 import json
 import math
 import os
@@ -31,6 +30,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from longctx.bench import result_stem
 
 PROVIDERS = ("triton", "cudnn", "fa2", "flex", "tiled", "math")
 TOKENS = 16384
@@ -304,8 +305,7 @@ def plot(results: list[Result], providers: list[str], path: str, meta: dict) -> 
 
 def _write(results: list[Result], providers: list[str], meta: dict, out_dir: str, tag: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
-    gpu = meta["gpu"].replace("NVIDIA ", "").replace(" ", "-")
-    stem = os.path.join(out_dir, f"{meta['date'][:10]}_{gpu}{tag}")
+    stem = result_stem(out_dir, "attention", meta["gpu"], tag)
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=1)
     md = markdown(results, providers, meta)
@@ -317,12 +317,11 @@ def _write(results: list[Result], providers: list[str], meta: dict, out_dir: str
 
 def _partial(results: list[Result], meta: dict, out_dir: str, tag: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    gpu = meta["gpu"].replace("NVIDIA ", "").replace(" ", "-")
-    with open(os.path.join(out_dir, f"{meta['date'][:10]}_{gpu}{tag}.partial.json"), "w") as f:
+    with open(result_stem(out_dir, "attention", meta["gpu"], tag) + ".partial.json", "w") as f:
         json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=1)
 
 
-def _merge(paths: list[str], out_dir: str, tag: str) -> int:
+def _merge(paths: list[str], out_dir: str, tag: str, note: str = "") -> int:
     """Several partial runs (e.g. FlexAttention measured in a separate device call) in one report."""
     results: list[Result] = []
     providers: list[str] = []
@@ -347,7 +346,6 @@ def _merge(paths: list[str], out_dir: str, tag: str) -> int:
 
     results.sort(key=row_key)
     meta = {**meta, "merged_from": [os.path.basename(p) for p in paths]}
-    note = os.environ.get("LONGCTX_BENCH_NOTE")
     if note:
         meta["note"] = note
     print(_write(results, providers, meta, out_dir, tag))
@@ -371,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetitions (ms)")
     ap.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
-    ap.add_argument("--tag", default="", help="suffix for the output file names")
-    ap.add_argument("--masks", action="store_true", help="also run longctx.bench.masks if it exists")
+    ap.add_argument("--tag", default="", help="suffix naming what the run covers (e.g. _d64), not when")
+    ap.add_argument("--masks", action="store_true", help="also run longctx.bench.masks")
     ap.add_argument(
         "--layout",
         choices=("bhsd", "bshd"),
@@ -380,9 +378,10 @@ def main(argv: list[str] | None = None) -> int:
         help="input memory layout: (B, H, S, D) contiguous, or flash_attn_func's (B, S, H, D) viewed as (B, H, S, D)",
     )
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="combine the JSON files of earlier runs into one report")
+    ap.add_argument("--note", default="", help="--merge: a paragraph for the report (where its rows come from)")
     args = ap.parse_args(argv)
     if args.merge:
-        return _merge(args.merge, args.out_dir, args.tag)
+        return _merge(args.merge, args.out_dir, args.tag, args.note)
     if not torch.cuda.is_available():
         print("longctx bench attention: needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -414,12 +413,9 @@ def main(argv: list[str] | None = None) -> int:
             _partial(results, meta, args.out_dir, args.tag)  # a run cut short still leaves its numbers
     print(_write(results, providers, meta, args.out_dir, args.tag))
     if args.masks:
-        try:
-            masks = importlib.import_module("longctx.bench.masks")
-        except ModuleNotFoundError:
-            print("longctx.bench.masks is not there yet: mask cases skipped")
-        else:
-            return int(masks.main(["--out-dir", args.out_dir]) or 0)
+        from longctx.bench import masks
+
+        return int(masks.main(["--out-dir", args.out_dir]) or 0)
     return 0
 
 

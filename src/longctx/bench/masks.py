@@ -9,6 +9,8 @@ runs compiled (``torch.compile``, dynamo's recompile limits raised) with its own
 same mask_mod.
 Also: the time to build each mask at 64K, ours vs ``create_block_mask``.
 
+Writes ``<out-dir>/masks_<gpu>[<tag>].json`` and ``.md``, overwriting the previous run on that GPU.
+
     python -m longctx.bench.masks [--out-dir benchmarks/results] [--s 16384,65536] [--layout-s 16384] [--quick]
 """
 
@@ -22,6 +24,8 @@ import sys
 import time
 
 import torch
+
+from longctx.bench import result_stem
 
 __all__ = ["main"]
 
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-build", action="store_true", help="skip the mask build timings")
     ap.add_argument("--build-s", type=int, default=65536, help="sequence length of the mask build timings")
     ap.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
-    ap.add_argument("--tag", default="")
+    ap.add_argument("--tag", default="", help="suffix naming what the run covers (e.g. _64k), not when")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("longctx.bench.masks: needs a CUDA GPU", file=sys.stderr)
@@ -243,8 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(r), flush=True)
 
     os.makedirs(args.out_dir, exist_ok=True)
-    gpu = meta["gpu"].replace("NVIDIA ", "").replace(" ", "-")
-    stem = os.path.join(args.out_dir, f"masks_{_dt.date.today().isoformat()}_{gpu}{args.tag}")
+    stem = result_stem(args.out_dir, "masks", meta["gpu"], args.tag)
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "cases": rows, "mask_build": build_rows}, f, indent=1)
     md = _markdown(rows, build_rows, meta, H, D)

@@ -19,7 +19,7 @@ it runs a few training steps (forward + backward, bf16 autocast, fp32 parameters
     longctx bench recompute                       # the GPU run (gpt2-medium shape, S = 4K, 8K, 16K)
     longctx bench recompute --quick               # a CPU smoke run of the same code (tiny model)
 
-Writes ``<out-dir>/recompute_<date>_<gpu>.json`` and ``.md``.
+Writes ``<out-dir>/recompute_<gpu>.json`` and ``.md``, overwriting the previous run on that device.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from longctx.bench import result_stem
 from longctx.layers.attention import default_core_attention
 from longctx.models.gpt import GPT, GPTConfig, lm_loss
 
@@ -322,10 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         model = GPT(cfg)
     env = env_info(device)
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
-    gpu_tag = env["gpu"].replace("NVIDIA ", "").replace(" ", "-").replace("/", "-")
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"recompute_{date}_{gpu_tag}"
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    stem = result_stem(args.out_dir, "recompute", env["gpu"])
     meta: dict[str, Any] = {
         "preset": args.preset + (f" with {args.override}" if args.override else ""),
         "params_m": model.num_parameters() / 1e6,
@@ -402,8 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 )
                 print(f"S={s:6d} {label:12s} {pol:16s} {msg}", flush=True)
-                stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    stem.with_suffix(".md").write_text(report(results, meta))
+                Path(stem + ".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    Path(stem + ".md").write_text(report(results, meta))
     print(f"wrote {stem}.json and .md", flush=True)
     return 0
 
