@@ -35,42 +35,18 @@ __all__ = [
 
 
 _REGISTRY: dict[str, Backend] = {}
-_LOADED: list[bool] = []
-# Auto-selection order, best first; backends registered without a place are appended. The order follows what
-# was measured side by side on an H100 (benchmarks/results/2026-11-20_H100-80GB-HBM3.md): cuDNN is the fastest
-# kernel wherever it can compute the request (no mask or Sq == Sk causal, no lse, not deterministic), so it
-# comes first; longctx's Triton kernels beat FlashAttention-2 and FlexAttention forward and serve everything
-# cuDNN cannot (bottom-right causal with Sq != Sk, windows, shifted bands, lse, deterministic backward).
-_PRIORITY: list[str] = [
-    "sdpa_cudnn",
-    "triton",
-    "triton_sparse",
-    "sdpa_flash",
-    "flex",
-    "sdpa_efficient",
-    "tiled",
-    "math",
-]
+_PRIORITY: list[str] = []  # auto-selection order, best first (`_ensure_loaded` fills it)
 
 
-def register_backend(backend: Backend, *, priority: int | None = None) -> Backend:
-    """Add a backend to the registry (and, with ``priority``, to the auto order at that index)."""
-    if not backend.name:
-        raise ValueError("a backend needs a non-empty name")
-    _REGISTRY[backend.name] = backend
-    if backend.name not in _PRIORITY:
-        _PRIORITY.insert(len(_PRIORITY) if priority is None else priority, backend.name)
-    return backend
-
-
-def _ensure_loaded() -> None:
-    # The backend modules import torch.nn.functional, Triton's launchers and FlexAttention: loaded on first use to
-    # keep `import longctx` light.
-    if _LOADED:
-        return
+def _builtin_backends() -> list[Backend]:
+    """The built-in backends in auto order, best first. cuDNN is the fastest kernel wherever it can compute the
+    request (no mask, or causal with Sq == Sk; no lse; not deterministic), so it comes first; longctx's Triton kernels
+    serve everything it cannot (bottom-right causal with Sq != Sk, windows, shifted bands, lse, block masks, the
+    deterministic backward); the plain-PyTorch backends run anywhere. The measurements behind the order:
+    docs/performance.md."""
     from longctx.backends import math, sdpa, tiled, triton, triton_sparse
 
-    for backend in (
+    return [
         sdpa.SDPACuDNN(),
         triton.TritonBackend(),
         triton_sparse.TritonSparseBackend(),
@@ -79,9 +55,28 @@ def _ensure_loaded() -> None:
         sdpa.SDPAEfficient(),
         tiled.TiledBackend(),
         math.MathBackend(),
-    ):
-        _REGISTRY.setdefault(backend.name, backend)
-    _LOADED.append(True)
+    ]
+
+
+def register_backend(backend: Backend, *, priority: int | None = None) -> Backend:
+    """Add a backend to the registry, at index ``priority`` of the auto order (default: last)."""
+    if not isinstance(backend, Backend) or not backend.name:
+        raise ValueError(f"expected a longctx.backends.base.Backend with a non-empty name, got {backend!r}")
+    _ensure_loaded()
+    _REGISTRY[backend.name] = backend
+    if backend.name not in _PRIORITY:
+        _PRIORITY.insert(len(_PRIORITY) if priority is None else priority, backend.name)
+    return backend
+
+
+def _ensure_loaded() -> None:
+    # The backend modules import Triton's launchers and FlexAttention: loaded on first use to keep `import longctx`
+    # light.
+    if _PRIORITY:
+        return
+    for backend in _builtin_backends():
+        _REGISTRY[backend.name] = backend
+        _PRIORITY.append(backend.name)
 
 
 def backend_names() -> list[str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_sparse_gpu import MASKS, _check, _inputs
+from tests.gpu.test_block_sparse_kernels import MASKS, _check, _inputs
 
 import longctx
 from longctx.launchers import sparse as ts
@@ -84,7 +84,7 @@ def test_ws_per_head_general_mask_sq_ne_sk_empty_rows(spy):
 
 def test_ws_varlen_sq_ne_sk(spy):
     """Packed documents through flash_attn_varlen_func (causal bottom-right per document, GQA)."""
-    from test_sparse_gpu import test_varlen_gpu_against_per_document_oracle
+    from tests.gpu.test_block_sparse_kernels import test_varlen_gpu_against_per_document_oracle
 
     test_varlen_gpu_against_per_document_oracle(True, (-1, -1))
     assert spy()["fwd"] >= 1 and spy()["bwd"] >= 1
