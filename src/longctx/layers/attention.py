@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import longctx
+from longctx.api import attention, explain
 from longctx.layers.recompute import checkpoint_call, recompute_active
 from longctx.layers.rotary import apply_rotary
 
@@ -54,7 +54,7 @@ def default_core_attention(backend: str = "auto") -> CoreAttentionFn:
     """``fn(q, k, v) = longctx.attention(q, k, v, causal=True, backend=backend)``."""
 
     def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return longctx.attention(q, k, v, causal=True, backend=backend)
+        return attention(q, k, v, causal=True, backend=backend)
 
     core_attention.backend = backend  # type: ignore[attr-defined]
     return core_attention
@@ -112,7 +112,7 @@ class SelfAttention(nn.Module):
         backend = getattr(self.core_attention, "backend", None)
         if backend is None:  # a replacement (e.g. context parallelism): fused unless it says otherwise
             return bool(getattr(self.core_attention, "unfused", False))
-        choice = longctx.explain(q, k, v, causal=True, backend=backend)
+        choice = explain(q, k, v, causal=True, backend=backend)
         return choice.backend.family == "reference"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
