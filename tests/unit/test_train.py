@@ -10,8 +10,9 @@ import torch
 
 from longctx.training import checkpoint as ckpt_mod
 from longctx.training.checkpoint import CheckpointError, load_checkpoint
+from longctx.training.config import TrainConfig, parse_config
 from longctx.training.data import ByteText, RecallTask
-from longctx.training.trainer import main, parse_config, run
+from longctx.training.trainer import Trainer, main, run
 
 # A tiny, fast run: the tiny preset at 64 tokens, 4 pairs.
 TINY = [
@@ -83,6 +84,35 @@ def test_invalid_model_settings_are_errors(flags, match, capsys):
     assert main(["--preset", "tiny", *flags]) == 2
 
 
+@pytest.mark.parametrize(
+    "kw, error, match",
+    [
+        ({"micro_batch_size": 0}, ValueError, "micro_batch_size must be >= 1"),
+        ({"cp_method": "mesh"}, ValueError, r"cp_method must be one of \['ring', 'allgather', 'ulysses'\]"),
+        ({"preset": "huge"}, ValueError, "unknown preset 'huge'"),
+        ({"lr": "fast"}, TypeError, "lr must be float"),
+        ({"train_iters": 2.5}, TypeError, "train_iters must be int"),
+        ({"model": {"num_layers": 0}}, ValueError, "num_layers"),
+    ],
+)
+def test_train_config_names_a_bad_setting(kw, error, match):
+    with pytest.raises(error, match=match):
+        TrainConfig(**kw)
+
+
+def test_yaml_exponents_without_a_dot_are_floats(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("preset: tiny\nlr: 3e-4\nsave: none\n")  # YAML 1.1 reads 3e-4 as a string
+    cfg = parse_config(["--config", str(f)])
+    assert cfg.lr == 3e-4 and isinstance(cfg.lr, float) and cfg.save is None
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_parse(path):
+    cfg = parse_config(["--config", str(path)])
+    assert cfg.train_iters > 0 and cfg.model_config().seq_length > 0
+
+
 # -- data -----------------------------------------------------------------------------------------------------
 
 
@@ -139,6 +169,13 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path):
     assert resumed.first_step == 3 and len(resumed.losses) == 3
     assert full.losses[3:] == resumed.losses  # exactly, dropout included
     assert losses(tmp_path / "b") == full.losses
+
+
+def test_train_step_by_hand_equals_run():
+    cfg = parse_config(TINY + ["--train-iters", "3", "--save", "none", "--attention-backend", "math"])
+    trainer = Trainer(cfg)
+    by_hand = [trainer.train_step(step)[0] for step in range(3)]
+    assert by_hand == run(cfg).losses
 
 
 def test_byte_level_training_on_a_text_file(tmp_path, capsys):

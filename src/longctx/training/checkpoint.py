@@ -10,6 +10,9 @@ with `os.replace` (atomic on POSIX): a crash mid-save leaves the previous checkp
 one. Loading refuses, with a `CheckpointError` that says why and what to do, a file that is missing,
 truncated or corrupt, not a longctx checkpoint, of another format version, or written for another model
 configuration.
+
+`save_training_state` and `load_training_state` are what the trainer calls: the model, the optimizer, the RNG
+states and the step in one file, and on loading a check that the checkpoint was written for the same model.
 """
 
 from __future__ import annotations
@@ -22,10 +25,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "capture_rng", "restore_rng", "config_diff"]
+__all__ = [
+    "CheckpointError",
+    "save_checkpoint",
+    "load_checkpoint",
+    "save_training_state",
+    "load_training_state",
+    "capture_rng",
+    "restore_rng",
+    "config_diff",
+]
 
 FORMAT = "longctx-checkpoint"
 VERSION = 1
+
+# Model fields that say how the model is computed, not what it is: a resumed run may change them.
+HOW_FIELDS = ("attention_backend", "recompute_granularity", "recompute_method", "recompute_num_layers")
 
 
 class CheckpointError(ValueError):
@@ -41,6 +56,7 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any]) -> None:
+    """Set the RNG states that `capture_rng` returned."""
     torch.set_rng_state(state["torch"])
     random.setstate(_to_tuples(state["python"]))
     if "cuda" in state and torch.cuda.is_available():
@@ -106,3 +122,67 @@ def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
         for k in keys
         if saved.get(k) != current.get(k)
     ]
+
+
+def save_training_state(
+    path: str | Path,
+    *,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_config: dict[str, Any],
+    train_config: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Checkpoint a training run after ``step`` steps: weights, optimizer state, RNG states and both configs.
+
+    Args:
+        path: the checkpoint file, written atomically (`save_checkpoint`).
+        step: steps done; a resumed run starts at this step.
+        model, optimizer: their ``state_dict`` is saved.
+        model_config, train_config: plain dicts (``GPTConfig.to_dict()``, ``TrainConfig.to_dict()``).
+        extra: anything else worth keeping (the last evaluation).
+    """
+    payload = {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "rng": capture_rng(),
+        "model_config": model_config,
+        "train_config": train_config,
+        "extra": extra or {},
+    }
+    return save_checkpoint(path, payload)
+
+
+def load_training_state(
+    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_config: dict[str, Any]
+) -> int:
+    """Restore a run saved by `save_training_state` into ``model`` and ``optimizer``; returns the step to start at.
+
+    The RNG states are restored too, so the run continues to the same losses as an uninterrupted one.
+
+    Args:
+        path: the checkpoint file.
+        model, optimizer: built as for a fresh run; their state is replaced.
+        model_config: the current ``GPTConfig.to_dict()``; it must match the saved one except for `HOW_FIELDS`.
+
+    Raises:
+        CheckpointError: the file is missing, corrupt or foreign, was written for another model configuration
+            (the differing fields are named), or its state does not fit ``model``/``optimizer``.
+    """
+    state = load_checkpoint(path)
+    saved = {k: v for k, v in state["model_config"].items() if k not in HOW_FIELDS}
+    diff = config_diff(saved, {k: v for k, v in model_config.items() if k not in HOW_FIELDS})
+    if diff:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was written for another model configuration ({'; '.join(diff)}); "
+            "pass the same model settings, or start a new run in another --save directory"
+        )
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model: {e}") from e
+    restore_rng(state["rng"])
+    return int(state["step"])
