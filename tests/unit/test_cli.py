@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from longctx.cli.main import main
 
 
@@ -49,3 +51,27 @@ def test_demo_memory_small(capsys):
 def test_module_entry_point_help():
     r = subprocess.run([sys.executable, "-m", "longctx", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "info" in r.stdout and "train" in r.stdout
+
+
+def test_version(capsys):
+    import longctx
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"longctx {longctx.__version__}"
+
+
+def test_module_entry_point_version():
+    import longctx
+
+    r = subprocess.run([sys.executable, "-m", "longctx", "--version"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == f"longctx {longctx.__version__}"
+
+
+@pytest.mark.parametrize("which", ["attention", "recompute", "cp"])
+def test_bench_subcommands_are_reachable(which, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", which, "--help"])
+    assert exit_.value.code == 0
+    assert f"longctx bench {which}" in capsys.readouterr().out

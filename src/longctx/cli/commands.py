@@ -32,6 +32,11 @@ def _versions() -> dict[str, str]:
 
 
 def info() -> int:
+    """Print the versions, the GPUs and, for each backend, whether it runs causal attention at D=128 here.
+
+    Returns:
+        0.
+    """
     import longctx
 
     print(f"longctx {longctx.__version__}")
@@ -65,7 +70,14 @@ def info() -> int:
 
 
 def check_cases(device: torch.device) -> list[dict]:
-    """A small matrix of shapes and masks covering MHA/GQA/MQA, causal with Sq != Sk and windows."""
+    """A small matrix of shapes and masks covering MHA/GQA/MQA, causal with Sq != Sk and windows.
+
+    Args:
+        device: where the cases will run (the matrix is the same on every device).
+
+    Returns:
+        One dict per case: name, B, Hq, Hkv, Sq, Sk, D, causal, window.
+    """
     return [
         dict(name="MHA dense", B=2, Hq=4, Hkv=4, Sq=128, Sk=128, D=64, causal=False, window=None),
         dict(name="MHA causal", B=2, Hq=4, Hkv=4, Sq=256, Sk=256, D=64, causal=True, window=None),
@@ -76,6 +88,7 @@ def check_cases(device: torch.device) -> list[dict]:
 
 
 def tolerance_floor(dtype: torch.dtype) -> float:
+    """The absolute error allowed on top of twice plain PyTorch's error in ``dtype`` (the check's rule)."""
     return {torch.float64: 1e-10, torch.float32: 2e-5}.get(dtype, 2e-3)
 
 
@@ -92,7 +105,14 @@ def error_vs_oracle(
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Max-abs errors of ``run`` and of plain PyTorch in the input dtype, both against the float64 oracle.
 
-    ``run(q, k, v) -> (out, lse | None)``. Returns ``(ours, plain_pytorch)`` dicts with keys out, lse, dq, dk, dv.
+    Args:
+        q: (B, Hq, Sq, D); k, v: (B, Hkv, Sk, D); do: the output gradient, (B, Hq, Sq, D).
+        run: ``run(q, k, v) -> (out, lse | None)``, the attention under test.
+        scale: softmax scale; band: the mask, as for the oracle.
+        with_lse: whether ``run`` returns an lse worth comparing (else its error is reported as nan).
+
+    Returns:
+        ``(ours, plain_pytorch)``: dicts of max-abs errors with keys out, lse, dq, dk, dv.
     """
 
     def grads(fn, qq, kk, vv):
@@ -127,7 +147,15 @@ def error_vs_oracle(
 
 
 def check(device: str | None = None, seed: int | None = None) -> int:
-    """Run every usable backend on fresh random inputs against the float64 oracle; print a table."""
+    """Run every usable backend on fresh random inputs against the float64 oracle; print a table.
+
+    Args:
+        device: "cpu" or "cuda" (None: cuda if available).
+        seed: seed of the random inputs (None: the clock).
+
+    Returns:
+        0 when every row passes, 1 otherwise.
+    """
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtypes = [torch.bfloat16, torch.float16] if dev.type == "cuda" else [torch.float32]
     gen = torch.Generator(device="cpu").manual_seed(seed if seed is not None else int(time.time()))
@@ -187,7 +215,15 @@ def check(device: str | None = None, seed: int | None = None) -> int:
 
 
 def demo_memory(lengths: list[int], device: str | None = None) -> int:
-    """Bytes saved for backward and peak memory of forward+backward: tiled vs math, at growing lengths."""
+    """Print bytes saved for backward and peak memory of forward+backward: tiled vs math, at growing lengths.
+
+    Args:
+        lengths: sequence lengths S to measure.
+        device: "cpu" or "cuda" (None: cuda if available).
+
+    Returns:
+        0.
+    """
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     B, H, D = 1, 8, 64

@@ -1,7 +1,7 @@
-"""The `longctx` command: info | check | demo-memory | bench | train.
+"""The `longctx` command: info | check | demo-memory | bench | train, and ``--version``.
 
 Subcommands that live in other modules receive the rest of the command line: each such module has a
-``main(argv: list[str] | None) -> int``.
+``main(argv: list[str] | None) -> int``. Those modules load only when their subcommand runs.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from longctx import __version__
 
 # name -> (module with main(argv), one-line help)
 _DELEGATED = {
@@ -26,8 +28,18 @@ def _run_delegated(module: str, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``longctx`` command line.
+
+    Args:
+        argv: the arguments after ``longctx`` (None: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status of the subcommand (0 on success). ``--help`` and ``--version`` exit through
+        ``SystemExit(0)``, as argparse does.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="longctx", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"longctx {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("info", help="versions, the GPU and the available backends")
     p_check = sub.add_parser("check", help="run every available backend against the float64 oracle")
