@@ -22,6 +22,7 @@ _LAZY = {
     "BlockMask": "longctx.masks",
     "block_mask": "longctx.masks",
     "flash_attn_varlen_func": "longctx.api.varlen",
+    "linear_cross_entropy": "longctx.layers.loss",
     "distributed": "longctx.distributed",
 }
 
@@ -45,6 +46,7 @@ __all__ = [
     "explain",
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "linear_cross_entropy",
     "backends",
     "Band",
     "BlockMask",
