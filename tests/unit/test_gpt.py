@@ -169,3 +169,35 @@ def test_lm_loss_mean_sum_and_mask():
     # local sums over shards add up to the global sum: the context-parallel loss
     parts = [lm_loss(logits[:, i : i + 2], labels[:, i : i + 2], mask[:, i : i + 2], "sum") for i in (0, 2, 4)]
     torch.testing.assert_close(sum(parts), per[mask.reshape(10)].sum())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_loss_from_labels_equals_lm_loss_of_logits(tied):
+    """``model(x, labels=y)`` (logits never materialised) equals lm_loss(model(x), y): value and every gradient."""
+    cfg = tiny(share_embeddings_and_output_weights=tied)
+    torch.manual_seed(0)
+    model = GPT(cfg).double()
+    x = tokens(cfg, seed=3)
+    y = torch.roll(x, -1, 1)
+    mask = torch.rand(x.shape, generator=torch.Generator().manual_seed(1)) > 0.3
+    for kwargs in ({}, {"loss_mask": mask}, {"loss_mask": mask, "reduction": "sum"}):
+        model.zero_grad()
+        fused = model(x, labels=y, **kwargs)
+        fused.backward()
+        g_fused = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        ref = lm_loss(model(x), y, kwargs.get("loss_mask"), kwargs.get("reduction", "mean"))
+        ref.backward()
+        torch.testing.assert_close(fused, ref, rtol=1e-12, atol=1e-12)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(g_fused[n], p.grad, rtol=1e-10, atol=1e-12, msg=n)
+
+
+def test_loss_arguments():
+    cfg = tiny()
+    model = GPT(cfg)
+    x = tokens(cfg)
+    with pytest.raises(ValueError, match="reduction"):
+        model(x, labels=x, reduction="none")
+    with pytest.raises(ValueError, match="loss_mask"):
+        model(x, loss_mask=torch.ones_like(x))

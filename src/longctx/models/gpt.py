@@ -11,8 +11,9 @@ Seams for context parallelism (longctx.distributed):
 * ``model.set_core_attention(fn)``: every layer calls ``fn(q, k, v)`` (q (B, Hq, S_local, D); k, v
   (B, Hkv, S_local, D), un-repeated) instead of ``longctx.attention(q, k, v, causal=True, ...)``; pass
   None to restore the default.
-* ``lm_loss(logits, labels, loss_mask, reduction="sum")`` returns the summed loss of the local tokens;
-  divide by the all-reduced token count to get the global mean.
+* ``model(tokens, labels=labels, loss_mask=m, reduction="sum")`` returns the summed loss of the local tokens
+  without materialising the logits (`longctx.linear_cross_entropy`); divide by the all-reduced token count to
+  get the global mean. ``lm_loss(logits, labels, ...)`` does the same from logits a caller already has.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longctx.layers.attention import CoreAttentionFn, SelfAttention
+from longctx.layers.loss import linear_cross_entropy
 from longctx.layers.mlp import SwiGLUMLP
 from longctx.layers.norms import RMSNorm
 from longctx.layers.recompute import plan_layers, recompute_active, run_layers, validate_recompute
@@ -274,8 +276,14 @@ class GPT(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (B, S) int; position_ids (S,) or (B, S), default arange(S) -> logits (B, S, vocab_size)."""
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The output projection's weight (vocab_size, hidden_size): the embedding's when they are shared."""
+        return self.embedding.weight if self.output_layer is None else self.output_layer.weight
+
+    def hidden_states(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, S) int; position_ids (S,) or (B, S), default arange(S) -> final hidden states (B, S, h),
+        after the final norm: what the output projection reads."""
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
             got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ValueError(f"tokens must be an integer tensor of shape (batch, seq), got {got}")
@@ -290,9 +298,38 @@ class GPT(nn.Module):
 
         x = self.embedding_dropout(self.embedding(tokens))  # (B, S, h)
         x = run_layers(self.layers, x, self._chunks, cos, sin, active=recompute_active(self))
-        x = self.final_layernorm(x)
-        weight = self.embedding.weight if self.output_layer is None else self.output_layer.weight
-        return F.linear(x, weight)  # (B, S, vocab)
+        return self.final_layernorm(x)  # (B, S, h)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        *,
+        labels: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
+        """Logits, or with ``labels`` the loss without ever holding the logits.
+
+        Args:
+            tokens: (B, S) integer token ids.
+            position_ids: (S,) or (B, S) positions for RoPE, default arange(S).
+            labels: (B, S) target ids; given, the model returns the cross-entropy computed by
+                `longctx.linear_cross_entropy` (chunks of tokens, float32 log-sum-exp) instead of the logits.
+            loss_mask: (B, S), the tokens that count (with labels only).
+            reduction: "mean" over the counted tokens, or "sum" (context parallelism sums over ranks).
+
+        Returns:
+            logits (B, S, vocab_size) without labels; the scalar float32 loss with them.
+        """
+        x = self.hidden_states(tokens, position_ids)  # (B, S, h)
+        if labels is None:
+            if loss_mask is not None:
+                raise ValueError("loss_mask is only used together with labels")
+            return F.linear(x, self.output_weight)  # (B, S, vocab)
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        return linear_cross_entropy(x, self.output_weight, labels, loss_mask=loss_mask, reduction=reduction)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -306,13 +343,14 @@ def lm_loss(
     loss_mask: torch.Tensor | None = None,
     reduction: str = "mean",
 ) -> torch.Tensor:
-    """Cross-entropy of logits (B, S, V) against labels (B, S), in float32.
+    """Cross-entropy of logits (B, S, V) against labels (B, S), in float32 (float64 for float64 logits).
 
     loss_mask (B, S) selects the tokens that count (1/True) - e.g. only the answers of the recall task.
     ``reduction="sum"`` returns the sum over counted tokens (context parallelism: all-reduce it and the
     count, then divide); ``"mean"`` divides by the local count.
     """
-    per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")  # (B S,)
+    acc = logits if logits.dtype == torch.float64 else logits.float()  # float32 (float64 stays float64)
+    per_token = F.cross_entropy(acc.flatten(0, 1), labels.flatten(), reduction="none")  # (B S,)
     if loss_mask is not None:
         m = loss_mask.flatten().to(per_token.dtype)
         total, count = (per_token * m).sum(), m.sum()
