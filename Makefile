@@ -20,12 +20,12 @@ demo: $(STAMP)
 	$(VENV)/bin/longctx train
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests dev
+	$(VENV)/bin/ruff format --check src tests dev
 
 format: $(STAMP)
-	$(VENV)/bin/ruff check --fix src tests benchmarks
-	$(VENV)/bin/ruff format src tests benchmarks
+	$(VENV)/bin/ruff check --fix src tests dev
+	$(VENV)/bin/ruff format src tests dev
 
 test: lint
 	$(PY) -m pytest -q -n 2 --dist loadgroup tests

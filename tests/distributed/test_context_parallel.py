@@ -304,7 +304,6 @@ def _run_bench_max_seq_case(rank: int, world: int) -> None:
     over-cap try stopping on every rank together in the middle of the backward (1, 2 and 4 processes)."""
     import longctx.bench.cp as bench
 
-    bench._DEV = torch.device("cpu")
     args = bench.parser().parse_args(
         ["--device", "cpu", "--max-seq", "--gpt-preset", "tiny", "--gpt-override", "attention_backend=tiled"]
         + ["--max-seq-gpus", "1,2,4", "--mem-cap-gib", str(0.6 / 1024), "--fake-kib-per-token", "1"]
