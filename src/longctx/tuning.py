@@ -81,6 +81,47 @@ def configs(kind: str, bd: int, pipe_qk: bool = True, pre_hook=None) -> list:
     return out
 
 
+# -- block-sparse kernels (`longctx.launchers.sparse`; the figures behind each choice: docs/performance.md) ---------
+
+# Triton block-sparse kernels at D=128, tried before the dense tables' entries: with the prefetched block index and
+# the swapped grid, forward 128x64 / 8 warps / 3 stages with TMA K/V and dK/dV 64x128/8/3 were the fastest on every
+# mask case of the H100 sweep. Other head dims use the dense tables (their first entries that divide the mask block).
+SPARSE_TABLES = {
+    "fwd": {128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)]},
+    "dkdv": {128: [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3)]},
+    "dq": {128: [(128, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 4)]},
+}
+
+
+def sparse_tile_choices(kind: str, bd: int, mask_bs: int, interpret: bool = False) -> list[tuple[int, int, int, int]]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) candidates of a Triton block-sparse kernel ("fwd", "dkdv", "dq") at
+    padded head dim ``bd``, best first: the sparse table, then the dense one, kept where both tiles divide the mask's
+    block size (a tile never straddles two mask blocks); a square tile of the largest power of two dividing it where
+    none does. The interpreter takes the small `INTERPRET` tiles (clipped to the mask block)."""
+    if interpret:
+        bm, bn, w, s = INTERPRET
+        return [(min(bm, mask_bs), min(bn, mask_bs), w, s)]
+    # (tiles only: the dense forward's entries may carry a fifth element, its PIPE_QK choice)
+    entries = [c[:4] for c in SPARSE_TABLES[kind].get(bd, []) + table(kind)[bd]]
+    ok = list(dict.fromkeys(c for c in entries if mask_bs % c[0] == 0 and mask_bs % c[1] == 0))
+    if not ok:
+        b = 64 if mask_bs % 64 == 0 else 32 if mask_bs % 32 == 0 else 16
+        ok = [(b, b, 4, 2)]
+    return ok
+
+
+# Warp-specialised (Gluon, Hopper) block-sparse kernels, per head dim: forward (BLOCK_N, STAGES, PIPE) and backward
+# (BLOCK_M, STAGES, EARLY_DV). The dense warp-specialised kernels' configs: 2 or 3 stages measured within the
+# run-to-run spread of each other on the sparse masks, and EARLY_DV slower.
+SPARSE_WS_FWD = {64: (128, 3, True), 128: (128, 3, True)}
+SPARSE_WS_BWD = {64: (64, 2, False), 128: (64, 2, False)}
+
+
+def sparse_ws_config(kind: str, head_dim: int) -> tuple[int, int, bool] | None:
+    """The warp-specialised block-sparse kernel's config ("fwd" or "bwd") at ``head_dim``, None where it has none."""
+    return (SPARSE_WS_FWD if kind == "fwd" else SPARSE_WS_BWD).get(head_dim)
+
+
 # -- developer overrides: the one place they are read ------------------------------------------------------------
 # For kernel developers and tests, never needed to use longctx: force a kernel path or a tile to compare variants.
 # Set for a whole process with LONGCTX_TUNING="key=value,key=value" (read once, here) or in code with
@@ -90,6 +131,11 @@ import os as _os
 
 # key -> default (None: follow the measured rules of this module)
 _OVERRIDE_DEFAULTS: dict = {}
+# block-sparse kernels (`longctx.launchers.sparse`): False switches the warp-specialised forward / backward off (the
+# Triton kernels run, as on other GPUs); tiles of the Triton kernels forced per kind, no autotuning ("fwd:128x64x8x3;
+# dkdv:64x128x8x3", or a dict kind -> tuple in code); tensor-descriptor loads under the interpreter (tests; None: as
+# `launchers.runtime` decides)
+_OVERRIDE_DEFAULTS.update(sparse_ws=None, sparse_ws_bwd=None, sparse_tiles=None, sparse_tma_in_interpreter=None)
 _OVERRIDES: dict = {}
 _ENV_READ: list[bool] = []
 

@@ -219,27 +219,18 @@ def test_fullgraph_compile_block_mask(name):
         assert (a - b).abs().max().item() <= 1e-2 * max(1.0, b.abs().max().item()), n
 
 
-# the Triton kernels' variants (the warp-specialised kernels, which D=128 on Hopper takes by default, switched off;
-# tests/gpu/test_sparse_ws_gpu.py tests those)
-_TRITON = dict(ws=False, ws_bwd=False)
-SPARSE_VARIANTS = {
-    "defaults": dict(_TRITON),
-    "all-atomic-tma": dict(
-        _TRITON, grid_swap=True, prefetch_idx=True, tma=True, pipe_qk=True, reverse_m=True, atomic_dq="tma"
-    ),
-    "atomic-ptr": dict(_TRITON, grid_swap=True, prefetch_idx=True, atomic_dq="ptr"),
-    "dq-kernel-tma": dict(_TRITON, prefetch_idx=True, tma=True, tma_dq=True, reverse_m=True),
-}
-
-
-@pytest.mark.parametrize("variant", list(SPARSE_VARIANTS))
 @pytest.mark.parametrize("name", ["docs_causal", "general", "layout"])
-def test_triton_sparse_variants_against_oracle(name, variant, monkeypatch):
-    """The Triton kernels' variants of longctx.ops.triton_sparse.VARIANT (TMA descriptors and the TMA reduce run
-    only on the GPU), ragged S, GQA, D=128 so that the descriptor paths are taken."""
-    from longctx.launchers import sparse as ts
+def test_triton_sparse_kernels_against_oracle(name):
+    """The Triton kernels (the warp-specialised ones, which D=128 on Hopper takes by default, switched off;
+    tests/gpu/test_hopper_block_sparse.py tests those), ragged S, GQA, D=128 so that the forward's descriptor
+    loads are taken."""
+    from longctx import tuning
 
-    monkeypatch.setattr(ts, "VARIANT", {**ts.VARIANT, **SPARSE_VARIANTS[variant]})
+    with tuning.override(sparse_ws=False, sparse_ws_bwd=False):
+        _triton_sparse_against_oracle(name)
+
+
+def _triton_sparse_against_oracle(name):
     S = 1000
     if name == "layout":
         layout = (torch.rand(4, 8, 8, generator=torch.Generator().manual_seed(3)) < 0.4).cuda()

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.gpu.test_block_sparse_kernels import MASKS, _check, _inputs
 
 import longctx
+from longctx import tuning
 from longctx.launchers import sparse as ts
+from tests.gpu.test_block_sparse_kernels import MASKS, _check, _inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,9 +23,9 @@ pytestmark = [
 
 @pytest.fixture
 def spy(monkeypatch, count_calls):
-    """``spy()``: the warp-specialised launches so far, {"fwd": n, "bwd": m}; the variant switches are restored
-    afterwards."""
-    monkeypatch.setattr(ts, "VARIANT", dict(ts.VARIANT, ws=True, ws_bwd=True))
+    """``spy()``: the warp-specialised launches so far, {"fwd": n, "bwd": m} (a compile failure noted by an earlier
+    test is forgotten)."""
+    monkeypatch.setattr(ts, "_WS_BROKEN", set())
     fwd, bwd = count_calls(ts, "_forward_ws"), count_calls(ts, "_backward_ws")
     return lambda: {"fwd": len(fwd), "bwd": len(bwd)}
 
@@ -103,7 +104,7 @@ def test_deterministic_backward_keeps_the_triton_kernels(spy):
 
 
 @pytest.mark.parametrize("name", ["sliding_200", "docs_causal", "general"])
-def test_ws_agrees_with_the_triton_kernels_at_4k(name, spy, monkeypatch):
+def test_ws_agrees_with_the_triton_kernels_at_4k(name, spy):
     """A longer sequence (many kv blocks per query block, deep rings) against the Triton kernels of the same
     backend (tested against the oracle in test_sparse_gpu.py)."""
     S = 4096
@@ -111,11 +112,10 @@ def test_ws_agrees_with_the_triton_kernels_at_4k(name, spy, monkeypatch):
     q, k, v = (t.requires_grad_() for t in _inputs(1, 8, 2, S, S, 128, torch.bfloat16, seed=17))
     do = torch.randn_like(q)
     res = []
-    for on in (True, False):
-        monkeypatch.setitem(ts.VARIANT, "ws", on)
-        monkeypatch.setitem(ts.VARIANT, "ws_bwd", on)
-        out = longctx.attention(q, k, v, block_mask=bm, backend="triton_sparse")
-        res.append((out.float(), *(g.float() for g in torch.autograd.grad(out, (q, k, v), do))))
+    for off in (None, False):
+        with tuning.override(sparse_ws=off, sparse_ws_bwd=off):
+            out = longctx.attention(q, k, v, block_mask=bm, backend="triton_sparse")
+            res.append((out.float(), *(g.float() for g in torch.autograd.grad(out, (q, k, v), do))))
     assert spy() == {"fwd": 1, "bwd": 1}
     for n, a, b in zip(("out", "dq", "dk", "dv"), *res):
         err = (a - b).abs().max().item()
@@ -123,48 +123,20 @@ def test_ws_agrees_with_the_triton_kernels_at_4k(name, spy, monkeypatch):
 
 
 @pytest.mark.parametrize("name,S", [("docs_causal", 1000), ("general", 1024), ("tiny_docs", 1024)])
-def test_ws_work_ordered_schedule(name, S, spy, monkeypatch):
-    """The CTAs in order of work (`VARIANT["ws_sched"]`, `triton_sparse._schedule`): the same results."""
-    monkeypatch.setitem(ts.VARIANT, "ws_sched", True)
+def test_ws_work_ordered_schedule(name, S, spy):
+    """The persistent CTAs in `_schedule`'s order on masks with items of very uneven work (S=1000: the forward's
+    output rows past Sq clipped by the copy engine): the oracle's results."""
     bm = _block_mask(name, S, S)
     q, k, v = _inputs(2, 8, 2, S, S, 128, torch.bfloat16, seed=18)
     _check(q, k, v, bm)
     assert spy() == {"fwd": 1, "bwd": 1}
 
 
-@pytest.mark.parametrize(
-    "persist,sched,o_tma,stage",
-    [(False, False, False, False), (False, True, False, False), (True, False, False, False), (True, True, True, False),
-     (False, False, True, False), (True, True, True, True)],
-)  # fmt: skip
-@pytest.mark.parametrize("name,S", [("docs_causal", 1000), ("general", 1024), ("tiny_docs", 1024)])
-def test_ws_one_cta_per_item_and_other_orders(name, S, persist, sched, o_tma, stage, spy, monkeypatch):
-    """The other launch modes (the default is persistent CTAs in `_schedule`'s order, tested above): one CTA per
-    work item (``LONGCTX_SPARSE_WS_PERSIST=0``) in the grid's order or the schedule's, and persistent CTAs in the
-    grid's order; the forward's output through the copy engine (``o_tma``; S=1000: rows past Sq clipped), through
-    Q's buffer (the default) or tiles of its own (``stage``, ``LONGCTX_SPARSE_WS_O_STAGE=1``, persistent only):
-    the same results."""
-    monkeypatch.setitem(ts.VARIANT, "ws_persist", persist)
-    monkeypatch.setitem(ts.VARIANT, "ws_sched", sched)
-    monkeypatch.setitem(ts.VARIANT, "ws_o_tma", o_tma)
-    monkeypatch.setitem(ts.VARIANT, "ws_o_stage", stage)
-    bm = _block_mask(name, S, S)
-    q, k, v = _inputs(2, 8, 2, S, S, 128, torch.bfloat16, seed=18)
-    _check(q, k, v, bm)
-    assert spy() == {"fwd": 1, "bwd": 1}
-
-
-@pytest.mark.parametrize("q_free", ["early", "late", "o_tma", "o_stage"])
 @pytest.mark.parametrize("D", [64, 128])
-def test_ws_persistent_more_items_than_sms_gqa(D, q_free, spy, monkeypatch):
+def test_ws_persistent_more_items_than_sms_gqa(D, spy):
     """Many more work items than SMs (every CTA takes tickets until they run out), GQA, per-head random layouts
-    with empty rows and columns and rows of one and two blocks, against the Triton kernels. A forward item's Q
-    buffer is freed after its last scores (``early``, a row of one or two blocks frees it on its first or second),
-    after its last P V (``late``), once the output has left through it and the copy engine (``o_tma``, the
-    default), or after its last scores with the output through a tile of its own (``o_stage``)."""
-    monkeypatch.setitem(ts.VARIANT, "ws_early_q", q_free in ("early", "o_stage"))
-    monkeypatch.setitem(ts.VARIANT, "ws_o_tma", q_free in ("o_tma", "o_stage"))
-    monkeypatch.setitem(ts.VARIANT, "ws_o_stage", q_free == "o_stage")
+    with empty rows and columns and rows of one and two blocks, against the Triton kernels (a forward item's Q
+    buffer is freed once its output has left through it)."""
     S, Hq, Hkv = 4096, 16, 4
     n = S // 128
     lay = torch.rand(Hq, n, n, generator=torch.Generator().manual_seed(3)) < 0.3
@@ -178,10 +150,10 @@ def test_ws_persistent_more_items_than_sms_gqa(D, q_free, spy, monkeypatch):
     q, k, v = (t.requires_grad_() for t in _inputs(2, Hq, Hkv, S, S, D, torch.bfloat16, seed=19))
     do = torch.randn_like(q)
     res = []
-    for on in (True, False):
-        ts.VARIANT["ws"] = ts.VARIANT["ws_bwd"] = on
-        out = longctx.attention(q, k, v, block_mask=bm, backend="triton_sparse")
-        res.append((out.float(), *(g.float() for g in torch.autograd.grad(out, (q, k, v), do))))
+    for off in (None, False):
+        with tuning.override(sparse_ws=off, sparse_ws_bwd=off):
+            out = longctx.attention(q, k, v, block_mask=bm, backend="triton_sparse")
+            res.append((out.float(), *(g.float() for g in torch.autograd.grad(out, (q, k, v), do))))
     assert spy() == {"fwd": 1, "bwd": 1}
     assert 2 * (S // 128) * Hq > 4 * torch.cuda.get_device_properties(0).multi_processor_count
     for nm, a, b in zip(("out", "dq", "dk", "dv"), *res):

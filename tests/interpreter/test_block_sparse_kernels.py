@@ -3,7 +3,6 @@ interpreter flag is set before triton is imported."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -106,15 +105,10 @@ SCRIPT = COMMON + textwrap.dedent(
 )
 
 
-# The kernel variants of longctx.ops.triton_sparse.VARIANT (tensor descriptors run in the interpreter here; its
-# TMA reduce does not, so atomic_dq="tma" runs the pointer atomics). Block 32 with the interpreter's 16x16 tiles:
-# two sub-tiles per mask block.
-VARIANT_SCRIPT = COMMON + textwrap.dedent(
+# The forward's tensor-descriptor loads (tuning key sparse_tma_in_interpreter: they run in the interpreter too).
+# Block 32 with the interpreter's 16x16 tiles: two sub-tiles per mask block.
+TMA_SCRIPT = COMMON + textwrap.dedent(
     r"""
-    import json
-    from longctx.launchers import sparse as ts
-    ts.VARIANT.update(json.loads(os.environ["SPARSE_VARIANT"]))
-    ts.TMA_IN_INTERPRETER = True
     S = 75
     docs = torch.tensor([0] * 1 + [1] * 40 + [2] * 34)
     q, k, v = inputs(1, 4, 2, S, S, 16, torch.float32, 0)
@@ -143,21 +137,5 @@ def test_sparse_kernels_in_interpreter():
     assert _run(SCRIPT).count("ok") == 7
 
 
-@pytest.mark.parametrize(
-    "variant",
-    [
-        {
-            "grid_swap": True,
-            "prefetch_idx": True,
-            "tma": True,
-            "tma_dq": True,
-            "pipe_qk": True,
-            "reverse_m": True,
-            "atomic_dq": "ptr",
-        },
-        {"pipe_qk": True, "reverse_m": True, "tma_dq": True, "prefetch_idx": True},
-    ],
-    ids=["all-atomic", "dq-kernel"],
-)
-def test_sparse_kernel_variants_in_interpreter(variant):
-    assert _run(VARIANT_SCRIPT, {"SPARSE_VARIANT": json.dumps(variant)}).count("ok") == 3
+def test_sparse_kernels_with_descriptor_loads_in_interpreter():
+    assert _run(TMA_SCRIPT, {"LONGCTX_TUNING": "sparse_tma_in_interpreter=1"}).count("ok") == 3

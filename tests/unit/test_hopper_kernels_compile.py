@@ -161,8 +161,8 @@ _SPARSE_TYPES.update({n: "*i32" for n in ("KV_NUM", "KV_IDX", "Q_NUM", "Q_IDX", 
 # Stack bytes allowed in the block-sparse kernels (this signature, the persistent kernels). Measured with Triton 3.6:
 # the forward spills 176 bytes at D=128 with every part of the analytic rule on (documents and global rows /
 # columns; 16 in interval form; 224 with Triton 3.9), 104 at D=64; the backward 160 at D=128, 24 at D=64. The
-# spills sit in the per-item code (the item's lists, pointers and epilogue), not in the tile loops (session 9, SASS
-# read offline); the kernels with one CTA per item spill less (forward 0-96).
+# spills sit in the per-item code (the item's lists, pointers and epilogue), not in the tile loops (SASS read
+# offline). More than the bound: the kernels spill more than they did, a regression to look at.
 SPARSE_STACK_BOUND = {("fwd", 64): 128, ("fwd", 128): 256, ("bwd", 64): 64, ("bwd", 128): BWD_STACK_BOUND[128]}
 
 
@@ -172,32 +172,26 @@ SPARSE_STACK_BOUND = {("fwd", 64): 128, ("fwd", 128): 256, ("bwd", 64): 64, ("bw
 )
 @pytest.mark.parametrize("D", [64, 128])
 def test_sparse_ws_compiles_for_sm90(D, kind, even, tmp_path, sm90_compile):
-    """The block-sparse warp-specialised kernels (`kernels.flash_sparse_ws`) with the dense kernels' configs and the
-    launcher's default variants, within shared memory and the stack bounds above."""
+    """The block-sparse warp-specialised kernels (`kernels.flash_sparse_ws`) with the configs of
+    `tuning.sparse_ws_config`, within shared memory and the stack bounds above."""
+    from longctx import tuning
     from longctx.kernels.gluon import flash_sparse_ws as ws
-    from longctx.launchers import sparse as ts
 
     t = torch.empty(1, 1, 256, D, dtype=torch.bfloat16)
-    mask = dict(MASK_BS=128, MASK_KIND=kind, HAS_DOC=kind in (1, 3), HAS_GLOBAL=kind == 1, USE_SCHED=not even)
-    block_n, stages, pipe = tf.WS_CONFIG[D]
-    o_tma = ts.VARIANT["ws_o_tma"]
-    o_stage, v_stages = ts._o_stage(o_tma, D, block_n, stages, t.element_size())
-    consts = dict(HEAD_DIM=D, BLOCK_D=D, EVEN_SK=even, BLOCK_N=block_n, STAGES=stages, PIPE=pipe, PERSIST=True,
-                  EARLY_Q=ts.VARIANT["ws_early_q"] and (o_stage or not o_tma), O_TMA=o_tma, O_STAGE=o_stage,
-                  V_STAGES=v_stages,
-                  CONSUMER_REGS=240, PRODUCER_REGS=24, **mask)  # fmt: skip
+    mask = dict(MASK_BS=128, MASK_KIND=kind, HAS_DOC=kind in (1, 3), HAS_GLOBAL=kind == 1)
+    block_n, stages, pipe = tuning.sparse_ws_config("fwd", D)
+    consts = dict(BLOCK_D=D, EVEN_SK=even, BLOCK_N=block_n, STAGES=stages, PIPE=pipe, CONSUMER_REGS=240,
+                  PRODUCER_REGS=24, **mask)  # fmt: skip
     descs = {"desc_q": runtime._gluon_desc(t, int(ws.WG_ROWS)), "desc_k": runtime._gluon_desc(t, block_n),
-             "desc_v": runtime._gluon_desc(t, block_n)}  # fmt: skip
-    if o_tma:
-        descs["desc_o"] = runtime._gluon_desc(t, int(ws.WG_ROWS))
+             "desc_v": runtime._gluon_desc(t, block_n), "desc_o": runtime._gluon_desc(t, int(ws.WG_ROWS))}  # fmt: skip
     usage = _check_resources(sm90_compile(ws.sparse_fwd_ws_kernel, consts, descs, _SPARSE_TYPES), tmp_path)
     assert all(local == 0 and stack <= SPARSE_STACK_BOUND["fwd", D] for stack, local in usage), usage
 
-    block_m, stages, early_dv = tf.WS_BWD_CONFIG[D]
+    block_m, stages, early_dv = tuning.sparse_ws_config("bwd", D)
     rows = int(ws.CTA_ROWS)
     desc_rows = runtime._gluon_rows_desc(torch.empty(1, 1, 256, dtype=torch.float32), block_m)
     consts = dict(BLOCK_D=D, EVEN=even, BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv, CONSUMER_REGS=240,
-                  PRODUCER_REGS=24, DQ_TMA=tf.WS_BWD_DQ_TMA, PERSIST=True, **mask)  # fmt: skip
+                  PRODUCER_REGS=24, **mask)  # fmt: skip
     descs = {"desc_q": runtime._gluon_desc(t, block_m), "desc_k": runtime._gluon_desc(t, rows),
              "desc_v": runtime._gluon_desc(t, rows),
              "desc_do": runtime._gluon_desc(t, block_m), "desc_lse2": desc_rows, "desc_delta": desc_rows,
@@ -209,20 +203,37 @@ def test_sparse_ws_compiles_for_sm90(D, kind, even, tmp_path, sm90_compile):
     _check_dq_by_bulk_reduction(k)
 
 
-def test_sparse_ws_output_tile_rule(monkeypatch):
-    """`triton_sparse._o_stage`: output tiles of their own for the persistent forward with the output through the
-    copy engine; at D=128 the V ring gives up a slot to make room (4 x 16 KiB + 5 x 32 KiB), at D=64 nothing has
-    to give; none where not eligible, where it cannot fit, or switched off."""
+def test_sparse_tile_choices_and_forced_tiles():
+    """`tuning.sparse_tile_choices`: the sparse table first, only tiles dividing the mask block, a square fallback;
+    the ``sparse_tiles`` override parsed from text or taken as a dict; unknown kinds raise."""
+    from longctx import tuning
     from longctx.launchers import sparse as ts
 
-    monkeypatch.setitem(ts.VARIANT, "ws_o_stage", True)
-    assert ts._o_stage(True, 128, 128, 3, 2) == (True, 2)
-    assert ts._o_stage(True, 64, 128, 3, 2) == (True, 3)
-    assert ts._o_stage(False, 128, 128, 3, 2) == (False, 3)
-    assert ts._o_stage(True, 128, 128, 2, 2) == (True, 2)
-    assert ts._o_stage(True, 256, 128, 2, 2) == (False, 2)  # 2 x 2 tiles of 64 x 256 and 2 + 1 slots: too much
-    monkeypatch.setitem(ts.VARIANT, "ws_o_stage", False)
-    assert ts._o_stage(True, 128, 128, 3, 2) == (False, 3)
+    assert tuning.sparse_tile_choices("fwd", 128, 128)[0] == tuning.SPARSE_TABLES["fwd"][128][0]
+    assert all(128 % bm == 0 and 128 % bn == 0 for bm, bn, _, _ in tuning.sparse_tile_choices("dq", 64, 128))
+    assert tuning.sparse_tile_choices("fwd", 128, 48) == [(16, 16, 4, 2)]
+    assert tuning.sparse_tile_choices("fwd", 128, 32, interpret=True) == [(16, 16, 4, 1)]
+    assert ts._forced_tiles() == {}
+    with tuning.override(sparse_tiles="fwd:128x64x8x3;dkdv:32x128x8x3"):
+        assert ts._forced_tiles() == {"fwd": (128, 64, 8, 3), "dkdv": (32, 128, 8, 3)}
+    with tuning.override(sparse_tiles={"dq": [64, 64, 4, 2]}):
+        assert ts._forced_tiles() == {"dq": (64, 64, 4, 2)}
+    with tuning.override(sparse_tiles="bwd:1x2x3x4"), pytest.raises(ValueError, match="sparse_tiles"):
+        ts._forced_tiles()
+
+
+def test_sparse_ws_switched_off_by_tuning_key():
+    """``sparse_ws`` / ``sparse_ws_bwd`` False: no warp-specialised config, whatever the inputs (CPU tensors never
+    take one either)."""
+    from longctx import tuning
+    from longctx.launchers import sparse as ts
+
+    q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
+    assert ts._ws_config("fwd", 2, 128, q, q, q) is None  # CPU tensors
+    with tuning.override(sparse_ws=False, sparse_ws_bwd=False):
+        assert tuning.get("sparse_ws") is False and ts._ws_config("bwd", 2, 128, q, q, q, q) is None
+    assert tuning.sparse_ws_config("fwd", 128) == tuning.SPARSE_WS_FWD[128]
+    assert tuning.sparse_ws_config("bwd", 96) is None
 
 
 def test_sparse_ws_schedule_puts_the_longest_items_first_within_each_head():
@@ -271,30 +282,3 @@ def test_sparse_ws_schedule_is_kept_per_mask_and_recomputed_when_it_changes():
     for _ in range(ts._SCHEDULES_MAX + 5):  # bounded
         ts._schedule_cached(args[0], args[2], 8, 1 + len(ts._SCHEDULES), 128, 1)
     assert len(ts._SCHEDULES) <= ts._SCHEDULES_MAX
-
-
-@pytest.mark.parametrize(
-    "setting,persistent,kind,has_doc,expected",
-    [("auto", False, 1, True, True), ("auto", False, 1, False, False), ("auto", False, 3, True, True),
-     ("auto", False, 0, False, False), ("auto", False, 2, False, False), ("auto", True, 0, False, True),
-     ("auto", True, 2, False, True), (True, False, 1, False, True), (False, True, 1, True, False)],
-)  # fmt: skip
-def test_sparse_ws_schedule_rule(setting, persistent, kind, has_doc, expected, monkeypatch):
-    """`triton_sparse._use_schedule`: by default the persistent kernels always take the work order; one CTA per
-    item takes it for the analytic masks with document ids and those in interval form (MASK_KIND 3), not for block
-    layouts and stored tiles; ``LONGCTX_SPARSE_WS_SCHED=1`` / ``0`` (VARIANT True / False) forces it either way."""
-    from longctx.launchers import sparse as ts
-
-    monkeypatch.setitem(ts.VARIANT, "ws_sched", setting)
-    assert ts._use_schedule({"HAS_DOC": has_doc, "MASK_KIND": kind}, persistent) is expected
-
-
-def test_sparse_ws_schedule_setting_from_env(monkeypatch):
-    from longctx.launchers import sparse as ts
-
-    monkeypatch.delenv("LONGCTX_SPARSE_WS_SCHED", raising=False)
-    assert ts._tristate("LONGCTX_SPARSE_WS_SCHED") == "auto"
-    monkeypatch.setenv("LONGCTX_SPARSE_WS_SCHED", "1")
-    assert ts._tristate("LONGCTX_SPARSE_WS_SCHED") is True
-    monkeypatch.setenv("LONGCTX_SPARSE_WS_SCHED", "0")
-    assert ts._tristate("LONGCTX_SPARSE_WS_SCHED") is False

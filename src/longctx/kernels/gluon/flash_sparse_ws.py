@@ -15,13 +15,16 @@ from Gluon):
   by the copy engine's bulk reduction, as in `flash_bwd_ws` (so not bitwise repeatable: ``deterministic=True``
   keeps the Triton kernels of `flash_sparse`).
 
-Persistent (``PERSIST``, the launchers' default): one CTA per SM takes work items (the CTAs above) by an atomic
-ticket, in the launcher's order; its producer takes the next ticket once the current item's loads are issued and
+Persistent: one CTA per SM takes work items (the CTAs above) by an atomic ticket, in the launcher's order
+(`launchers.sparse._schedule`: heads in order, the longest items first within a head); its producer takes the next ticket once the current item's loads are issued and
 posts it to the consumers, so the next item's K/V (forward) or Q/dO (backward) loads while this one ends.
 
 Both need the mask's block size to be a multiple of 128 (a CTA's rows / keys lie in one mask block). The lists,
 MASK_KIND and the per-token tensors are those of `flash_sparse` (see its docstring); with MASK_KIND 3 (intervals)
 each CTA reads its own side's intervals once and the tiles read nothing per token.
+
+The forward's output leaves through the warpgroup's Q buffer and the copy engine (`_epilogue_tma`); the backward's
+dK / dV through its dQ tile and the copy engine (`_store_dkdv_tma`) where its query tiles have 64 rows.
 """
 
 from triton.experimental import gluon
@@ -38,7 +41,6 @@ WG_ROWS = fws.WG_ROWS
 NUM_CONSUMERS = fws.NUM_CONSUMERS
 CTA_ROWS = gl.constexpr(128)  # rows (forward) / keys (backward) of one CTA
 BIG = gl.constexpr(1 << 30)  # an unbounded side of a MASK_KIND 3 interval (`block_sparse.BIG`)
-TRACE_ITEMS = gl.constexpr(512)  # items per CTA that the forward's TRACE records
 
 
 @gluon.jit
@@ -81,13 +83,11 @@ def _tokens(DOC_b, POS_b, idx, n, other_doc, MASK_KIND: gl.constexpr, HAS_DOC: g
 
 
 @gluon.jit
-def _entry(t, SCHED, USE_SCHED: gl.constexpr):
-    """Work item ``t``'s entry ``tile + n_tiles * (b * H + h)``: ``t`` itself, or with USE_SCHED the ``t``-th entry
-    of the launcher's schedule (`triton_sparse._schedule`). Tiles are fastest in either order: the CTAs in flight
-    share one head's K/V (forward) or Q/dO (backward) in L2."""
-    e = t
-    if USE_SCHED:
-        e = gl.load(SCHED + t)
+def _entry(t, SCHED):
+    """Work item ``t``'s entry ``tile + n_tiles * (b * H + h)``: the ``t``-th entry of the launcher's schedule
+    (`launchers.sparse._schedule`). A head's tiles are neighbours in it: the CTAs in flight share one head's K/V
+    (forward) or Q/dO (backward) in L2."""
+    e = gl.load(SCHED + t)
     return e
 
 
@@ -155,25 +155,20 @@ def _read_ticket(tickets, tk_ready, tk_empty, n):
 
 @gluon.jit
 def _next_item(CNT, nprog, tickets, tk_ready, tk_empty, n, n_items, SCHED, KV_NUM, FULL_NUM, stride_nb, stride_nh,
-               n_tiles, H, MASK_BS: gl.constexpr, USE_SCHED: gl.constexpr, COUNTS: gl.constexpr,
-               PERSIST: gl.constexpr):
+               n_tiles, H, MASK_BS: gl.constexpr, COUNTS: gl.constexpr):
     """Producer warp, once it has issued every load of the CTA's ``n``-th item: the next item as (ticket, entry,
-    full count, partial count) (PERSIST: a ticket, its entry and, with COUNTS (forward), its block counts, posted
-    to the consumers; else none, ``n_items``). Taken this late, so that a CTA reserves its next item only when its
-    current one is nearly done: taken as an item started, a CTA on a long item held the next long one while others
-    went idle (causal: 12-14% slower than one CTA per item, session 9's call p1)."""
-    t = n_items
+    full count, partial count), posted to the consumers (the counts with COUNTS, forward; else 0). Taken this late,
+    so that a CTA reserves its next item only when its current one is nearly done: taken as an item started, a CTA
+    on a long item held the next long one while others went idle (docs/performance.md)."""
+    n_full = n_items * 0
+    n_part = n_items * 0
+    t = _take_ticket(CNT, nprog)
     e = t
-    n_full = t * 0
-    n_part = t * 0
-    if PERSIST:
-        t = _take_ticket(CNT, nprog)
-        e = t
-        if t < n_items:
-            e = _entry(t, SCHED, USE_SCHED)
-            if COUNTS:
-                n_full, n_part = _fwd_counts(e, KV_NUM, FULL_NUM, stride_nb, stride_nh, n_tiles, H, MASK_BS)
-        _post_ticket(tickets, tk_ready, tk_empty, n, t, e, n_full, n_part)
+    if t < n_items:
+        e = _entry(t, SCHED)
+        if COUNTS:
+            n_full, n_part = _fwd_counts(e, KV_NUM, FULL_NUM, stride_nb, stride_nh, n_tiles, H, MASK_BS)
+    _post_ticket(tickets, tk_ready, tk_empty, n, t, e, n_full, n_part)
     return t, e, n_full, n_part
 
 
@@ -222,49 +217,23 @@ def _store_dkdv_tma(dk, dv, desc_dk, desc_dv, stage, off_b, off_kvh, my_n, sm_sc
 
 
 @gluon.jit
-def _trace(TR, n, WG: gl.constexpr, point: gl.constexpr):
-    """Diagnostic (forward, TRACE): the SM's clock at ``point`` (0: item start, 1: Q ready, 2: last tile done, 3:
-    output written) of the CTA's ``n``-th item, warpgroup WG, into int64 TR[pid, WG, n, point], TR of shape
-    (grid, 2, TRACE_ITEMS, 4) (later items are not recorded)."""
-    lanes = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
-    clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [lanes], dtype=gl.int64, is_pure=False,
-                                    pack=1)
-    row = (gl.program_id(0).to(gl.int64) * NUM_CONSUMERS + WG) * TRACE_ITEMS + n
-    gl.store(TR + row * 4 + point + lanes * 0, clk, mask=(lanes == 0) & (n < TRACE_ITEMS))
-
-
-@gluon.constexpr_function
-def _early_q(early_q, o_tma, o_stage):
-    """Whether a persistent forward item may free its Q buffer after its last scores: asked for (EARLY_Q), and the
-    output does not leave through that buffer (no O_TMA, or O_TMA with O_STAGE)."""
-    return bool(early_q) and (bool(o_stage) or not bool(o_tma))
-
-
-@gluon.jit
 def _epilogue_tma(acc, l_i, m_i, LSE, desc_o, buf, q_free_w, off_b, off_h, Hq, Sq, my_start, offs_m,
-                  o_layout: gl.constexpr, PERSIST: gl.constexpr, STAGED: gl.constexpr):
+                  o_layout: gl.constexpr):
     """`flash_fwd_ws._epilogue` through shared memory: the output tile goes into the warpgroup's Q buffer (its
     last scores are done) and leaves by the copy engine (which clips rows past Sq), so that 64 x D values cost
     one shared-memory pass instead of 32 strided 4-byte global stores per thread (the register layout of a wgmma
-    accumulator: ~2,700 cycles per item, session 10's trace). The buffer is freed for the next item's Q once the
-    copy has read it. STAGED: ``buf`` is the warpgroup's own output tile instead (Q's buffer was freed earlier);
-    the copy is waited for only before the next item's output goes into it."""
+    accumulator). The buffer is freed for the next item's Q once the copy has read it."""
     out = acc * (1.0 / fws._store_lse(l_i, m_i, LSE, off_b, off_h, Hq, Sq, offs_m, o_layout))[:, None]
-    if STAGED:
-        bws.tma.store_wait(0)  # the previous item's copy has read the tile
     buf.reshape([WG_ROWS, desc_o.block_type.shape[3]]).store(out.to(desc_o.dtype))
     bws.fence_async_shared()
     _tma_store(desc_o, [off_b, off_h, my_start, 0], buf)
-    if not STAGED:
-        bws.tma.store_wait(0)  # the copy has read the buffer
-        if PERSIST:
-            mbarrier.arrive(q_free_w, count=1)
+    bws.tma.store_wait(0)  # the copy has read the buffer
+    mbarrier.arrive(q_free_w, count=1)
 
 
 @gluon.jit
 def _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, off_b, off_kvh, IDX_row,
-                   n_tiles, i, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   V_STAGES: gl.constexpr):
+                   n_tiles, i, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     SUB: gl.constexpr = MASK_BS // BLOCK_N
     for j in range(n_tiles):
         start_n = gl.load(IDX_row + j // SUB) * MASK_BS + (j % SUB) * BLOCK_N
@@ -273,7 +242,7 @@ def _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_
         mbarrier.wait(k_empty.index(s), ph ^ 1)
         mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
         fws._tma_load(desc_k, [off_b, off_kvh, start_n, 0], k_ready.index(s), k_smem.index(s))
-        sv, phv = fws._v_slot(i, s, ph, STAGES, V_STAGES)
+        sv, phv = fws._v_slot(i, s, ph, STAGES, STAGES)
         mbarrier.wait(v_empty.index(sv), phv ^ 1)
         mbarrier.expect(v_ready.index(sv), desc_v.block_type.nbytes)
         fws._tma_load(desc_v, [off_b, off_kvh, start_n, 0], v_ready.index(sv), v_smem.index(sv))
@@ -286,14 +255,13 @@ def _fwd_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free,
                   tickets, tk_ready, tk_empty, CNT,
                   KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                   SCHED, n_items, n_tiles, Hq, GROUP, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, V_STAGES: gl.constexpr, USE_SCHED: gl.constexpr, PERSIST: gl.constexpr):
-    """One warp, per work item: Q of both consumers, then the K/V sub-tiles of the full kv blocks, then of the
-    partial ones. PERSIST: items until the tickets run out (`_next_item`; Q waits until the consumers freed its
-    buffer)."""
+                  STAGES: gl.constexpr):
+    """One warp, per work item until the tickets run out (`_next_item`): Q of both consumers (once they freed its
+    buffer), then the K/V sub-tiles of the full kv blocks, then of the partial ones."""
     SUB: gl.constexpr = MASK_BS // BLOCK_N
     t = gl.program_id(0)
     nprog = gl.num_programs(0)
-    e = _entry(t, SCHED, USE_SCHED)
+    e = _entry(t, SCHED)
     n_full, n_part = _fwd_counts(e, KV_NUM, FULL_NUM, stride_nb, stride_nh, n_tiles, Hq, MASK_BS)
     n = 0
     i = 0
@@ -303,18 +271,16 @@ def _fwd_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free,
         _, FULL_row, _, PART_row = _list_ptrs(KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib,
                                               stride_ih, stride_iq, off_b, off_h, start_m // MASK_BS)
         for w in gl.static_range(NUM_CONSUMERS):
-            if PERSIST:
-                mbarrier.wait(q_free.index(w), (n & 1) ^ 1)
+            mbarrier.wait(q_free.index(w), (n & 1) ^ 1)
             bar = q_bar.index(w)
             mbarrier.expect(bar, desc_q.block_type.nbytes)
             fws._tma_load(desc_q, [off_b, off_h, start_m + w * WG_ROWS, 0], bar, q_smem.index(w))
         i = _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, off_b, off_kvh,
-                           FULL_row, n_full * SUB, i, MASK_BS, BLOCK_N, STAGES, V_STAGES)
+                           FULL_row, n_full * SUB, i, MASK_BS, BLOCK_N, STAGES)
         i = _fwd_load_list(desc_k, desc_v, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, off_b, off_kvh,
-                           PART_row, n_part * SUB, i, MASK_BS, BLOCK_N, STAGES, V_STAGES)
+                           PART_row, n_part * SUB, i, MASK_BS, BLOCK_N, STAGES)
         t, e, n_full, n_part = _next_item(CNT, nprog, tickets, tk_ready, tk_empty, n, n_items, SCHED, KV_NUM,
-                                          FULL_NUM, stride_nb, stride_nh, n_tiles, Hq, MASK_BS, USE_SCHED, True,
-                                          PERSIST)
+                                          FULL_NUM, stride_nb, stride_nh, n_tiles, Hq, MASK_BS, True)
         n += 1
 
 
@@ -324,7 +290,7 @@ def _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_rea
                     Sk, lo, hi, kv_global, q_global, qk_scale,
                     s_layout: gl.constexpr, p_layout: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
                     HAS_GLOBAL: gl.constexpr, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                    STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+                    STAGES: gl.constexpr):
     """The listed sub-tiles with the element mask of MASK_KIND (0: the ragged end of Sk only)."""
     SUB: gl.constexpr = MASK_BS // BLOCK_N
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -341,7 +307,7 @@ def _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_rea
         qk = fws._scores(q, k_smem, k_ready, k_empty, s, ph, zero, BLOCK_N, BLOCK_D)
         p, m_i, alpha, l_i = fws._softmax_keep(qk, m_i, l_i, keep, qk_scale)
         acc, p_op = fws._rescale_pack(acc, alpha, p, p_layout, k_smem.dtype)
-        sv, phv = fws._v_slot(i, s, ph, STAGES, V_STAGES)
+        sv, phv = fws._v_slot(i, s, ph, STAGES, STAGES)
         acc = fws._pv(acc, p_op, v_smem, v_ready, v_empty, sv, phv, BLOCK_N, BLOCK_D)
         i += 1
     return acc, l_i, m_i, i
@@ -349,23 +315,17 @@ def _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_rea
 
 @gluon.jit
 def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty,
-              desc_o, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
+              desc_o, LSE,
               KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
               QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-              SCHED, TR, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG: gl.constexpr,
+              n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG: gl.constexpr,
               MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
-              EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr, V_STAGES: gl.constexpr, O_STAGE: gl.constexpr, PIPE: gl.constexpr,
-              USE_SCHED: gl.constexpr, PERSIST: gl.constexpr, EARLY_Q: gl.constexpr, O_TMA: gl.constexpr,
-              TRACE: gl.constexpr):
+              EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
+              PIPE: gl.constexpr):
     """Work item entry ``e`` (`_entry`) with ``n_full`` / ``n_part`` listed blocks, the CTA's ``n``-th, for one
-    warpgroup: 64 query rows against the listed kv blocks; writes their output and lse. ``i`` counts the K/V tiles
-    consumed so far (ring slots and phases); returns it. O_TMA: the output leaves by the copy engine
-    (`_epilogue_tma`) through Q's buffer, or with O_STAGE through the warpgroup's own output tile (then Q's buffer
-    is freed as with EARLY_Q, and no epilogue waits for its own copy). TRACE: the SM clock at four points into TR
-    (`_trace`)."""
-    if TRACE:
-        _trace(TR, n, WG, 0)
+    warpgroup: 64 query rows against the listed kv blocks; writes their output (through Q's buffer and the copy
+    engine, `_epilogue_tma`, which then frees the buffer) and lse. ``i`` counts the K/V tiles consumed so far (ring
+    slots and phases); returns it."""
     s_layout: gl.constexpr = fws.wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = fws.wgmma_layout(BLOCK_D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -389,154 +349,99 @@ def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_
     acc = gl.zeros([WG_ROWS, BLOCK_D], gl.float32, layout=o_layout)
     q = q_smem.index(WG).reshape([WG_ROWS, BLOCK_D])
     mbarrier.wait(q_bar.index(WG), n & 1)
-    if TRACE:
-        _trace(TR, n, WG, 1)
-    # PERSIST with EARLY_Q: Q's buffer is refilled for the next item once this one's last scores are done; where no
-    # partial block follows, the full run's last tile releases it before its softmax and P V (else: after the
-    # masked run). O_TMA without O_STAGE: after the output has left through it (`_epilogue_tma`), so never early.
-    released = n_part < 0  # false
-    EARLY: gl.constexpr = _early_q(EARLY_Q, O_TMA, O_STAGE)
-    # (compile-time branches: an `and` of constexprs makes a tensor here)
-    if EARLY:  # noqa: SIM102
-        if PERSIST:  # noqa: SIM102
-            if EVEN_SK:  # noqa: SIM102
-                if PIPE:
-                    released = (n_part == 0) & (n_full > 0)
     # -- full blocks: no element mask (the runs of the dense kernel only count tiles here) --
     if EVEN_SK:
         if PIPE:
             acc, l_i, m_i, i = fws._consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty,
                                                           v_ready, v_empty, 0, n_full * SUB * BLOCK_N, qk_scale,
-                                                          s_layout, p_layout, BLOCK_N, BLOCK_D, STAGES, V_STAGES,
-                                                          q_free.index(WG), released, EARLY)
+                                                          s_layout, p_layout, BLOCK_N, BLOCK_D, STAGES, STAGES)
         else:
             acc, l_i, m_i, i = fws._consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
                                                 v_empty, offs_m, 0, n_full * SUB * BLOCK_N, Sk, 0, 0, qk_scale,
                                                 s_layout, p_layout, False, False, False, BLOCK_N, BLOCK_D, STAGES,
-                                                V_STAGES)
+                                                STAGES)
     else:
         # the last kv block reaches past Sk: its keys there arrive as zeros and must be masked
         acc, l_i, m_i, i = _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
                                            v_empty, offs_m, qd, qp, FULL_row, n_full * SUB, qb, KDOC_b, KPOS_b,
                                            TILE_IDS_bh, stride_tq, TILES, Sk, lo, hi, kv_global, q_global,
                                            qk_scale, s_layout, p_layout, 0, False, False, MASK_BS, BLOCK_N,
-                                           BLOCK_D, STAGES, V_STAGES)
+                                           BLOCK_D, STAGES)
     # -- partial blocks: the element mask --
     acc, l_i, m_i, i = _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                                        offs_m, qd, qp, PART_row, n_part * SUB, qb, KDOC_b, KPOS_b, TILE_IDS_bh,
                                        stride_tq, TILES, Sk, lo, hi, kv_global, q_global, qk_scale,
                                        s_layout, p_layout, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N,
-                                       BLOCK_D, STAGES, V_STAGES)
-    if TRACE:
-        _trace(TR, n, WG, 2)
-    if O_TMA:
-        if O_STAGE:
-            if PERSIST:  # noqa: SIM102 (a compile-time branch around a run-time one)
-                if not released:
-                    mbarrier.arrive(q_free.index(WG), count=1)  # the item's wgmmas are done
-            _epilogue_tma(acc, l_i, m_i, LSE, desc_o, q_smem.index(WG + NUM_CONSUMERS), q_free.index(WG), off_b,
-                          off_h, Hq, Sq, my_start, offs_m, o_layout, PERSIST, True)
-        else:
-            _epilogue_tma(acc, l_i, m_i, LSE, desc_o, q_smem.index(WG), q_free.index(WG), off_b, off_h, Hq, Sq,
-                          my_start, offs_m, o_layout, PERSIST, False)
-    else:
-        if PERSIST:  # noqa: SIM102 (a compile-time branch around a run-time one)
-            if not released:
-                mbarrier.arrive(q_free.index(WG), count=1)  # the item's wgmmas are done: Q's buffer may be refilled
-        fws._epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od, off_b, off_h, Hq, Sq,
-                      my_start, offs_m, o_layout, HEAD_DIM, BLOCK_D)
-    if TRACE:
-        _trace(TR, n, WG, 3)
+                                       BLOCK_D, STAGES)
+    # -- epilogue --
+    _epilogue_tma(acc, l_i, m_i, LSE, desc_o, q_smem.index(WG), q_free.index(WG), off_b, off_h, Hq, Sq, my_start,
+                  offs_m, o_layout)
     return i
 
 
 @gluon.jit
 def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty, tickets, tk_ready,
-                  tk_empty, desc_o, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
+                  tk_empty, desc_o, LSE,
                   KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                   QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-                  SCHED, TR, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale,
+                  SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale,
                   WG: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
                   HAS_GLOBAL: gl.constexpr, EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, O_STAGE: gl.constexpr,
-                  PIPE: gl.constexpr, USE_SCHED: gl.constexpr,
-                  PERSIST: gl.constexpr, EARLY_Q: gl.constexpr, O_TMA: gl.constexpr, TRACE: gl.constexpr):
-    """One warpgroup: its 64 rows of the CTA's work item (grid position), or with PERSIST of every item the
-    producer hands out, until the tickets run out."""
+                  STAGES: gl.constexpr, PIPE: gl.constexpr):
+    """One warpgroup: its 64 rows of every item the producer hands out, until the tickets run out."""
     t = gl.program_id(0)
-    e = _entry(t, SCHED, USE_SCHED)
+    e = _entry(t, SCHED)
     n_full, n_part = _fwd_counts(e, KV_NUM, FULL_NUM, stride_nb, stride_nh, n_tiles, Hq, MASK_BS)
-    if PERSIST:
-        n = 0
-        i = 0
-        while t < n_items:
-            i = _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready,
-                          v_empty, desc_o, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
-                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
-                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                          stride_tq, SCHED, TR, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
-                          MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES,
-                          V_STAGES, O_STAGE, PIPE, USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)
-            t, e, n_full, n_part = _read_ticket(tickets, tk_ready, tk_empty, n)
-            n += 1
-    else:
-        _fwd_item(e, n_full, n_part, 0, gl.to_tensor(0), q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty,
-                  v_ready, v_empty, desc_o, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
-                  KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
-                  QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                  stride_tq, SCHED, TR, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
-                  MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, V_STAGES,
-                  O_STAGE, PIPE, USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)
-    if O_TMA:  # noqa: SIM102
-        if O_STAGE:
-            bws.tma.store_wait(0)  # the last item's output copy (`_epilogue_tma` waits for the others')
+    n = 0
+    i = 0
+    while t < n_items:
+        i = _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready,
+                      v_empty, desc_o, LSE,
+                      KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
+                      QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
+                      stride_tq, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
+                      MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, STAGES, PIPE)
+        t, e, n_full, n_part = _read_ticket(tickets, tk_ready, tk_empty, n)
+        n += 1
 
 
 @gluon.jit
 def sparse_fwd_ws_kernel(
-    desc_q, desc_k, desc_v, desc_o, O, LSE,
-    stride_ob, stride_oh, stride_om, stride_od,
+    desc_q, desc_k, desc_v, desc_o, LSE,
     KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
     QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-    SCHED, CNT, TR, n_items, n_tiles, Hq, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale,
-    HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr,
+    SCHED, CNT, n_items, n_tiles, Hq, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale,
+    BLOCK_D: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr,
     HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr, EVEN_SK: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, USE_SCHED: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PERSIST: gl.constexpr = False,
-    EARLY_Q: gl.constexpr = True, O_TMA: gl.constexpr = False, TRACE: gl.constexpr = False,
-    V_STAGES: gl.constexpr = 0, O_STAGE: gl.constexpr = False,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
-    """Grid: (n_items,), one CTA per work item ``tile + n_tiles * (b * Hq + h)`` (tiles of 128 query rows), or with
-    PERSIST at most one CTA per SM, each taking items by ticket from the zeroed int32 counter CNT; num_warps=4
-    (consumer 0) plus the workers' 4 + 1 warps (the next item's K/V loads while this one ends; its Q once the
-    consumers release their buffer). Descriptors as `flash_fwd_ws.attn_fwd_ws_kernel`'s; the mask arguments as
-    `flash_sparse.sparse_fwd_kernel`'s. V_STAGES: slots of the V ring (0: STAGES, as the K ring). O_STAGE (with
-    O_TMA): each warpgroup's output leaves through a tile of its own (allocated as a second set of Q buffers), so
-    that its Q buffer is freed after the item's last scores (EARLY_Q) and no epilogue waits for its copy."""
-    VS: gl.constexpr = STAGES if V_STAGES == 0 else V_STAGES
+    """Grid: (at most one CTA per SM,), each taking work items ``tile + n_tiles * (b * Hq + h)`` (tiles of 128 query
+    rows) in the order of SCHED by ticket from the zeroed int32 counter CNT; num_warps=4 (consumer 0) plus the
+    workers' 4 + 1 warps (the next item's K/V loads while this one ends; its Q once the consumers release their
+    buffer). Descriptors as `flash_fwd_ws.attn_fwd_ws_kernel`'s (desc_o: the output's, 64-row blocks); the mask
+    arguments as `flash_sparse.sparse_fwd_kernel`'s."""
     q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty = fws._shared(desc_q, desc_k, desc_v, STAGES,
-                                                                                    VS, 1 if O_STAGE else 0)
+                                                                                    STAGES, 0)
     tickets, tk_ready, tk_empty, q_free = _persistent_shared(NUM_CONSUMERS, False)
 
     gl.warp_specialize([
         (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty, tickets,
-                         tk_ready, tk_empty, desc_o, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
+                         tk_ready, tk_empty, desc_o, LSE,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                         stride_tq, SCHED, TR, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 0,
-                         MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES,
-                         VS, O_STAGE, PIPE, USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)),
+                         stride_tq, SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 0,
+                         MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, STAGES, PIPE)),
         (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty, tickets,
-                         tk_ready, tk_empty, desc_o, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
+                         tk_ready, tk_empty, desc_o, LSE,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                         stride_tq, SCHED, TR, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 1,
-                         MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES,
-                         VS, O_STAGE, PIPE, USE_SCHED, PERSIST, EARLY_Q, O_TMA, TRACE)),
+                         stride_tq, SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 1,
+                         MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, STAGES, PIPE)),
         (_fwd_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready,
                          v_empty, tickets, tk_ready, tk_empty, CNT,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
-                         SCHED, n_items, n_tiles, Hq, GROUP, MASK_BS, BLOCK_N, STAGES, VS, USE_SCHED, PERSIST)),
+                         SCHED, n_items, n_tiles, Hq, GROUP, MASK_BS, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -568,20 +473,18 @@ def _bwd_producer(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem
                   delta_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, tickets, tk_ready, tk_empty, CNT,
                   Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
                   SCHED, n_items, n_tiles, Hq, Hkv, GROUP, stride_lse,
-                  MASK_BS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, USE_SCHED: gl.constexpr,
-                  PERSIST: gl.constexpr):
-    """One warp, per work item: K and V of the CTA (with PERSIST once the consumers freed them), then, per query
-    head of the group, Q / lse2 and dO / Delta of the query tiles of the kv block's full query blocks, then of its
-    partial ones."""
+                  MASK_BS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """One warp, per work item until the tickets run out: K and V of the CTA (once the consumers freed them), then,
+    per query head of the group, Q / lse2 and dO / Delta of the query tiles of the kv block's full query blocks,
+    then of its partial ones."""
     SUB: gl.constexpr = MASK_BS // BLOCK_M
     t = gl.program_id(0)
     nprog = gl.num_programs(0)
-    e = _entry(t, SCHED, USE_SCHED)
+    e = _entry(t, SCHED)
     n = 0
     i = 0
     while t < n_items:
-        if PERSIST:
-            mbarrier.wait(kv_free.index(0), (n & 1) ^ 1)
+        mbarrier.wait(kv_free.index(0), (n & 1) ^ 1)
         off_b, off_kvh, start_n = _decode(e, n_tiles, Hkv)
         mbarrier.expect(kv_bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
         bws._tma_load(desc_k, [off_b, off_kvh, start_n, 0], kv_bar, k_smem)
@@ -599,7 +502,7 @@ def _bwd_producer(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem
                                q_ready, do_ready, q_empty, off_b, off_h, row0, PART_row, n_part * SUB, i, MASK_BS,
                                BLOCK_M, STAGES)
         t, e, _, _ = _next_item(CNT, nprog, tickets, tk_ready, tk_empty, n, n_items, SCHED, Q_NUM, FULL_NUM,
-                                stride_nb, stride_nh, n_tiles, Hkv, MASK_BS, USE_SCHED, False, PERSIST)
+                                stride_nb, stride_nh, n_tiles, Hkv, MASK_BS, False)
         n += 1
 
 
@@ -610,7 +513,7 @@ def _bwd_run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_r
              qk_scale, sm_scale, WG: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr,
              dq_layout: gl.constexpr, MASKED: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
              HAS_GLOBAL: gl.constexpr, MASK_BS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-             STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, DQ_TMA: gl.constexpr):
+             STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
     """The listed query tiles of one query head; MASKED: the element mask of MASK_KIND and the bounds (0: the
     bounds only), else none."""
     SUB: gl.constexpr = MASK_BS // BLOCK_M
@@ -627,13 +530,13 @@ def _bwd_run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_r
                             MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS) & (rows[None, :] < Sq)
             dk, dv = bws._tile(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty,
                                ds_ready, ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, start_m, keep,
-                               Sq, Sk, lo, hi, qk_scale, sm_scale, desc_dqa, dq_smem, off_b, off_h, DQ_TMA, WG,
+                               Sq, Sk, lo, hi, qk_scale, sm_scale, desc_dqa, dq_smem, off_b, off_h, True, WG,
                                s_layout, op_layout, dq_layout, 2, False, False, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M,
                                EARLY_DV)
         else:
             dk, dv = bws._tile(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty,
                                ds_ready, ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, start_m, 0,
-                               Sq, Sk, lo, hi, qk_scale, sm_scale, desc_dqa, dq_smem, off_b, off_h, DQ_TMA, WG,
+                               Sq, Sk, lo, hi, qk_scale, sm_scale, desc_dqa, dq_smem, off_b, off_h, True, WG,
                                s_layout, op_layout, dq_layout, False, False, False, BLOCK_M, BLOCK_D, STAGES,
                                DQ_SPLIT_M, EARLY_DV)
         i += 1
@@ -651,8 +554,7 @@ def _bwd_item(e, n, i, q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, d
               SCHED, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale,
               WG: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
               HAS_GLOBAL: gl.constexpr, EVEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-              STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, USE_SCHED: gl.constexpr,
-              DQ_TMA: gl.constexpr, PERSIST: gl.constexpr):
+              STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
     """Work item entry ``e`` (`_entry`), the CTA's ``n``-th, for one warpgroup: dK and dV of 64 keys, summed over the group's query
     heads; its share of dQ. ``i`` counts the query tiles consumed so far (ring slot and phase); returns it."""
     s_layout: gl.constexpr = fws.wgmma_layout(BLOCK_M)
@@ -692,20 +594,19 @@ def _bwd_item(e, n, i, q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, d
                              dq_smem.index(WG), off_b, off_h, offs_n, kd, kp, FULL_row, n_full * SUB, kb, QDOC_b,
                              QPOS_b, TILE_IDS_bh, stride_tq, TILES, Sq, Sk, lo, hi, kv_global, q_global, qk_scale,
                              sm_scale, WG, s_layout, op_layout, dq_layout, not EVEN, 0, False, False, MASK_BS, BLOCK_M,
-                             BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV, DQ_TMA)
+                             BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
         dk, dv, i = _bwd_run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty,
                              ds_ready, ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, desc_dqa,
                              dq_smem.index(WG), off_b, off_h, offs_n, kd, kp, PART_row, n_part * SUB, kb, QDOC_b,
                              QPOS_b, TILE_IDS_bh, stride_tq, TILES, Sq, Sk, lo, hi, kv_global, q_global, qk_scale,
                              sm_scale, WG, s_layout, op_layout, dq_layout, True, MASK_KIND, HAS_DOC, HAS_GLOBAL,
-                             MASK_BS, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV, DQ_TMA)
-    if PERSIST:
-        mbarrier.arrive(kv_free.index(0), count=1)  # the item's wgmmas are done: K / V may be refilled
-    if PERSIST and DQ_TMA and not DQ_SPLIT_M:
+                             MASK_BS, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
+    mbarrier.arrive(kv_free.index(0), count=1)  # the item's wgmmas are done: K / V may be refilled
+    if not DQ_SPLIT_M:
         _store_dkdv_tma(dk, dv, desc_dk, desc_dv, dq_smem.index(WG), off_b, off_kvh, my_n, sm_scale, BLOCK_D)
     else:
-        if DQ_TMA:
-            bws.tma.store_wait(0)  # the last dQ reduction has read its shared tile
+        # 128-row query tiles: the dQ tile is too small for dK / dV, which leave from registers
+        bws.tma.store_wait(0)  # the last dQ reduction has read its shared tile
         bws._store_dkdv(dk, dv, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                         stride_dvn, stride_dvd, off_b, off_kvh, my_n, Sk, sm_scale, acc_layout, BLOCK_D)
     return i
@@ -723,41 +624,26 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_sme
                   SCHED, n_items, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale,
                   WG: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
                   HAS_GLOBAL: gl.constexpr, EVEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-                  STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, USE_SCHED: gl.constexpr,
-                  DQ_TMA: gl.constexpr, PERSIST: gl.constexpr):
-    """One warpgroup: its 64 keys of the CTA's work item (grid position), or with PERSIST of every item the
-    producer hands out, until the tickets run out."""
+                  STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
+    """One warpgroup: its 64 keys of every item the producer hands out, until the tickets run out."""
     t = gl.program_id(0)
-    e = _entry(t, SCHED, USE_SCHED)
-    if PERSIST:
-        n = 0
-        i = 0
-        while t < n_items:
-            i = _bwd_item(e, n, i, q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, kv_free,
-                          q_ready, do_ready, q_empty, ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem, desc_dk,
-                          desc_dv,
-                          stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
-                          stride_dvd, stride_dqab, stride_dqah, stride_dqam,
-                          Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
-                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                          stride_tq, SCHED, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale,
-                          sm_scale, WG, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D, STAGES,
-                          DQ_SPLIT_M, EARLY_DV, USE_SCHED, DQ_TMA, PERSIST)
-            t, e, _, _ = _read_ticket(tickets, tk_ready, tk_empty, n)
-            n += 1
-        if DQ_TMA:
-            bws.tma.store_wait(0)  # the last copy out of shared memory is done before the CTA ends
-    else:
-        _bwd_item(e, 0, gl.to_tensor(0), q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar,
-                  kv_free, q_ready, do_ready, q_empty, ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem, desc_dk,
-                  desc_dv,
-                  stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
-                  stride_dvd, stride_dqab, stride_dqah, stride_dqam,
-                  Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
-                  QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                  stride_tq, SCHED, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale,
-                  sm_scale, WG, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D, STAGES,
-                  DQ_SPLIT_M, EARLY_DV, USE_SCHED, DQ_TMA, PERSIST)
+    e = _entry(t, SCHED)
+    n = 0
+    i = 0
+    while t < n_items:
+        i = _bwd_item(e, n, i, q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, kv_free,
+                      q_ready, do_ready, q_empty, ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem, desc_dk,
+                      desc_dv,
+                      stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
+                      stride_dvd, stride_dqab, stride_dqah, stride_dqam,
+                      Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
+                      QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
+                      stride_tq, SCHED, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale,
+                      sm_scale, WG, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D, STAGES,
+                      DQ_SPLIT_M, EARLY_DV)
+        t, e, _, _ = _read_ticket(tickets, tk_ready, tk_empty, n)
+        n += 1
+    bws.tma.store_wait(0)  # the last copy out of shared memory is done before the CTA ends
 
 
 @gluon.jit
@@ -772,20 +658,19 @@ def sparse_bwd_ws_kernel(
     sm_scale,
     BLOCK_D: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
     HAS_GLOBAL: gl.constexpr, EVEN: gl.constexpr,
-    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, EARLY_DV: gl.constexpr, USE_SCHED: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_TMA: gl.constexpr = True,
-    PERSIST: gl.constexpr = False,
+    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, EARLY_DV: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
-    """Grid: (n_items,), one CTA per work item ``tile + n_tiles * (b * Hkv + h)`` (tiles of 128 keys), or with
-    PERSIST at most one CTA per SM taking items by ticket from the zeroed int32 counter CNT (the next item's K / V
-    load once both consumers are done with this one's; dK / dV leave through desc_dk / desc_dv, block
-    (1, 1, 64, BLOCK_D), where DQ_TMA); num_warps=4 plus the workers' 4 + 1 warps. Descriptors,
-    lse2 / Delta and DQA / desc_dqa / DQ_TMA as `flash_bwd_ws.attn_bwd_ws_kernel`'s; the transposed block lists and
-    the mask arguments as `flash_sparse.sparse_bwd_dkdv_kernel`'s. EVEN: Sq and Sk are multiples of MASK_BS."""
+    """Grid: (at most one CTA per SM,), each taking work items ``tile + n_tiles * (b * Hkv + h)`` (tiles of 128
+    keys) in the order of SCHED by ticket from the zeroed int32 counter CNT (the next item's K / V load once both
+    consumers are done with this one's); dK / dV leave through desc_dk / desc_dv, block (1, 1, 64, BLOCK_D), with
+    64-row query tiles; num_warps=4 plus the workers' 4 + 1 warps. Descriptors, lse2 / Delta and DQA / desc_dqa (dQ
+    by the copy engine's bulk reduction) as `flash_bwd_ws.attn_bwd_ws_kernel`'s; the transposed block lists and the
+    mask arguments as `flash_sparse.sparse_bwd_dkdv_kernel`'s. EVEN: Sq and Sk are multiples of MASK_BS."""
     DQ_SPLIT_M: gl.constexpr = BLOCK_M == CTA_ROWS
     (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty, ds_ready,
      ds_free, dq_smem) = bws._shared(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, desc_dqa, BLOCK_M,
-                                     STAGES, DQ_TMA)
+                                     STAGES, True)
     tickets, tk_ready, tk_empty, kv_free = _persistent_shared(1, True)
 
     gl.warp_specialize([
@@ -797,7 +682,7 @@ def sparse_bwd_ws_kernel(
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                          stride_tq, SCHED, n_items, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global,
                          qk_scale, sm_scale, 0, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D,
-                         STAGES, DQ_SPLIT_M, EARLY_DV, USE_SCHED, DQ_TMA, PERSIST)),
+                         STAGES, DQ_SPLIT_M, EARLY_DV)),
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, kv_free, q_ready,
                          do_ready, q_empty, ds_ready, ds_free, tickets, tk_ready, tk_empty, DK, DV, DQA, desc_dqa,
                          dq_smem, desc_dk, desc_dv, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
@@ -806,10 +691,9 @@ def sparse_bwd_ws_kernel(
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                          stride_tq, SCHED, n_items, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global,
                          qk_scale, sm_scale, 1, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D,
-                         STAGES, DQ_SPLIT_M, EARLY_DV, USE_SCHED, DQ_TMA, PERSIST)),
+                         STAGES, DQ_SPLIT_M, EARLY_DV)),
         (_bwd_producer, (desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem, do_smem, k_smem, v_smem,
                          lse2_smem, delta_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, tickets, tk_ready,
                          tk_empty, CNT, Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih,
-                         stride_ik, SCHED, n_items, n_tiles, Hq, Hkv, GROUP, stride_lse, MASK_BS, BLOCK_M, STAGES,
-                         USE_SCHED, PERSIST)),
+                         stride_ik, SCHED, n_items, n_tiles, Hq, Hkv, GROUP, stride_lse, MASK_BS, BLOCK_M, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

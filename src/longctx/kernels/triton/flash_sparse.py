@@ -26,19 +26,11 @@ Scores are in base 2 (``qk_scale = scale * log2(e)``, exp2); the lse is stored i
 once in the forward's epilogue. The backward reads ``LSE2`` (base 2, +inf on rows that see nothing) and
 ``DELTA`` from `longctx.kernels.flash_bwd.bwd_preprocess_kernel`.
 
-Variants (constexpr flags, all off by default; `longctx.launchers.sparse` sets them, see its VARIANT):
-
-    GRID_SWAP     the tile index varies fastest in the grid, so the programs in flight share one head's K/V
-                  (forward, dQ) or q/dO (dK/dV) in L2, instead of spanning every head
-    PREFETCH_IDX  the next entry of the block list is read one iteration ahead (the K/V addresses then do not
-                  wait on a load inside the iteration, which the software pipeliner handles better)
-    USE_TMA       K/V tiles through tensor descriptors (forward and dQ; unit stride on D, HEAD_DIM == BLOCK_D)
-    PIPE_QK       forward, full blocks: the next tile's QK^T is issued before this tile's softmax
-    REVERSE_M     forward and dQ: query tiles run from the last one down (causal-like masks: the longest first,
-                  fewer stragglers in the last wave)
-    ATOMIC_DQ     dK/dV kernel also adds dS K into a float32 dQ accumulator (1: pointer atomics, 2: TMA reduce
-                  through a tensor descriptor), and the dQ kernel is not launched: 5 matmuls per tile pair
-                  instead of 7, not bitwise repeatable
+Every grid has the tile index fastest (first grid axis), so the programs in flight share one head's K/V
+(forward, dQ) or q/dO (dK/dV) in L2. The walks read the next entry of the block list one iteration ahead, so
+the K/V addresses do not wait on a load inside the iteration (the software pipeliner then keeps a K/V load in
+flight). USE_TMA (forward): K/V tiles through tensor descriptors (unit stride on D, HEAD_DIM == BLOCK_D, a
+CUDA device); pointer loads elsewhere (other strides, short sequences, the interpreter).
 """
 
 import triton
@@ -96,20 +88,16 @@ def _fwd_blocks(
     Sk, lo, hi, kv_global, q_global, qk_scale, d_ok,
     MASKED: tl.constexpr, EVEN_SK: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DOC: tl.constexpr,
     HAS_GLOBAL: tl.constexpr, MASK_BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PREFETCH_IDX: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     SUB: tl.constexpr = MASK_BS // BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
     n_iters = n_blocks * SUB
-    if PREFETCH_IDX:
-        kb_next = tl.load(IDX_row, mask=n_iters > 0, other=0)
+    kb_next = tl.load(IDX_row, mask=n_iters > 0, other=0)
     for j in range(0, n_iters):
-        # -- the kv block of this sub-tile --
-        if PREFETCH_IDX:
-            kb = kb_next
-            kb_next = tl.load(IDX_row + (j + 1) // SUB, mask=j + 1 < n_iters, other=0)
-        else:
-            kb = tl.load(IDX_row + j // SUB)
+        # -- the kv block of this sub-tile (the next one's entry read ahead) --
+        kb = kb_next
+        kb_next = tl.load(IDX_row + (j + 1) // SUB, mask=j + 1 < n_iters, other=0)
         start_n = kb * MASK_BS + (j % SUB) * BLOCK_N
         cols = start_n + offs_n
         # -- load K, V (the last block may reach past Sk) --
@@ -151,56 +139,6 @@ def _fwd_blocks(
 
 
 @triton.jit
-def _fwd_softmax_pv(acc, l_i, m_i, qk, start_n, V_bh, desc_v, stride_vn, v_tile, offs_n, d_ok, Sk, qk_scale,
-                    EVEN_SK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
-    """Online softmax of one full tile's scores, then acc += P V (no element mask; the ragged end of Sk only)."""
-    if EVEN_SK:
-        s = qk * qk_scale
-    else:
-        s = tl.where((start_n + offs_n)[None, :] < Sk, qk * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.math.exp2(s - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    v = _load_kv_tile(V_bh, desc_v, start_n, stride_vn, v_tile, offs_n, d_ok, Sk, EVEN_SK, BLOCK_D, HEAD_DIM, USE_TMA)
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
-
-
-@triton.jit
-def _fwd_full_pipelined(
-    acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, stride_kn, stride_vn, k_tile, v_tile, IDX_row, n_blocks,
-    Sk, qk_scale, d_ok,
-    EVEN_SK: tl.constexpr, MASK_BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-):
-    """The full blocks, software-pipelined by hand (PIPE_QK): the scores of sub-tile j+1 are issued (async
-    wgmma) before the softmax of sub-tile j, so the tensor cores can work while the exp2 units do."""
-    SUB: tl.constexpr = MASK_BS // BLOCK_N
-    offs_n = tl.arange(0, BLOCK_N)
-    n_iters = n_blocks * SUB
-    if n_iters > 0:
-        start_n = tl.load(IDX_row) * MASK_BS
-        k = _load_kv_tile(K_bh, desc_k, start_n, stride_kn, k_tile, offs_n, d_ok, Sk, EVEN_SK, BLOCK_D, HEAD_DIM, USE_TMA)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        for j in range(1, n_iters):
-            nxt = tl.load(IDX_row + j // SUB) * MASK_BS + (j % SUB) * BLOCK_N
-            k = _load_kv_tile(K_bh, desc_k, nxt, stride_kn, k_tile, offs_n, d_ok, Sk, EVEN_SK, BLOCK_D, HEAD_DIM, USE_TMA)
-            qk_next = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            # -- softmax and P V of the previous sub-tile while qk_next is in flight --
-            acc, l_i, m_i = _fwd_softmax_pv(acc, l_i, m_i, qk, start_n, V_bh, desc_v, stride_vn, v_tile, offs_n, d_ok,
-                                            Sk, qk_scale, EVEN_SK, BLOCK_D, HEAD_DIM, DOT_PRECISION, USE_TMA)
-            qk = qk_next
-            start_n = nxt
-        # -- the last sub-tile --
-        acc, l_i, m_i = _fwd_softmax_pv(acc, l_i, m_i, qk, start_n, V_bh, desc_v, stride_vn, v_tile, offs_n, d_ok,
-                                        Sk, qk_scale, EVEN_SK, BLOCK_D, HEAD_DIM, DOT_PRECISION, USE_TMA)
-    return acc, l_i, m_i
-
-
-@triton.jit
 def sparse_fwd_kernel(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -213,24 +151,13 @@ def sparse_fwd_kernel(
     SEQ_BUCKET,  # autotune key only (length bucket)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_BS: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DOC: tl.constexpr, HAS_GLOBAL: tl.constexpr, EVEN_SK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    GRID_SWAP: tl.constexpr = False, USE_TMA: tl.constexpr = False, PIPE_QK: tl.constexpr = False,
-    PREFETCH_IDX: tl.constexpr = False, REVERSE_M: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """Grid: (B * Hq, cdiv(Sq, BLOCK_M)), or (cdiv(Sq, BLOCK_M), B * Hq) with GRID_SWAP. Mask tensors are
-    pre-expanded to (B, Hq, ...) (stride 0 broadcasts); the block lists' last dim and the per-token tensors'
-    last dim are contiguous. LSE (B, Hq, Sq) natural log."""
-    if GRID_SWAP:
-        # query tiles vary fastest: the programs in flight share one head's K/V in L2
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        if REVERSE_M:
-            pid_m = tl.num_programs(0) - 1 - pid_m
-    else:
-        pid_bh = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        if REVERSE_M:
-            pid_m = tl.num_programs(1) - 1 - pid_m
+    """Grid: (cdiv(Sq, BLOCK_M), B * Hq). Mask tensors are pre-expanded to (B, Hq, ...) (stride 0 broadcasts);
+    the block lists' last dim and the per-token tensors' last dim are contiguous. LSE (B, Hq, Sq) natural log."""
+    # query tiles vary fastest: the programs in flight share one head's K/V in L2
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
     off_b = pid_bh // Hq
     off_h = pid_bh % Hq
     off_kvh = off_h // GROUP
@@ -279,22 +206,17 @@ def sparse_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # -- full blocks: no element mask --
-    if PIPE_QK:
-        acc, l_i, m_i = _fwd_full_pipelined(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, stride_kn, stride_vn, k_tile,
-                                            v_tile, FULL_IDX + ib, n_full, Sk, qk_scale, d_ok,
-                                            EVEN_SK, MASK_BS, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, USE_TMA)
-    else:
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, stride_kn, stride_vn, k_tile, v_tile,
-                                    FULL_IDX + ib, n_full, qb, offs_m, qd, qp, KDOC_b, KPOS_b, TILE_IDS_bh, stride_tq, TILES,
-                                    Sk, lo, hi, kv_global, q_global, qk_scale, d_ok,
-                                    False, EVEN_SK, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N, BLOCK_D, HEAD_DIM,
-                                    DOT_PRECISION, USE_TMA, PREFETCH_IDX)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, stride_kn, stride_vn, k_tile, v_tile,
+                                FULL_IDX + ib, n_full, qb, offs_m, qd, qp, KDOC_b, KPOS_b, TILE_IDS_bh, stride_tq, TILES,
+                                Sk, lo, hi, kv_global, q_global, qk_scale, d_ok,
+                                False, EVEN_SK, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N, BLOCK_D, HEAD_DIM,
+                                DOT_PRECISION, USE_TMA)
     # -- partial blocks: element mask --
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, stride_kn, stride_vn, k_tile, v_tile,
                                 KV_IDX + ib, n_part, qb, offs_m, qd, qp, KDOC_b, KPOS_b, TILE_IDS_bh, stride_tq, TILES,
                                 Sk, lo, hi, kv_global, q_global, qk_scale, d_ok,
                                 True, EVEN_SK, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N, BLOCK_D, HEAD_DIM,
-                                DOT_PRECISION, USE_TMA, PREFETCH_IDX)
+                                DOT_PRECISION, USE_TMA)
     # -- epilogue: normalise; a row that saw nothing has l = 0: output 0, lse -inf; lse to natural log --
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -307,28 +229,24 @@ def sparse_fwd_kernel(
 
 @triton.jit
 def _dq_blocks(
-    dq, q, do, lse2, delta, K_bh, V_bh, desc_k, desc_v, stride_kn, stride_vn, k_tile, v_tile,
+    dq, q, do, lse2, delta, K_bh, V_bh, stride_kn, stride_vn, k_tile, v_tile,
     IDX_row, n_blocks, qb, offs_m, qd, qp, KDOC_b, KPOS_b, TILE_IDS_bh, stride_tq, TILES,
     Sk, lo, hi, kv_global, q_global, qk_scale, d_ok,
     MASKED: tl.constexpr, EVEN_SK: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DOC: tl.constexpr,
     HAS_GLOBAL: tl.constexpr, MASK_BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PREFETCH_IDX: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     SUB: tl.constexpr = MASK_BS // BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
     n_iters = n_blocks * SUB
-    if PREFETCH_IDX:
-        kb_next = tl.load(IDX_row, mask=n_iters > 0, other=0)
+    kb_next = tl.load(IDX_row, mask=n_iters > 0, other=0)
     for j in range(0, n_iters):
-        if PREFETCH_IDX:
-            kb = kb_next
-            kb_next = tl.load(IDX_row + (j + 1) // SUB, mask=j + 1 < n_iters, other=0)
-        else:
-            kb = tl.load(IDX_row + j // SUB)
+        kb = kb_next
+        kb_next = tl.load(IDX_row + (j + 1) // SUB, mask=j + 1 < n_iters, other=0)
         start_n = kb * MASK_BS + (j % SUB) * BLOCK_N
         cols = start_n + offs_n
-        k = _load_kv_tile(K_bh, desc_k, start_n, stride_kn, k_tile, offs_n, d_ok, Sk, EVEN_SK, BLOCK_D, HEAD_DIM, USE_TMA)
-        v = _load_kv_tile(V_bh, desc_v, start_n, stride_vn, v_tile, offs_n, d_ok, Sk, EVEN_SK, BLOCK_D, HEAD_DIM, USE_TMA)
+        k = _load_kv_tile(K_bh, K_bh, start_n, stride_kn, k_tile, offs_n, d_ok, Sk, EVEN_SK, BLOCK_D, HEAD_DIM, False)
+        v = _load_kv_tile(V_bh, V_bh, start_n, stride_vn, v_tile, offs_n, d_ok, Sk, EVEN_SK, BLOCK_D, HEAD_DIM, False)
         # -- recompute the probabilities (base 2) --
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
@@ -367,32 +285,15 @@ def sparse_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_BS: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DOC: tl.constexpr, HAS_GLOBAL: tl.constexpr, EVEN_SK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    GRID_SWAP: tl.constexpr = False, USE_TMA: tl.constexpr = False, PREFETCH_IDX: tl.constexpr = False,
-    REVERSE_M: tl.constexpr = False,
 ):
-    """Grid: (B * Hq, cdiv(Sq, BLOCK_M)), or swapped with GRID_SWAP: one query tile, streaming its kv blocks
-    (as the forward)."""
-    if GRID_SWAP:
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        if REVERSE_M:
-            pid_m = tl.num_programs(0) - 1 - pid_m
-    else:
-        pid_bh = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        if REVERSE_M:
-            pid_m = tl.num_programs(1) - 1 - pid_m
+    """Grid: (cdiv(Sq, BLOCK_M), B * Hq): one query tile, streaming its kv blocks (as the forward)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
     off_b = pid_bh // Hq
     off_h = pid_bh % Hq
     off_kvh = off_h // GROUP
     K_bh = K + off_b.to(tl.int64) * stride_kb + off_kvh.to(tl.int64) * stride_kh
     V_bh = V + off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh
-    if USE_TMA:
-        desc_k = tl.make_tensor_descriptor(K_bh, shape=[Sk, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
-        desc_v = tl.make_tensor_descriptor(V_bh, shape=[Sk, HEAD_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D])
-    else:
-        desc_k = K_bh
-        desc_v = V_bh
     start_m = pid_m * BLOCK_M
     qb = start_m // MASK_BS
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -427,16 +328,14 @@ def sparse_bwd_dq_kernel(
         qd = tl.zeros([BLOCK_M], dtype=tl.int32)
         qp = tl.zeros([BLOCK_M], dtype=tl.int32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_blocks(dq, q, do, lse2, delta, K_bh, V_bh, desc_k, desc_v, stride_kn, stride_vn, k_tile, v_tile,
+    dq = _dq_blocks(dq, q, do, lse2, delta, K_bh, V_bh, stride_kn, stride_vn, k_tile, v_tile,
                     FULL_IDX + ib, n_full, qb, offs_m, qd, qp, KDOC_b, KPOS_b, TILE_IDS_bh, stride_tq, TILES,
                     Sk, lo, hi, kv_global, q_global, qk_scale, d_ok,
-                    False, EVEN_SK, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
-                    USE_TMA, PREFETCH_IDX)
-    dq = _dq_blocks(dq, q, do, lse2, delta, K_bh, V_bh, desc_k, desc_v, stride_kn, stride_vn, k_tile, v_tile,
+                    False, EVEN_SK, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION)
+    dq = _dq_blocks(dq, q, do, lse2, delta, K_bh, V_bh, stride_kn, stride_vn, k_tile, v_tile,
                     KV_IDX + ib, n_part, qb, offs_m, qd, qp, KDOC_b, KPOS_b, TILE_IDS_bh, stride_tq, TILES,
                     Sk, lo, hi, kv_global, q_global, qk_scale, d_ok,
-                    True, EVEN_SK, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
-                    USE_TMA, PREFETCH_IDX)
+                    True, EVEN_SK, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION)
     # -- epilogue: the scale of S = scale * q k^T --
     tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
              + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :] * stride_dqd,
@@ -446,24 +345,18 @@ def sparse_bwd_dq_kernel(
 @triton.jit
 def _dkdv_blocks(
     dk, dv, k, v, Q_bh, DO_bh, LSE2_bh, DELTA_bh, stride_qm, stride_dom, q_tile, do_tile,
-    DQA_bh, desc_dq, stride_dqam, dqa_tile,
     IDX_row, n_blocks, kb, offs_n, kd, kp, QDOC_b, QPOS_b, TILE_IDS_bh, stride_tq, TILES,
     Sq, Sk, lo, hi, kv_global, q_global, qk_scale, d_ok,
     MASKED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DOC: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     MASK_BS: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PREFETCH_IDX: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     SUB: tl.constexpr = MASK_BS // BLOCK_M
     offs_mb = tl.arange(0, BLOCK_M)
     n_iters = n_blocks * SUB
-    if PREFETCH_IDX:
-        qb_next = tl.load(IDX_row, mask=n_iters > 0, other=0)
+    qb_next = tl.load(IDX_row, mask=n_iters > 0, other=0)
     for j in range(0, n_iters):
-        if PREFETCH_IDX:
-            qb = qb_next
-            qb_next = tl.load(IDX_row + (j + 1) // SUB, mask=j + 1 < n_iters, other=0)
-        else:
-            qb = tl.load(IDX_row + j // SUB)
+        qb = qb_next
+        qb_next = tl.load(IDX_row + (j + 1) // SUB, mask=j + 1 < n_iters, other=0)
         start_m = qb * MASK_BS + (j % SUB) * BLOCK_M
         rows = start_m + offs_mb
         row_ok = rows < Sq
@@ -491,27 +384,18 @@ def _dkdv_blocks(
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-        if ATOMIC_DQ != 0:
-            # -- dQ += dS K into the float32 accumulator (atomics: the order of the additions varies) --
-            dq_part = tl.dot(tl.trans(dsT.to(q.dtype)), k, input_precision=DOT_PRECISION)
-            if ATOMIC_DQ == 2:
-                # TMA reduce: rows past Sq fall outside the descriptor and are dropped
-                desc_dq.atomic_add([start_m, 0], dq_part)
-            else:
-                tl.atomic_add(DQA_bh + start_m.to(tl.int64) * stride_dqam + dqa_tile, dq_part, mask=ld, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def sparse_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE2, DELTA, DK, DV, DQA,
+    Q, K, V, DO, LSE2, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_dqab, stride_dqah, stride_dqam,
     Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
     QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
     Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale,
@@ -519,19 +403,12 @@ def sparse_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_BS: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DOC: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    GRID_SWAP: tl.constexpr = False, PREFETCH_IDX: tl.constexpr = False, ATOMIC_DQ: tl.constexpr = 0,
 ):
-    """Grid: (B * Hkv, cdiv(Sk, BLOCK_N)), or swapped with GRID_SWAP: one kv tile; loops over the GROUP query
-    heads sharing it and, for each, over the transposed lists of its mask block (full blocks first, then
-    partial ones). With ATOMIC_DQ, DQA is a (B, Hq, Sq, D) float32 accumulator (unit stride on D) that
-    receives the unscaled dS K."""
-    if GRID_SWAP:
-        # kv tiles vary fastest: the programs in flight share one head's q and dO in L2
-        pid_n = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-    else:
-        pid_bh = tl.program_id(0)
-        pid_n = tl.program_id(1)
+    """Grid: (cdiv(Sk, BLOCK_N), B * Hkv): one kv tile; loops over the GROUP query heads sharing it and, for
+    each, over the transposed lists of its mask block (full blocks first, then partial ones)."""
+    # kv tiles vary fastest: the programs in flight share one head's q and dO in L2
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
     off_b = pid_bh // Hkv
     off_kvh = pid_bh % Hkv
     start_n = pid_n * BLOCK_N
@@ -557,7 +434,6 @@ def sparse_bwd_dkdv_kernel(
         kp = tl.zeros([BLOCK_N], dtype=tl.int32)
     q_tile = offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
     do_tile = offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
-    dqa_tile = offs_m[:, None] * stride_dqam + offs_d[None, :]
     QDOC_b = QDOC + off_b.to(tl.int64) * stride_qdoc
     QPOS_b = QPOS + off_b.to(tl.int64) * stride_qdoc
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -566,12 +442,6 @@ def sparse_bwd_dkdv_kernel(
         off_h = off_kvh * GROUP + g
         Q_bh = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
         DO_bh = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-        DQA_bh = DQA + off_b.to(tl.int64) * stride_dqab + off_h.to(tl.int64) * stride_dqah
-        if ATOMIC_DQ == 2:
-            desc_dq = tl.make_tensor_descriptor(DQA_bh, shape=[Sq, HEAD_DIM], strides=[stride_dqam, 1],
-                                                block_shape=[BLOCK_M, BLOCK_D])
-        else:
-            desc_dq = DQA_bh
         row0 = (off_b * Hq + off_h).to(tl.int64) * Sq
         nb = off_b.to(tl.int64) * stride_nb + off_h.to(tl.int64) * stride_nh + kb
         ib = off_b.to(tl.int64) * stride_ib + off_h.to(tl.int64) * stride_ih + kb.to(tl.int64) * stride_ik
@@ -579,17 +449,13 @@ def sparse_bwd_dkdv_kernel(
         n_full = tl.load(FULL_NUM + nb)
         n_part = tl.load(Q_NUM + nb)
         dk, dv = _dkdv_blocks(dk, dv, k, v, Q_bh, DO_bh, LSE2 + row0, DELTA + row0, stride_qm, stride_dom, q_tile, do_tile,
-                              DQA_bh, desc_dq, stride_dqam, dqa_tile,
                               FULL_IDX + ib, n_full, kb, offs_n, kd, kp, QDOC_b, QPOS_b, TILE_IDS_bh, stride_tq, TILES,
                               Sq, Sk, lo, hi, kv_global, q_global, qk_scale, d_ok,
-                              False, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_M, DOT_PRECISION,
-                              PREFETCH_IDX, ATOMIC_DQ)
+                              False, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_M, DOT_PRECISION)
         dk, dv = _dkdv_blocks(dk, dv, k, v, Q_bh, DO_bh, LSE2 + row0, DELTA + row0, stride_qm, stride_dom, q_tile, do_tile,
-                              DQA_bh, desc_dq, stride_dqam, dqa_tile,
                               Q_IDX + ib, n_part, kb, offs_n, kd, kp, QDOC_b, QPOS_b, TILE_IDS_bh, stride_tq, TILES,
                               Sq, Sk, lo, hi, kv_global, q_global, qk_scale, d_ok,
-                              True, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_M, DOT_PRECISION,
-                              PREFETCH_IDX, ATOMIC_DQ)
+                              True, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_M, DOT_PRECISION)
     # -- epilogue: dK carries the scale of S = scale * q k^T --
     tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_kvh.to(tl.int64) * stride_dkh
              + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :] * stride_dkd,
