@@ -36,6 +36,7 @@ class Batch:
     loss_mask: torch.Tensor | None
 
     def to(self, device: torch.device | str) -> Batch:
+        """The same batch on ``device``."""
         m = None if self.loss_mask is None else self.loss_mask.to(device, non_blocking=True)
         return Batch(self.inputs.to(device, non_blocking=True), self.labels.to(device, non_blocking=True), m)
 
@@ -89,9 +90,24 @@ class RecallTask:
 
     @property
     def chance_accuracy(self) -> float:
+        """Accuracy of guessing a value uniformly: 1 / num_values."""
         return 1.0 / self.num_values
 
     def batch(self, batch_size: int, step: int, seed: int, split: str = "train") -> Batch:
+        """The batch of ``step``: a pure function of (seed, split, step).
+
+        Args:
+            batch_size: sequences B.
+            step: training step (or eval batch index).
+            seed: the run's seed.
+            split: "train" or "eval" (disjoint generator streams).
+
+        Returns:
+            A `Batch` of (B, seq_length) tensors; ``loss_mask`` marks the query keys, whose labels are the answers.
+
+        Raises:
+            ValueError: an unknown split.
+        """
         g = _generator(seed, split, step)
         B, S, n, nq = batch_size, self.seq_length, self.num_pairs, self.num_queries
         K, V = self.num_keys, self.num_values
@@ -141,6 +157,14 @@ class ByteText:
         self.eval_data = data[len(data) - n_eval :]
 
     def batch(self, batch_size: int, step: int, seed: int, split: str = "train") -> Batch:
+        """``batch_size`` random windows of the train (or held-out) bytes, a pure function of (seed, split, step).
+
+        Returns:
+            A `Batch` of (B, seq_length) tensors, ``loss_mask`` None (every byte counts).
+
+        Raises:
+            ValueError: an unknown split.
+        """
         g = _generator(seed, split, step)
         data = self.train_data if split == "train" else self.eval_data
         S = self.seq_length

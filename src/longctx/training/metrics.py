@@ -39,6 +39,7 @@ class MetricsLog:
             self._file.flush()
 
     def close(self) -> None:
+        """Close the file (writing after this does nothing)."""
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -107,9 +108,14 @@ def format_time(seconds: float) -> str:
 
 
 def step_line(
-    loss: float, lr: float, tokens_per_second: float, peak_bytes: int, last_eval: dict[str, float], elapsed: float,
+    loss: float,
+    lr: float,
+    tokens_per_second: float,
+    peak_bytes: int,
+    last_eval: dict[str, float],
+    elapsed: float,
     eta: float,
-) -> str:  # fmt: skip
+) -> str:
     """The progress text after a step: loss, learning rate, throughput, peak memory, the last evaluation, time."""
     text = f"loss {loss:.4f} | lr {lr:.2e} | {tokens_per_second / 1e3:.1f}k tok/s | peak {format_bytes(peak_bytes)}"
     if "recall_accuracy" in last_eval:

@@ -133,6 +133,7 @@ class Trainer:
 
     @property
     def compute_dtype(self) -> torch.dtype:
+        """bfloat16 under bf16 autocast, else float32."""
         return torch.bfloat16 if self.use_bf16 else torch.float32
 
     def autocast(self) -> contextlib.AbstractContextManager:
