@@ -7,7 +7,7 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """``y = x / sqrt(mean(x^2) + eps) * weight``, computed in float32 and returned in x's dtype.
+    """``y = x / sqrt(mean(x^2) + eps) * weight``, computed in float32 (float64 for float64 x), returned in x's dtype.
 
     Args:
         hidden_size: size of the last dimension.
@@ -20,9 +20,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xa = x.to(acc)
+        y = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.to(acc)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

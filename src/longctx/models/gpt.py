@@ -30,7 +30,13 @@ from longctx.layers.attention import CoreAttentionFn, SelfAttention
 from longctx.layers.loss import linear_cross_entropy
 from longctx.layers.mlp import SwiGLUMLP
 from longctx.layers.norms import RMSNorm
-from longctx.layers.recompute import plan_layers, recompute_active, run_layers, validate_recompute
+from longctx.layers.recompute import (
+    checkpoint_call,
+    plan_layers,
+    recompute_active,
+    run_layers,
+    validate_recompute,
+)
 from longctx.layers.rotary import RotaryEmbedding
 
 __all__ = ["GPTConfig", "PRESETS", "TransformerLayer", "GPT", "lm_loss"]
@@ -66,6 +72,10 @@ class GPTConfig:
     recompute_granularity: str | None = None  # None, "full" or "selective" (see longctx.layers.recompute)
     recompute_method: str | None = None  # "uniform" or "block" (full only)
     recompute_num_layers: int | None = None  # 1..num_layers (full only)
+    # tokens per chunk of the position-wise part of a layer (norm, MLP, residual) in training: each chunk is
+    # recomputed in the backward, so the layer's working set is one chunk's (chunk, ffn) intermediates instead of
+    # (S, ffn); None runs it whole
+    sequence_chunk_size: int | None = None
     share_embeddings_and_output_weights: bool = True  # tied input and output embeddings
     rotary_base: float = 10000.0
     layernorm_epsilon: float = 1e-5
@@ -77,7 +87,7 @@ class GPTConfig:
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {val!r}")
-        for name in ("ffn_hidden_size", "kv_channels"):
+        for name in ("ffn_hidden_size", "kv_channels", "sequence_chunk_size"):
             val = getattr(self, name)
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
                 raise ValueError(f"GPTConfig.{name} must be a positive int or None, got {val!r}")
@@ -201,11 +211,19 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon)
         self.mlp = SwiGLUMLP(c.hidden_size, c.ffn_size, bias=c.add_bias_linear)
         self.hidden_dropout = nn.Dropout(c.hidden_dropout)
+        self.sequence_chunk_size = c.sequence_chunk_size
+
+    def _mlp_block(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(x)))  # (B, s, h): position-wise
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.hidden_dropout(self.self_attention(self.input_layernorm(x), cos, sin))  # (B, S, h)
-        x = x + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(x)))  # (B, S, h)
-        return x
+        chunk = self.sequence_chunk_size
+        if chunk is None or x.shape[1] <= chunk or not recompute_active(self):
+            return self._mlp_block(x)  # (B, S, h)
+        # Sequence-chunked: each chunk keeps only its input for backward and is recomputed there, so the MLP's
+        # (chunk, ffn) intermediates exist for one chunk at a time, in the forward and in the backward.
+        return torch.cat([checkpoint_call(self._mlp_block, xc) for xc in x.split(chunk, dim=1)], dim=1)
 
 
 # ---------------------------------------------------------------------------------------------------------
