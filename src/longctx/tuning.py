@@ -1,22 +1,29 @@
-"""Tile configs of the Triton attention kernels, per kernel and padded head dim (BLOCK_D).
+"""The measured defaults of longctx's kernels, and the one place developer overrides are read.
 
-Each entry is ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``. The first entry of a list is the default used
-without autotuning (``LONGCTX_TRITON_AUTOTUNE=0``, the interpreter); with autotuning the short list is timed
-once per (head dim, band kind, length bucket, dtype). Lists are kept small so compile time stays reasonable.
+Every choice the launchers make that was settled by measurement lives here as a plain table or a small pure function,
+each with a one-line reason; the figures behind them are in docs/performance.md (and benchmarks/results/). The
+launchers (`longctx.launchers`) call these; nothing here imports Triton or torch, so the rules can be read and
+tested anywhere. The last section holds the developer overrides (`get`, `override`, ``LONGCTX_TUNING``): see
+docs/tuning.md.
 
-BLOCK_M is always the query tile and BLOCK_N the key tile, in every kernel.
+Tile entries are ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; BLOCK_M is always the query tile and BLOCK_N the key
+tile, in every kernel. The first entry of a list is the one used without autotuning (the ``autotune`` override off,
+the interpreter), so it must fit every variant of its kernel in shared memory; with autotuning the short list is timed
+once per (head dim, band kind, length bucket, dtype). Lists stay short so that compile time stays reasonable.
 """
 
-import triton
+from __future__ import annotations
 
-# Chosen from sweeps on the H100 (benchmarks/NOTES.md, runs 2-3 and session 3); the first entry of each list is the
-# one used without autotuning, so it must fit every variant (TMA, hand-pipelined QK^T) in shared memory.
+import contextlib as _contextlib
+import os as _os
 
-# forward: the query tile stays in registers; K/V tiles are pipelined num_stages deep. A fifth element is
-# PIPE_QK (the hand-pipelined QK^T; it acts only with TMA loads), default False. At D=128 two 64-row programs of
-# 4 warps per SM (one warpgroup each; the scheduler interleaves one's softmax with the other's matmuls) beat
-# one 128-row program for dense bands (541 vs 518 TFLOP/s at 8K); the pipelined 128-row tile wins on long
-# causal ones; 64x32 tiles win short causal ones with pointer loads (343 vs 281 at 2K). Autotuning picks.
+# -- dense Triton kernels (`longctx.launchers.flash`) -------------------------------------------------------------
+
+# Forward: the query tile stays in registers, K/V tiles are pipelined num_stages deep. A fifth element True turns on
+# PIPE_QK (the next tile's QK^T issued before this tile's softmax; it acts only with TMA loads).
+# D=128: the pipelined 128-row tile wins long causal bands; two 64-row programs of one warpgroup each per SM win
+# dense bands (the scheduler interleaves one's softmax with the other's matmuls); 64x32 wins short causal ones.
+# PIPE_QK lost at D=64 (registers), so no D=64 entry has it. Autotuning picks among them.
 FWD = {
     16: [(128, 64, 4, 3), (64, 64, 4, 3)],
     32: [(128, 64, 4, 3), (64, 64, 4, 3)],
@@ -24,7 +31,8 @@ FWD = {
     128: [(128, 64, 8, 3, True), (64, 64, 4, 3), (64, 32, 4, 3), (128, 128, 8, 3)],
     256: [(128, 64, 8, 2), (64, 64, 4, 2)],
 }
-# dK/dV (deterministic path): one kv tile (BLOCK_N) stays on chip with its fp32 dK, dV; query tiles stream.
+# dK/dV without dQ (the deterministic path): one kv tile (BLOCK_N) stays on chip with its fp32 dK, dV; query tiles
+# stream. 32-row query tiles win for GQA (more programs per kv head).
 BWD_DKDV = {
     16: [(64, 128, 8, 3), (32, 64, 4, 3)],
     32: [(64, 128, 8, 3), (32, 128, 4, 3)],
@@ -32,7 +40,7 @@ BWD_DKDV = {
     128: [(64, 128, 8, 3), (32, 128, 8, 3), (64, 128, 8, 2)],
     256: [(64, 64, 8, 2), (32, 64, 4, 2)],
 }
-# dK/dV with dQ accumulated by atomics (the fast path): same shapes, more registers.
+# dK/dV with dQ added by atomics (the fast path): the same shapes, more registers.
 BWD_DKDV_ATOMIC = {
     16: [(64, 128, 8, 3), (32, 64, 4, 3)],
     32: [(64, 128, 8, 3), (64, 128, 8, 4)],
@@ -40,7 +48,7 @@ BWD_DKDV_ATOMIC = {
     128: [(64, 128, 8, 3), (32, 128, 8, 3)],  # 4 stages do not fit with the TMA-reduce dQ (248 KB)
     256: [(64, 64, 8, 2), (32, 64, 4, 2)],
 }
-# dQ (deterministic path): one query tile stays on chip with its fp32 dQ accumulator; K/V tiles stream.
+# dQ (the deterministic path): one query tile stays on chip with its fp32 dQ; K/V tiles stream. 128x128 wins GQA.
 BWD_DQ = {
     16: [(128, 64, 8, 3), (64, 32, 4, 3)],
     32: [(128, 64, 8, 3), (128, 32, 4, 3)],
@@ -51,34 +59,100 @@ BWD_DQ = {
 # the interpreter runs tiny shapes: small tiles keep the numpy emulation fast and exercise many tiles
 INTERPRET = (16, 16, 4, 1)
 
+KINDS = ("fwd", "dkdv", "dkdv_atomic", "dq")
+
 
 def block_d(head_dim: int) -> int:
     """Head dim padded to a power of two, at least 16 (tl.dot's minimum inner size)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, 1 << max(0, head_dim - 1).bit_length())
 
 
-def table(kind: str) -> dict:
+def table(kind: str) -> dict[int, list[tuple]]:
+    """The tile lists of one kernel kind ("fwd", "dkdv", "dkdv_atomic", "dq"), per padded head dim."""
     return {"fwd": FWD, "dkdv": BWD_DKDV, "dkdv_atomic": BWD_DKDV_ATOMIC, "dq": BWD_DQ}[kind]
 
 
-def meta(kind: str, entry: tuple, pipe_qk: bool = True) -> dict:
-    """The constexprs an entry sets besides its tiles: PIPE_QK for the forward (False where ``pipe_qk`` is off)."""
+def meta(kind: str, entry: tuple) -> dict[str, bool]:
+    """The constexprs an entry sets besides its tiles: the forward's PIPE_QK."""
     if kind != "fwd":
         return {}
-    return {"PIPE_QK": bool(pipe_qk and len(entry) > 4 and entry[4])}
+    return {"PIPE_QK": bool(len(entry) > 4 and entry[4])}
 
 
-def configs(kind: str, bd: int, pipe_qk: bool = True, pre_hook=None) -> list:
-    """triton.Config list for one kernel kind ("fwd", "dkdv", "dkdv_atomic", "dq") at padded head dim ``bd``;
-    ``pre_hook`` runs before every launch of a config (with the kernel's arguments and the config's values)."""
-    out, seen = [], set()
-    for e in table(kind)[bd]:
-        kw = {"BLOCK_M": e[0], "BLOCK_N": e[1], **meta(kind, e, pipe_qk)}
-        key = (tuple(sorted(kw.items())), e[2], e[3])
-        if key not in seen:  # with PIPE_QK off two entries may coincide
-            seen.add(key)
-            out.append(triton.Config(kw, num_warps=e[2], num_stages=e[3], pre_hook=pre_hook))
-    return out
+def entries(kind: str, bd: int) -> list[tuple[dict, int, int]]:
+    """The autotuner's candidates of one kernel at padded head dim ``bd``: ``(constexprs, num_warps, num_stages)``."""
+    return [({"BLOCK_M": e[0], "BLOCK_N": e[1], **meta(kind, e)}, e[2], e[3]) for e in table(kind)[bd]]
+
+
+def seq_bucket(n: int) -> int:
+    """Length bucket of the autotune key: one per power of two from <=1K to <=16K, then longer (coarser buckets let
+    the first length tuned decide for the next, and the best tile differs between 2K and 4K, 8K and 16K)."""
+    return 0 if n <= 1024 else min(5, (n - 1).bit_length() - 10)
+
+
+def fwd_kv_loads(min_len: int, tma_loadable: bool, broadcast: bool) -> tuple[bool, bool]:
+    """(USE_TMA, TMA_HOST) of the Triton forward's K/V tiles.
+
+    TMA descriptors wherever the tensors allow them (fewer address registers, loads off the warps); pointer loads
+    for unaligned views and lengths under 16 (ptxas crashed on the TMA variant specialised for a length of 1 at
+    D=256, and TMA gains nothing there). The descriptors are built once on the host (no global write and fence per
+    program), except for broadcast (stride 0) views: a host descriptor spans (B, Hkv, Sk, D) with the tensor's own
+    strides, so those build one per program, over the head's rows only.
+    """
+    use_tma = min_len >= 16 and tma_loadable
+    return use_tma, use_tma and not broadcast
+
+
+def atomic_dq(bd: int, sq: int, dense_band: bool, grouped: bool) -> bool:
+    """Whether the backward adds dQ inside the dK/dV kernel (5 matmuls per tile pair, atomics) rather than in a
+    separate dQ kernel (7 matmuls, each element written once); the caller keeps the separate kernel under
+    ``deterministic``.
+
+    - D > 128: never (the atomic variant needs more shared memory than a block has).
+    - D = 128 (dQ by one TMA reduce per tile): from Sq > 2K, except GQA, where the separate kernels' 128x128 dQ tile
+      wins.
+    - D <= 64 (scalar atomics): from Sq > 2K for causal-like bands, from Sq > 4K for dense ones.
+    """
+    if bd > 128 or (bd == 128 and grouped):
+        return False
+    return sq > (4096 if bd <= 64 and dense_band else 2048)
+
+
+def dq_by_tma_reduce(head_dim: int) -> bool:
+    """The atomic-dQ backward adds each dQ tile by one TMA bulk reduction at D=128, where it beat scalar float32
+    atomics; at smaller head dims the scalar atomics win."""
+    return head_dim == 128
+
+
+# Warp-specialised forward (Gluon, Hopper): head dim -> (BLOCK_N, STAGES, PIPE): key tile, shared-memory ring depth,
+# intra-warpgroup overlap. 3 stages win for dense bands and long causal ones; 2 stages for causal-like bands up to 4K.
+WS_CONFIG: dict[int, tuple[int, int, bool]] = {64: (128, 3, True), 128: (128, 3, True)}
+WS_CONFIG_SHORT_CAUSAL: dict[int, tuple[int, int, bool]] = {128: (128, 2, True)}
+
+
+def ws_fwd_config(head_dim: int, sq: int, sk: int, banded: bool) -> tuple[int, int, bool] | None:
+    """The warp-specialised forward's config, or None where the Triton forward measured faster: D=64 with a band,
+    and D=128 causal-like bands up to 2K (their masked diagonal tiles are a large share of the work)."""
+    if head_dim == 64 and banded:
+        return None
+    if head_dim == 128 and banded:
+        n = max(sq, sk)
+        if n <= 2048:
+            return None
+        if n <= 4096:
+            return WS_CONFIG_SHORT_CAUSAL[head_dim]
+    return WS_CONFIG.get(head_dim)
+
+
+# Warp-specialised backward (Gluon, Hopper): head dim -> (BLOCK_M, STAGES, EARLY_DV): query tile, ring depth, dV's
+# product issued before dS^T (EARLY_DV: the same speed, and dS from the rounded P, so off; 3 stages gained nothing).
+WS_BWD_CONFIG: dict[int, tuple[int, int, bool]] = {64: (64, 2, False), 128: (64, 2, False)}
+
+
+def ws_bwd_config(head_dim: int) -> tuple[int, int, bool] | None:
+    """The warp-specialised backward's config: it was faster than the Triton backward at every case measured (D 64
+    and 128, 2K-16K, dense, causal, GQA), so no rule beyond the head dims it has."""
+    return WS_BWD_CONFIG.get(head_dim)
 
 
 # -- block-sparse kernels (`longctx.launchers.sparse`; the figures behind each choice: docs/performance.md) ---------
@@ -126,11 +200,18 @@ def sparse_ws_config(kind: str, head_dim: int) -> tuple[int, int, bool] | None:
 # For kernel developers and tests, never needed to use longctx: force a kernel path or a tile to compare variants.
 # Set for a whole process with LONGCTX_TUNING="key=value,key=value" (read once, here) or in code with
 # `with tuning.override(key=value): ...`. Keys and their meaning: docs/tuning.md. Unknown keys raise.
-import contextlib as _contextlib
-import os as _os
 
 # key -> default (None: follow the measured rules of this module)
 _OVERRIDE_DEFAULTS: dict = {}
+# dense kernels (`longctx.launchers.flash`): autotuning on / off (None: on, off under the interpreter); the
+# warp-specialised forward / backward forced on or off (None: `ws_fwd_config` / `ws_bwd_config` decide) and their
+# configs forced ("128x3x1", or a tuple in code); the atomic-dQ backward forced on or off (None: `atomic_dq`; never
+# under deterministic); tiles of the Triton kernels forced per kind, no autotuning ("fwd:128x64x8x3x1;dq:128x128x8x2",
+# or a dict kind -> tuple in code); tensor-descriptor loads under the interpreter (tests of the TMA variants)
+_OVERRIDE_DEFAULTS.update(
+    autotune=None, ws=None, ws_bwd=None, ws_config=None, ws_bwd_config=None, atomic_dq=None, tiles=None,
+    tma_in_interpreter=False,
+)  # fmt: skip
 # block-sparse kernels (`longctx.launchers.sparse`): False switches the warp-specialised forward / backward off (the
 # Triton kernels run, as on other GPUs); tiles of the Triton kernels forced per kind, no autotuning ("fwd:128x64x8x3;
 # dkdv:64x128x8x3", or a dict kind -> tuple in code); tensor-descriptor loads under the interpreter (tests; None: as
@@ -166,6 +247,22 @@ def _read_env() -> None:
     if not _ENV_READ:
         _ENV_READ.append(True)
         _OVERRIDES.update(_parse_env(_os.environ.get("LONGCTX_TUNING", "")))
+
+
+def ints(value) -> tuple[int, ...] | None:
+    """A tuple override as given in code, or parsed from its ``LONGCTX_TUNING`` form "128x3x1"; None stays None."""
+    if value is None or isinstance(value, tuple):
+        return value
+    return tuple(int(x) for x in str(value).split("x"))
+
+
+def tiles(value) -> dict[str, tuple[int, ...]]:
+    """A per-kind tile override as given in code (kind -> tuple), or parsed from "fwd:128x64x8x3;dq:128x128x8x2"."""
+    if not value:
+        return {}
+    if isinstance(value, dict):
+        return value
+    return {kind.strip(): ints(t) for kind, _, t in (p.partition(":") for p in str(value).split(";") if p.strip())}
 
 
 @_contextlib.contextmanager

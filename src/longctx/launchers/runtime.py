@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from longctx import tuning
+
 
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -81,17 +83,15 @@ def _set_tma_allocator() -> None:
     set_allocator(_tma_scratch)
 
 
-# Tensor descriptors also run in the Triton interpreter (not its TMA reduce); tests of the TMA variants set this to
-# run them there. Off: under the interpreter the pointer path runs.
-TMA_IN_INTERPRETER = False
-
-
 def _tma_ok(t: torch.Tensor, D: int, bd: int, in_interpreter: bool | None = None) -> bool:
     """Whether rows of t (B, H, S, D) can be loaded through TMA descriptors: unit stride on D, 16-byte aligned
-    rows, HEAD_DIM == BLOCK_D; a CUDA tensor, or under the interpreter when ``in_interpreter`` (default
-    TMA_IN_INTERPRETER) allows it."""
+    rows, HEAD_DIM == BLOCK_D; a CUDA tensor, or under the interpreter when ``in_interpreter`` allows it (default:
+    the ``tma_in_interpreter`` tuning override, which tests of the TMA variants set; the interpreter runs tensor
+    descriptors, not their TMA reduce)."""
     if _interpret():
-        if not (TMA_IN_INTERPRETER if in_interpreter is None else in_interpreter):
+        if in_interpreter is None:
+            in_interpreter = bool(tuning.get("tma_in_interpreter"))
+        if not in_interpreter:
             return False
     elif t.device.type != "cuda":
         return False
