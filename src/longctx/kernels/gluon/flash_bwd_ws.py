@@ -19,9 +19,9 @@ registers) and walks the query tiles that see them, for every query head of the 
       dS^T = P^T * (dP^T - Delta)
       dK_w += dS^T Q            (dS^T from registers)
       dQ   += dS K              (dS^T of both warpgroups through shared memory; each warpgroup computes half of
-                                 the tile's dQ and adds it to a float32 accumulator: by the copy engine's bulk
-                                 reduction from a shared tile, waited for one tile later, or with DQ_TMA=False by
-                                 float32 atomics from registers, 10-23% slower: NOTES.md, session 8)
+                                 the tile's dQ and adds it to a float32 accumulator by the copy engine's bulk
+                                 reduction from a shared tile, waited for one tile later: faster than float32
+                                 atomics from registers, whose traffic through the LSU and L2 was the cost)
 
   The dS^T exchange goes through a double-buffered shared tile with "ready" (both halves written) and "free"
   (both dQ products done) mbarriers, so one warpgroup may run up to one query tile ahead of the other.
@@ -73,9 +73,8 @@ DS_SLOTS = gl.constexpr(2)  # depth of the dS^T exchange buffer
 @gluon.jit
 def _program(Hkv):
     """(batch, kv head, first key row) of this CTA. Grid (key tiles, B * Hkv), key tiles fastest: the CTAs that
-    run at the same time share one or two heads, so their Q / dO stream and their dQ accumulator stay in L2
-    (with the heads fastest, each of ~132 resident CTAs walked a different head, and D=64 8K ran at 243 TFLOP/s
-    against 392 in this order; NOTES.md, session 6)."""
+    run at the same time share one or two heads, so their Q / dO stream and their dQ accumulator stay in L2 (with
+    the heads fastest, each resident CTA walked a different head, far slower: docs/performance.md)."""
     pid_bh = gl.program_id(1)
     off_b = pid_bh // Hkv
     off_kvh = pid_bh % Hkv
@@ -134,7 +133,9 @@ def _tile(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_read
     """One query tile [start_m, start_m + BLOCK_M) against this warpgroup's 64 keys; ``i`` counts query tiles
     in the producer's order (ring slot, barrier phases). MASKED: False (whole tiles inside the band), True (the
     band, Sq and Sk applied here) or 2 (``keep``, a (64, BLOCK_M) visibility tile of the caller: block-sparse
-    masks, `flash_sparse_ws`)."""
+    masks, `flash_sparse_ws`). dQ leaves by the bulk reduction through ``desc_dqa``; DQA_bh, stride_dqam and
+    DQ_TMA (which must be True) stay in the signature for `flash_sparse_ws`'s calls until it drops them."""
+    gl.static_assert(DQ_TMA, "dQ is added by the bulk reduction only")
     dtype: gl.constexpr = q_smem.dtype
     s = i % STAGES
     ph = (i // STAGES) & 1
@@ -210,29 +211,20 @@ def _tile(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_read
     dq = warpgroup_mma(a, b, gl.zeros([dq_m, dq_n], gl.float32, layout=dq_layout), use_acc=False, is_async=True)
     dq, _, _ = warpgroup_mma_wait(0, deps=(dq, a, b))
     mbarrier.arrive(ds_free.index(slot), count=1)
-    if DQ_TMA:
-        # registers -> this warpgroup's shared tile -> the copy engine's bulk reduction; the copy is waited for one
-        # tile later, just before the tile is written again, so the consumer never waits for it (rows past Sq are
-        # clipped by the descriptor)
-        tma.store_wait(0)
-        dq_smem.reshape([dq_m, dq_n]).store(dq * sm_scale)
-        fence_async_shared()
-        _tma_reduce_add(desc_dqa, [off_b, off_h, row0, col0], dq_smem)
-    else:
-        rows = row0 + gl.arange(0, dq_m, layout=gl.SliceLayout(1, dq_layout))
-        cols = col0 + gl.arange(0, dq_n, layout=gl.SliceLayout(0, dq_layout))
-        ptrs = DQA_bh + rows[:, None].to(gl.int64) * stride_dqam + cols[None, :]
-        if MASKED:
-            gl.atomic_add(ptrs, dq * sm_scale, mask=(rows[:, None] < Sq) & (cols[None, :] < BLOCK_D), sem="relaxed")
-        else:
-            gl.atomic_add(ptrs, dq * sm_scale, sem="relaxed")
+    # registers -> this warpgroup's shared tile -> the copy engine's bulk reduction; the copy is waited for one tile
+    # later, just before the tile is written again, so the consumer never waits for it (rows past Sq are clipped by
+    # the descriptor)
+    tma.store_wait(0)
+    dq_smem.reshape([dq_m, dq_n]).store(dq * sm_scale)
+    fence_async_shared()
+    _tma_reduce_add(desc_dqa, [off_b, off_h, row0, col0], dq_smem)
     return dk, dv
 
 
 @gluon.jit
 def _run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty, ds_ready, ds_free,
          lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, start, end, Sq, Sk, lo, hi, qk_scale, sm_scale,
-         desc_dqa, dq_smem, off_b, off_h, DQ_TMA: gl.constexpr, WG: gl.constexpr, s_layout: gl.constexpr,
+         desc_dqa, dq_smem, off_b, off_h, WG: gl.constexpr, s_layout: gl.constexpr,
          op_layout: gl.constexpr, dq_layout: gl.constexpr, MASKED: gl.constexpr, HAS_LO: gl.constexpr,
          HAS_HI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
          DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
@@ -240,7 +232,7 @@ def _run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready
     for start_m in range(start, end, BLOCK_M):
         dk, dv = _tile(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty, ds_ready,
                        ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, start_m, 0, Sq, Sk, lo, hi,
-                       qk_scale, sm_scale, desc_dqa, dq_smem, off_b, off_h, DQ_TMA, WG, s_layout, op_layout, dq_layout,
+                       qk_scale, sm_scale, desc_dqa, dq_smem, off_b, off_h, True, WG, s_layout, op_layout, dq_layout,
                        MASKED, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
         i += 1
     return dk, dv, i
@@ -254,7 +246,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, k
               stride_dqab, stride_dqah, stride_dqam,
               Hq, Hkv, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale, WG: gl.constexpr,
               HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-              STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, DQ_TMA: gl.constexpr):
+              STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
     """One warpgroup: dK and dV of 64 keys, summed over the group's query heads; its share of dQ."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_M)
     acc_layout: gl.constexpr = wgmma_layout(BLOCK_D)
@@ -281,19 +273,18 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, k
         DQA_bh = DQA + off_b.to(gl.int64) * stride_dqab + off_h.to(gl.int64) * stride_dqah
         dk, dv, i = _run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty, ds_ready,
                          ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, q_lo, full_lo, Sq, Sk, lo, hi,
-                         qk_scale, sm_scale, desc_dqa, dq_smem.index(WG), off_b, off_h, DQ_TMA, WG, s_layout, op_layout,
+                         qk_scale, sm_scale, desc_dqa, dq_smem.index(WG), off_b, off_h, WG, s_layout, op_layout,
                          dq_layout, True, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
         dk, dv, i = _run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty, ds_ready,
                          ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, full_lo, full_hi, Sq, Sk, lo, hi,
-                         qk_scale, sm_scale, desc_dqa, dq_smem.index(WG), off_b, off_h, DQ_TMA, WG, s_layout, op_layout,
+                         qk_scale, sm_scale, desc_dqa, dq_smem.index(WG), off_b, off_h, WG, s_layout, op_layout,
                          dq_layout, False, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
         dk, dv, i = _run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty, ds_ready,
                          ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, full_hi, q_end, Sq, Sk, lo, hi,
-                         qk_scale, sm_scale, desc_dqa, dq_smem.index(WG), off_b, off_h, DQ_TMA, WG, s_layout, op_layout,
+                         qk_scale, sm_scale, desc_dqa, dq_smem.index(WG), off_b, off_h, WG, s_layout, op_layout,
                          dq_layout, True, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
 
-    if DQ_TMA:
-        tma.store_wait(0)  # the last reduction has read its shared tile
+    tma.store_wait(0)  # the last reduction has read its shared tile
     _store_dkdv(dk, dv, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
                 stride_dvd, off_b, off_kvh, my_n, Sk, sm_scale, acc_layout, BLOCK_D)
 
@@ -318,8 +309,9 @@ def _store_dkdv(dk, dv, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, 
 def _shared(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, desc_dqa, BLOCK_M: gl.constexpr,
             STAGES: gl.constexpr, DQ_TMA: gl.constexpr):
     """The CTA's shared memory: the ring of STAGES slots of Q / lse2 and dO / Delta, K and V of the CTA's 128 keys,
-    the DS_SLOTS-deep dS^T exchange tile, and their mbarriers, initialised; with DQ_TMA, each consumer's float32
-    dQ tile on its way to the bulk reduction (else ``dq_smem`` is a placeholder)."""
+    the DS_SLOTS-deep dS^T exchange tile, and their mbarriers, initialised; each consumer's float32 dQ tile on its
+    way to the bulk reduction. (DQ_TMA, which must be True, stays in the signature for `flash_sparse_ws`'s calls.)"""
+    gl.static_assert(DQ_TMA, "dQ is added by the bulk reduction only")
     dtype: gl.constexpr = desc_q.dtype
     BLOCK_N: gl.constexpr = WG_ROWS * NUM_CONSUMERS
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
@@ -344,10 +336,7 @@ def _shared(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, desc_dqa, BL
     for s in gl.static_range(DS_SLOTS):
         mbarrier.init(ds_ready.index(s), count=NUM_CONSUMERS)
         mbarrier.init(ds_free.index(s), count=NUM_CONSUMERS)
-    if DQ_TMA:
-        dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS] + desc_dqa.block_type.shape, desc_dqa.layout)
-    else:
-        dq_smem = ds_smem
+    dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS] + desc_dqa.block_type.shape, desc_dqa.layout)
     return (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty,
             ds_ready, ds_free, dq_smem)
 
@@ -361,7 +350,7 @@ def attn_bwd_ws_kernel(
     Hq, Hkv, Sq, Sk, GROUP, lo, hi, stride_lse, qk_scale, sm_scale,
     BLOCK_D: gl.constexpr, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, EARLY_DV: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_TMA: gl.constexpr = True,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """Grid: (cdiv(Sk, 128), B * Hkv); launched with num_warps=4 (consumer 0) plus the workers' 4 + 1 warps.
 
@@ -371,28 +360,27 @@ def attn_bwd_ws_kernel(
     start 16-byte aligned: Sq = 129 failed with an illegal instruction), the padding zeros. A tile's rows past
     Sq read padding or the next head's values, always finite; only masked runs hold such rows, and the mask
     zeroes their P. DQA is a
-    (B, Hq, Sq, D) float32 accumulator, zeroed, unit stride on D (it receives scale * dS K); desc_dqa, its 4-D
-    TMA descriptor with block (1, 1, BLOCK_M, D / 2) (or (1, 1, 64, D) when BLOCK_M is 128), is used with DQ_TMA
-    (else DQA is written by atomics). The head dim is not padded: BLOCK_D is the head dim (64 or 128).
+    (B, Hq, Sq, D) float32 accumulator, zeroed, unit stride on D (it receives scale * dS K) through desc_dqa, its
+    4-D TMA descriptor with block (1, 1, BLOCK_M, D / 2) (or (1, 1, 64, D) when BLOCK_M is 128). The head dim is not padded: BLOCK_D is the head dim (64 or 128).
     """
     BLOCK_N: gl.constexpr = WG_ROWS * NUM_CONSUMERS
     # dQ split between the warpgroups by rows when the query tile has 128 of them, else by head-dim halves
     DQ_SPLIT_M: gl.constexpr = BLOCK_M == BLOCK_N
     (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty, ds_ready,
      ds_free, dq_smem) = _shared(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, desc_dqa, BLOCK_M, STAGES,
-                                 DQ_TMA)
+                                 True)
 
     gl.warp_specialize([
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready,
                      q_empty, ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem, stride_dkb, stride_dkh, stride_dkn,
                      stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, stride_dqab, stride_dqah, stride_dqam,
                      Hq, Hkv, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale, 0, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES,
-                     DQ_SPLIT_M, EARLY_DV, DQ_TMA)),
+                     DQ_SPLIT_M, EARLY_DV)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready,
                      q_empty, ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem, stride_dkb, stride_dkh, stride_dkn,
                      stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, stride_dqab, stride_dqah, stride_dqam,
                      Hq, Hkv, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale, 1, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES,
-                     DQ_SPLIT_M, EARLY_DV, DQ_TMA)),
+                     DQ_SPLIT_M, EARLY_DV)),
         (_producer, (desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem, do_smem, k_smem, v_smem,
                      lse2_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty, Sq, Sk, Hq, Hkv, GROUP, lo, hi,
                      stride_lse, HAS_LO, HAS_HI, BLOCK_M, STAGES)),

@@ -3,7 +3,7 @@
 Why a second forward kernel. The `flash_fwd` kernel (Triton) keeps every warp on the same instruction stream:
 each iteration the compiler puts CTA-wide barriers (``bar.sync``) around the TMA loads and after the QK^T wait,
 so the two warpgroups of a 128-row tile run their softmax at the same moment and the tensor cores idle
-meanwhile (SASS of the 128x128 tile: 3 ``BAR.SYNC`` per key tile; NOTES.md, session 5). Hopper's answer
+meanwhile (the SASS of the 128x128 tile has 3 ``BAR.SYNC`` per key tile). Hopper's answer
 (FlashAttention-3) is warp specialisation: one producer warp issues the TMA loads and two consumer warpgroups
 each own 64 query rows. They synchronise only through mbarriers (a "ready" and an "empty" barrier per shared
 memory stage), so one warpgroup's exp2 can run while the other's wgmma does. Triton 3.6 expresses this on

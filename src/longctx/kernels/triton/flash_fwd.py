@@ -85,14 +85,14 @@ def _fwd_inner(
     offs_m, offs_d, start, end, Sk, lo, hi, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_HOST: tl.constexpr = False,
+    USE_TMA: tl.constexpr, TMA_HOST: tl.constexpr = False,
 ):
     """Key tiles [start, end) of one query tile; MASKED applies the band and the ragged end of Sk."""
     offs_n = tl.arange(0, BLOCK_N)
     k_tile = offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd  # (BLOCK_N, BLOCK_D)
     v_tile = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
     d_ok = offs_d[None, :] < HEAD_DIM
-    for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPEC):
+    for start_n in tl.range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k_ptrs = K_bh + start_n.to(tl.int64) * stride_kn + k_tile
         v_ptrs = V_bh + start_n.to(tl.int64) * stride_vn + v_tile
@@ -198,16 +198,15 @@ def attn_fwd_kernel(
     HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LONGEST_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False, PIPE_QK: tl.constexpr = False,
-    TMA_HOST: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False, PIPE_QK: tl.constexpr = False, TMA_HOST: tl.constexpr = False,
 ):
     """Grid: (B * Hq, cdiv(Sq, BLOCK_M)) with LONGEST_FIRST, else (cdiv(Sq, BLOCK_M), B * Hq).
 
     LSE is (B, Hq, Sq) contiguous float32, natural log. USE_TMA loads K/V through tensor descriptors (needs
-    unit stride on D, 16-byte aligned rows, HEAD_DIM == BLOCK_D); WARP_SPEC asks Triton to warp-specialise the
-    unmasked loop; PIPE_QK runs the unmasked loop software-pipelined by hand (with USE_TMA; ignored without);
-    TMA_HOST (with USE_TMA) takes DESC_K / DESC_V, 4-D descriptors over (B, Hkv, Sk, D) built on the host, instead
-    of building a descriptor per program (DESC_K / DESC_V are unused otherwise: pass K and V).
+    unit stride on D, 16-byte aligned rows, HEAD_DIM == BLOCK_D); PIPE_QK runs the unmasked loop software-pipelined
+    by hand (with USE_TMA; ignored without); TMA_HOST (with USE_TMA) takes DESC_K / DESC_V, 4-D descriptors over
+    (B, Hkv, Sk, D) built on the host, instead of building a descriptor per program (broadcast views, whose stride-0
+    dims a host descriptor cannot span; DESC_K / DESC_V are unused otherwise: pass K and V).
     """
     if LONGEST_FIRST:
         # causal-like bands: later query tiles see more keys. Heads vary fastest and query tiles run from
@@ -251,7 +250,7 @@ def attn_fwd_kernel(
     # -- boundary tiles before the fully visible run --
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, off_b, off_kvh,
                                stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, k_lo, full_lo, Sk, lo, hi, qk_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, False, TMA_HOST)
+                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, TMA_HOST)
     # -- fully visible tiles: no mask --
     if PIPE_QK and USE_TMA:
         acc, l_i, m_i = _fwd_full_pipelined(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_kvh, full_lo, full_hi, qk_scale,
@@ -260,11 +259,11 @@ def attn_fwd_kernel(
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, off_b, off_kvh,
                                    stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, full_lo, full_hi, Sk, lo, hi,
                                    qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA,
-                                   WARP_SPEC, TMA_HOST)
+                                   TMA_HOST)
     # -- boundary tiles after it (diagonal, right window edge, ragged end of Sk) --
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, off_b, off_kvh,
                                stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, full_hi, k_end, Sk, lo, hi, qk_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, False, TMA_HOST)
+                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, TMA_HOST)
 
     # epilogue: rows that saw no key have l = 0 -> output 0, lse -inf
     empty = l_i == 0.0
