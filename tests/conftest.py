@@ -47,16 +47,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def ws_switches(monkeypatch):
-    """`ops.triton_flash` with the warp-specialised kernels' switches and config tables free to change in the test:
-    FORCE_WS / WS_CONFIG (forward) and FORCE_WS_BWD / WS_BWD_CONFIG (backward) are restored afterwards."""
+def ws_switches():
+    """The dense launchers (`longctx.launchers.flash`), with every `longctx.tuning` override the test sets (``ws``,
+    ``ws_config``, ``ws_bwd``, ``ws_bwd_config``, ...) undone afterwards."""
+    from longctx import tuning
     from longctx.launchers import flash as tf
 
-    for name in ("FORCE_WS", "FORCE_WS_BWD"):
-        monkeypatch.setattr(tf, name, getattr(tf, name))
-    for name in ("WS_CONFIG", "WS_BWD_CONFIG"):
-        monkeypatch.setattr(tf, name, dict(getattr(tf, name)))
-    return tf
+    with tuning.override():
+        yield tf
 
 
 @pytest.fixture

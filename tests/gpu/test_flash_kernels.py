@@ -4,24 +4,31 @@ The FlashAttention rule: for out, lse, dq, dk and dv, ``err(ours) <= 2 * err(pla
 dtype) + floor``, errors being max-abs differences from the float64 oracle (`naive_attention` upcast to
 float64); "plain PyTorch in the same dtype" is the same dense reference computed in bf16/fp16.
 
-Run on the device machine: ``PYTHONPATH=src python -m pytest -q tests/gpu/test_triton_gpu.py``.
-Autotuning is switched off here (LONGCTX_TRITON_AUTOTUNE=0) so the matrix does not time every config.
+Run on the device machine: ``PYTHONPATH=src python -m pytest -q tests/gpu/test_flash_kernels.py``.
+Autotuning is switched off here (the ``autotune`` tuning override) so the matrix does not time every config.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-os.environ.setdefault("LONGCTX_TRITON_AUTOTUNE", "0")
+from longctx import tuning
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _untuned():
+    """The first tile of each list: autotuning would time every config of the matrix."""
+    with tuning.override(autotune=False):
+        yield
+
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -286,35 +293,32 @@ def test_atomic_and_deterministic_paths_agree(D):
     q, k, v, do = _inputs(2, 8, 2, 1100, 1300, D, torch.bfloat16)
     band = Band()
     out, lse = tf.triton_forward(q, k, v, scale=0.09, band=band)
-    tf.FORCE_ATOMIC = True
-    try:
+    with tuning.override(atomic_dq=True):
         fast = tf.triton_backward(do, q, k, v, out, lse, scale=0.09, band=band)
-    finally:
-        tf.FORCE_ATOMIC = None
     det = tf.triton_backward(do, q, k, v, out, lse, scale=0.09, band=band, deterministic=True)
     for a, b in zip(fast, det):
         assert float((a.float() - b.float()).abs().max()) <= 2e-2 * float(b.float().abs().max())
 
 
 @pytest.mark.parametrize("D", [64, 128])
-def test_first_autotuned_call_is_correct(D, monkeypatch):
+def test_first_autotuned_call_is_correct(D):
     """With autotuning on, the first call of a new key times every config by running it. The atomic-dQ kernel
     adds into its accumulator on every run, so unless the autotuner zeroes it before each run and before the
-    real one, the first backward of each key returns dQ several times too large (found in session 3)."""
+    real one, the first backward of each key returns dQ several times too large."""
     from longctx.launchers import flash as tf
     from longctx.masks import Band
 
-    monkeypatch.setenv("LONGCTX_TRITON_AUTOTUNE", "1")
     tf._kernel.cache_clear()  # fresh autotuners: nothing tuned yet
     try:
-        # causal, MHA, Sq > 2K: the default backward takes the atomic-dQ path at D=64 and D=128
-        q, k, v, do = _inputs(1, 2, 2, 3000, 3000, D, torch.bfloat16)
-        band = Band.from_args(3000, 3000, causal=True)
-        out, lse = tf.triton_forward(q, k, v, scale=0.1, band=band)
-        first = tf.triton_backward(do, q, k, v, out, lse, scale=0.1, band=band)
-        det = tf.triton_backward(do, q, k, v, out, lse, scale=0.1, band=band, deterministic=True)
-        for a, b in zip(first, det):
-            assert float((a.float() - b.float()).abs().max()) <= 2e-2 * float(b.float().abs().max())
+        with tuning.override(autotune=True):
+            # causal, MHA, Sq > 2K: the default backward takes the atomic-dQ path at D=64 and D=128
+            q, k, v, do = _inputs(1, 2, 2, 3000, 3000, D, torch.bfloat16)
+            band = Band.from_args(3000, 3000, causal=True)
+            out, lse = tf.triton_forward(q, k, v, scale=0.1, band=band)
+            first = tf.triton_backward(do, q, k, v, out, lse, scale=0.1, band=band)
+            det = tf.triton_backward(do, q, k, v, out, lse, scale=0.1, band=band, deterministic=True)
+            for a, b in zip(first, det):
+                assert float((a.float() - b.float()).abs().max()) <= 2e-2 * float(b.float().abs().max())
     finally:
         tf._kernel.cache_clear()  # the other tests run untuned kernels again
 

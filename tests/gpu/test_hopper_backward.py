@@ -1,9 +1,9 @@
 """GPU tests of the warp-specialised backward (`kernels.flash_bwd_ws`, Gluon; Hopper only, skipped elsewhere).
 
-test_triton_gpu.py runs the whole matrix through `triton_attention`, whose backward takes this kernel for the
+test_flash_kernels.py runs the whole matrix through `triton_attention`, whose backward takes this kernel for the
 inputs it supports (fp16/bf16, D in {64, 128}, not deterministic) on an sm_90 GPU. Here: that it is really the
 kernel taken there, and that every config agrees with the float64 oracle (the 2x-of-PyTorch rule of
-test_triton_gpu.py) on shapes that stress it: query tiles per ring slot and per dS^T exchange slot, masked and
+test_flash_kernels.py) on shapes that stress it: query tiles per ring slot and per dS^T exchange slot, masked and
 unmasked runs of length 0 and 1, ragged Sq and Sk, GQA / MQA group loops, windows and shifted bands, the
 flash_attn_func layout, rows that see nothing.
 """
@@ -11,12 +11,11 @@ flash_attn_func layout, rows that see nothing.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-os.environ.setdefault("LONGCTX_TRITON_AUTOTUNE", "0")
+from longctx import tuning
 
 
 def _hopper() -> bool:
@@ -24,6 +23,14 @@ def _hopper() -> bool:
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs an sm_90 (Hopper) GPU")]
+
+
+@pytest.fixture(autouse=True)
+def _untuned():
+    """The first tile of each list: autotuning would time every config of the matrix."""
+    with tuning.override(autotune=False):
+        yield
+
 
 BANDS = {"full": (None, None), "causal": (None, 0), "window": (-300, 0), "two_sided": (-77, 130), "none": (5000, None)}
 CONFIGS = {"64x2": (64, 2, False), "64x2e": (64, 2, True), "64x3": (64, 3, False)}
@@ -58,7 +65,6 @@ def test_ws_bwd_is_taken(ws_switches, count_calls):
     tf = ws_switches
     calls = count_calls(tf, "_backward_ws")
     q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
-    tf.FORCE_WS_BWD = None
     _grads(tf, q, q, q, q, tf.Band(None, None), 0.1)
     assert calls, "the warp-specialised backward was not used for bf16 D=128 on Hopper"
     calls.clear()
@@ -74,15 +80,14 @@ def test_ws_bwd_is_taken(ws_switches, count_calls):
 @pytest.mark.parametrize("sq,sk", [(1000, 1000), (129, 2049), (2048, 300), (17, 40)], ids=str)
 def test_ws_bwd_matches_oracle(ws_switches, dtype, D, cfg, band, sq, sk):
     tf = ws_switches
-    tf.WS_BWD_CONFIG[D] = CONFIGS[cfg]
-    tf.FORCE_WS_BWD = True
     lo, hi = BANDS[band]
     g = torch.Generator(device="cuda").manual_seed(sq * 7 + sk + D)
     q = torch.randn(2, 4, sq, D, device="cuda", dtype=dtype, generator=g)
     k = torch.randn(2, 2, sk, D, device="cuda", dtype=dtype, generator=g)  # GQA 4/2
     v = torch.randn(2, 2, sk, D, device="cuda", dtype=dtype, generator=g)
     do = torch.randn(2, 4, sq, D, device="cuda", dtype=dtype, generator=g)
-    dq, dk, dv = _check(tf, q, k, v, do, tf.Band(lo, hi), 1.0 / math.sqrt(D))
+    with tuning.override(ws_bwd=True, ws_bwd_config=CONFIGS[cfg]):
+        dq, dk, dv = _check(tf, q, k, v, do, tf.Band(lo, hi), 1.0 / math.sqrt(D))
     if band == "none":  # no row sees a key: every gradient is 0
         assert not dq.any() and not dk.any() and not dv.any()
 
@@ -92,22 +97,22 @@ def test_ws_bwd_matches_oracle(ws_switches, dtype, D, cfg, band, sq, sk):
 def test_ws_bwd_mqa_and_long(ws_switches, D, hkv):
     """MQA (one kv head, 8 query heads in the group loop) and MHA at 4100 (many query tiles, ragged tail)."""
     tf = ws_switches
-    tf.FORCE_WS_BWD = True
     g = torch.Generator(device="cuda").manual_seed(D + hkv)
     q = torch.randn(1, 8, 4100, D, device="cuda", dtype=torch.bfloat16, generator=g)
     k = torch.randn(1, hkv, 4100, D, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn(1, hkv, 4100, D, device="cuda", dtype=torch.bfloat16, generator=g)
     do = torch.randn(1, 8, 4100, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    _check(tf, q, k, v, do, tf.Band(None, 0), 1.0 / math.sqrt(D))
+    with tuning.override(ws_bwd=True):
+        _check(tf, q, k, v, do, tf.Band(None, 0), 1.0 / math.sqrt(D))
 
 
 def test_ws_bwd_bshd_layout(ws_switches):
     """flash_attn_func's (B, S, H, D) layout: strided views in, gradients in the same layout out."""
     tf = ws_switches
-    tf.FORCE_WS_BWD = True
     B, S, H, D = 2, 777, 4, 128
     q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(4))
-    dq, dk, dv = _check(tf, q, k, v, do, tf.Band(None, 0), 0.088)
+    with tuning.override(ws_bwd=True):
+        dq, dk, dv = _check(tf, q, k, v, do, tf.Band(None, 0), 0.088)
     assert dq.stride() == q.stride() and dk.stride() == k.stride()
 
 
@@ -117,25 +122,8 @@ def test_ws_bwd_matches_deterministic_path(ws_switches):
     q, k, v, do = (torch.randn(2, 4, 1500, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
     band = tf.Band(-600, 0)
     out, lse = tf.triton_forward(q, k, v, scale=0.1, band=band)
-    tf.FORCE_WS_BWD = True
-    fast = tf.triton_backward(do, q, k, v, out, lse, scale=0.1, band=band)
+    with tuning.override(ws_bwd=True):
+        fast = tf.triton_backward(do, q, k, v, out, lse, scale=0.1, band=band)
     det = tf.triton_backward(do, q, k, v, out, lse, scale=0.1, band=band, deterministic=True)
     for a, b in zip(fast, det):
         assert float((a.float() - b.float()).abs().max()) < 2e-2 * float(b.float().abs().max())
-
-
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("band", ["full", "causal", "two_sided"])
-def test_ws_bwd_atomic_dq_matches_oracle(ws_switches, monkeypatch, D, band):
-    """dQ by float32 atomics from registers (``WS_BWD_DQ_TMA = False``, the A/B path of the bulk reduction):
-    the oracle rule, with ragged lengths and GQA."""
-    tf = ws_switches
-    monkeypatch.setattr(tf, "WS_BWD_DQ_TMA", False)
-    tf.FORCE_WS_BWD = True
-    lo, hi = BANDS[band]
-    g = torch.Generator(device="cuda").manual_seed(D)
-    q = torch.randn(2, 4, 1000, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    k = torch.randn(2, 2, 1000, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(2, 2, 1000, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    do = torch.randn(2, 4, 1000, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    _check(tf, q, k, v, do, tf.Band(lo, hi), 1.0 / math.sqrt(D))

@@ -1,6 +1,6 @@
 """GPU tests of the warp-specialised forward (`kernels.flash_fwd_ws`, Gluon; Hopper only, skipped elsewhere).
 
-test_triton_gpu.py runs the whole matrix through `triton_attention`, which takes this kernel for the inputs it
+test_flash_kernels.py runs the whole matrix through `triton_attention`, which takes this kernel for the inputs it
 supports (fp16/bf16, D in {64, 128}) on an sm_90 GPU. Here: that it is really the kernel taken there, and
 that it agrees with the Triton forward and with the float64 oracle on the shapes that stress its pipeline
 (many key tiles per ring slot, runs of length 0 and 1, ragged tails, GQA, the flash_attn_func layout).
@@ -9,12 +9,11 @@ that it agrees with the Triton forward and with the float64 oracle on the shapes
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-os.environ.setdefault("LONGCTX_TRITON_AUTOTUNE", "0")
+from longctx import tuning
 
 
 def _hopper() -> bool:
@@ -23,6 +22,14 @@ def _hopper() -> bool:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs an sm_90 (Hopper) GPU")]
 
+
+@pytest.fixture(autouse=True)
+def _untuned():
+    """The first tile of each list: autotuning would time every config of the matrix."""
+    with tuning.override(autotune=False):
+        yield
+
+
 BANDS = {"full": (None, None), "causal": (None, 0), "window": (-300, 0), "two_sided": (-77, 130)}
 
 
@@ -30,7 +37,6 @@ def test_ws_is_taken(ws_switches, count_calls):
     tf = ws_switches
     calls = count_calls(tf, "_forward_ws")
     q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
-    tf.FORCE_WS = None
     tf.triton_forward(q, q, q, scale=0.1, band=tf.Band(None, None))
     assert calls, "the warp-specialised forward was not used for bf16 D=128 on Hopper"
 
@@ -44,17 +50,16 @@ def test_ws_matches_oracle(ws_switches, dtype, D, cfg, band, sq, sk):
     from longctx.reference.naive import naive_attention
 
     tf = ws_switches
-    tf.WS_CONFIG[D] = cfg
     lo, hi = BANDS[band]
     g = torch.Generator(device="cuda").manual_seed(sq * 7 + sk)
     q = torch.randn(2, 4, sq, D, device="cuda", dtype=dtype, generator=g)
     k = torch.randn(2, 2, sk, D, device="cuda", dtype=dtype, generator=g) * 2  # GQA 4/2, scores that grow
     v = torch.randn(2, 2, sk, D, device="cuda", dtype=dtype, generator=g)
     scale = 1.0 / math.sqrt(D)
-    tf.FORCE_WS = True
-    out, lse = tf.triton_forward(q, k, v, scale=scale, band=tf.Band(lo, hi))
-    tf.FORCE_WS = False
-    out_t, lse_t = tf.triton_forward(q, k, v, scale=scale, band=tf.Band(lo, hi))
+    with tuning.override(ws=True, ws_config=cfg):
+        out, lse = tf.triton_forward(q, k, v, scale=scale, band=tf.Band(lo, hi))
+    with tuning.override(ws=False):
+        out_t, lse_t = tf.triton_forward(q, k, v, scale=scale, band=tf.Band(lo, hi))
     ref, ref_lse = naive_attention(q, k, v, scale=scale, band=tf.Band(lo, hi), upcast=torch.float64)
     low, _ = naive_attention(q, k, v, scale=scale, band=tf.Band(lo, hi), upcast=None)
     fin = torch.isfinite(ref_lse)
@@ -74,10 +79,10 @@ def test_ws_bshd_layout(ws_switches):
     B, S, H, D = 2, 777, 4, 128
     x = [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     q, k, v = (t.transpose(1, 2) for t in x)  # (B, H, S, D) views of the flash_attn_func layout
-    tf.FORCE_WS = True
-    out, lse = tf.triton_forward(q, k, v, scale=0.088, band=tf.Band(None, 0))
+    with tuning.override(ws=True):
+        out, lse = tf.triton_forward(q, k, v, scale=0.088, band=tf.Band(None, 0))
     assert out.stride() == q.stride()
-    tf.FORCE_WS = False
-    out_t, lse_t = tf.triton_forward(q, k, v, scale=0.088, band=tf.Band(None, 0))
+    with tuning.override(ws=False):
+        out_t, lse_t = tf.triton_forward(q, k, v, scale=0.088, band=tf.Band(None, 0))
     assert float((out.float() - out_t.float()).abs().max()) < 2e-2
     assert float((lse - lse_t).abs().max()) < 1e-3

@@ -42,8 +42,8 @@ CASES = {
     # shapes: every case above forces it; these run the separate dK/dV + dQ kernels instead
     "separate_gqa_causal_d32_f16": (1, 4, 2, 37, 53, 32, "float16", {"causal": True}, {"atomic": False}),
     "separate_window_d40_f32": (2, 2, 1, 45, 45, 40, "float32", {"window": (7, 3)}, {"atomic": False}),
-    # the forward's tensor-descriptor variants (K/V through TMA descriptors built in the kernel or on the host,
-    # the hand-pipelined QK^T); keys scaled up along the sequence (the running max keeps growing) in one
+    # the forward's tensor-descriptor variants (K/V through TMA descriptors built on the host, or in the kernel for
+    # broadcast views; the hand-pipelined QK^T); keys scaled up along the sequence (the running max keeps growing)
     "tma_causal_gqa_d16_f32": (1, 4, 2, 50, 50, 16, "float32", {"causal": True}, {"tma": True}),
     "tma_host_window_d32_f16": (2, 2, 1, 45, 61, 32, "float16", {"window": (9, 4)}, {"tma": True, "tma_host": True}),
     "tma_host_bshd_causal_d16_f32": (
@@ -57,7 +57,17 @@ CASES = {
         {"causal": True},
         {"tma": True, "tma_host": True, "layout": "bshd"},
     ),
-    "tma_pipe_full_d16_f32": (1, 2, 1, 40, 77, 16, "float32", {"causal": False}, {"tma": True, "pipe": True}),
+    "tma_pipe_full_d16_f32": (
+        2,
+        2,
+        1,
+        40,
+        77,
+        16,
+        "float32",
+        {"causal": False},
+        {"tma": True, "pipe": True, "broadcast_kv": True},
+    ),
     # K/V broadcast over batch (stride 0): the host descriptor is not used for such views, the result is the same
     "tma_host_broadcast_kv_d16_f32": (
         2,
@@ -89,69 +99,68 @@ _SCRIPT = textwrap.dedent(
     import torch
     import longctx
     from longctx.masks import Band
-    from longctx.reference.naive import naive_attention
-    from longctx.launchers import flash as triton_flash
-    from longctx.launchers import runtime
+    from longctx import tuning
     from longctx.ops.flash import triton_attention
+    from longctx.reference.naive import naive_attention
 
     cases = json.loads(sys.argv[1])
     for name, (B, Hq, Hkv, Sq, Sk, D, dt, bk, extra) in cases.items():
         try:
-            triton_flash.FORCE_ATOMIC = extra.get("atomic", True)
-            runtime.TMA_IN_INTERPRETER = extra.get("tma", False)
-            triton_flash.EXTRA_KWARGS["fwd"] = {"TMA_HOST": extra.get("tma_host", False),
-                                                "PIPE_QK": extra.get("pipe", False)}
-            torch.manual_seed(zlib.crc32(name.encode()) % 1000)
-            dtype = getattr(torch, dt)
+            # the interpreter's tile, with the hand-pipelined QK^T where the case asks for it
+            with tuning.override(atomic_dq=extra.get("atomic", True), tma_in_interpreter=extra.get("tma", False),
+                                 tiles={"fwd": (16, 16, 4, 1, extra.get("pipe", False))}):
+                torch.manual_seed(zlib.crc32(name.encode()) % 1000)
+                dtype = getattr(torch, dt)
 
-            def mk(H, S):
-                if extra.get("layout") == "bshd":
-                    return torch.randn(B, S, H, D, dtype=dtype).transpose(1, 2)
-                return torch.randn(B, H, S, D, dtype=dtype)
+                def mk(H, S):
+                    if extra.get("layout") == "bshd":
+                        return torch.randn(B, S, H, D, dtype=dtype).transpose(1, 2)
+                    return torch.randn(B, H, S, D, dtype=dtype)
 
-            q, k, v = mk(Hq, Sq), mk(Hkv, Sk), mk(Hkv, Sk)
-            if extra.get("broadcast_kv"):
-                k, v = k[:1].expand_as(k), v[:1].expand_as(v)
-            if "grow" in extra:  # key j scaled by 1 + grow * j / Sk: the row max keeps growing along the keys
-                k = (k.double() * (1 + extra["grow"] * torch.arange(Sk, dtype=torch.float64) / Sk)[:, None]).to(dtype)
-            scale = 1.0 / math.sqrt(D)
-            if "band" in bk:
-                band = Band(*bk["band"])
-            else:
-                band = Band.from_args(Sq, Sk, causal=bk.get("causal", False), window=bk.get("window"))
-            qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-            if "band" in bk:
-                out, lse = triton_attention(qg, kg, vg, scale=scale, band=band,
-                                            deterministic=extra.get("deterministic", False))
-            else:
-                # the public entry point, pinned to the backend
-                out, lse = longctx.attention(qg, kg, vg, causal=bk.get("causal", False), window=bk.get("window"),
-                                             backend="triton", return_lse=True,
-                                             deterministic=extra.get("deterministic", False))
-            do = torch.randn_like(out)
-            w = torch.randn(B, Hq, Sq, dtype=torch.float64)
+                q, k, v = mk(Hq, Sq), mk(Hkv, Sk), mk(Hkv, Sk)
+                if extra.get("broadcast_kv"):
+                    k, v = k[:1].expand_as(k), v[:1].expand_as(v)
+                if "grow" in extra:  # key j scaled by 1 + grow * j / Sk: the row max keeps growing along the keys
+                    growth = 1 + extra["grow"] * torch.arange(Sk, dtype=torch.float64) / Sk
+                    k = (k.double() * growth[:, None]).to(dtype)
+                scale = 1.0 / math.sqrt(D)
+                if "band" in bk:
+                    band = Band(*bk["band"])
+                else:
+                    band = Band.from_args(Sq, Sk, causal=bk.get("causal", False), window=bk.get("window"))
+                qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+                if "band" in bk:
+                    out, lse = triton_attention(qg, kg, vg, scale=scale, band=band,
+                                                deterministic=extra.get("deterministic", False))
+                else:
+                    # the public entry point, pinned to the backend
+                    out, lse = longctx.attention(qg, kg, vg, causal=bk.get("causal", False), window=bk.get("window"),
+                                                 backend="triton", return_lse=True,
+                                                 deterministic=extra.get("deterministic", False))
+                do = torch.randn_like(out)
+                w = torch.randn(B, Hq, Sq, dtype=torch.float64)
 
-            def loss(o, l):
-                val = (o.double() * do.double()).sum()
-                if extra.get("lse_grad"):
-                    val = val + (torch.where(torch.isfinite(l), l, 0).double() * w).sum()
-                return val
+                def loss(o, l):
+                    val = (o.double() * do.double()).sum()
+                    if extra.get("lse_grad"):
+                        val = val + (torch.where(torch.isfinite(l), l, 0).double() * w).sum()
+                    return val
 
-            grads = torch.autograd.grad(loss(out, lse), (qg, kg, vg))
-            q6, k6, v6 = (t.detach().double().requires_grad_() for t in (q, k, v))
-            ro, rl = naive_attention(q6, k6, v6, scale=scale, band=band)
-            rgrads = torch.autograd.grad(loss(ro, rl), (q6, k6, v6))
-            errs, finite_ok = {}, True
-            for key, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (ro, rl, *rgrads)):
-                a, b = a.detach().double(), b.detach().double()
-                fin = torch.isfinite(b)
-                finite_ok &= bool(torch.equal(torch.isfinite(a), fin))
-                diff = (a[fin] - b[fin]).abs().max().item() if fin.any() else 0.0
-                mag = max(1.0, b[fin].abs().max().item() if fin.any() else 1.0)
-                errs[key] = diff / mag
-            masked_rows = bool((rl == float("-inf")).any())
-            zero_rows = bool((out.detach()[rl == float("-inf")] == 0).all()) if masked_rows else True
-            res = {"errs": errs, "finite_ok": finite_ok, "zero_rows": zero_rows, "masked_rows": masked_rows}
+                grads = torch.autograd.grad(loss(out, lse), (qg, kg, vg))
+                q6, k6, v6 = (t.detach().double().requires_grad_() for t in (q, k, v))
+                ro, rl = naive_attention(q6, k6, v6, scale=scale, band=band)
+                rgrads = torch.autograd.grad(loss(ro, rl), (q6, k6, v6))
+                errs, finite_ok = {}, True
+                for key, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (ro, rl, *rgrads)):
+                    a, b = a.detach().double(), b.detach().double()
+                    fin = torch.isfinite(b)
+                    finite_ok &= bool(torch.equal(torch.isfinite(a), fin))
+                    diff = (a[fin] - b[fin]).abs().max().item() if fin.any() else 0.0
+                    mag = max(1.0, b[fin].abs().max().item() if fin.any() else 1.0)
+                    errs[key] = diff / mag
+                masked_rows = bool((rl == float("-inf")).any())
+                zero_rows = bool((out.detach()[rl == float("-inf")] == 0).all()) if masked_rows else True
+                res = {"errs": errs, "finite_ok": finite_ok, "zero_rows": zero_rows, "masked_rows": masked_rows}
         except Exception as exc:  # reported per case
             res = {"error": f"{type(exc).__name__}: {exc}"}
         print("CASE " + json.dumps({"name": name, **res}), flush=True)

@@ -2,7 +2,8 @@
 it and the backward (`kernels.flash_bwd_ws`) compile for sm_90a within shared memory, with their register budgets
 and no spills beyond the known ones (Triton compiles for a GPU target without one; cuobjdump ships with Triton).
 
-The kernels themselves run only on Hopper GPUs: tests/gpu/test_ws_gpu.py and tests/gpu/test_triton_gpu.py run them.
+The kernels themselves run only on Hopper GPUs: tests/gpu/test_hopper_forward.py, test_hopper_backward.py and
+test_flash_kernels.py run them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import subprocess
 import pytest
 import torch
 
+from longctx import tuning
 from longctx.launchers import flash as tf
 from longctx.launchers import runtime
 
@@ -21,20 +23,21 @@ from longctx.launchers import runtime
 @pytest.mark.parametrize(
     "D,S,lo,hi,expected",
     [
-        (128, 16384, False, False, tf.WS_CONFIG[128]),
-        (128, 1024, False, False, tf.WS_CONFIG[128]),  # dense: faster at every length measured
-        (128, 8192, False, True, tf.WS_CONFIG[128]),
-        (128, 4096, False, True, tf.WS_CONFIG_SHORT_CAUSAL[128]),
+        (128, 16384, False, False, tuning.WS_CONFIG[128]),
+        (128, 1024, False, False, tuning.WS_CONFIG[128]),  # dense: faster at every length measured
+        (128, 8192, False, True, tuning.WS_CONFIG[128]),
+        (128, 4096, False, True, tuning.WS_CONFIG_SHORT_CAUSAL[128]),
         (128, 2048, False, True, None),  # short causal: the Triton forward measured faster
-        (128, 8192, True, True, tf.WS_CONFIG[128]),  # windows / shifted bands: like causal
-        (64, 8192, False, False, tf.WS_CONFIG[64]),
+        (128, 8192, True, True, tuning.WS_CONFIG[128]),  # windows / shifted bands: like causal
+        (64, 8192, False, False, tuning.WS_CONFIG[64]),
         (64, 16384, False, True, None),  # D=64 with a band: the Triton forward
         (256, 16384, False, False, None),  # no config: the Triton forward
         (96, 4096, False, False, None),
     ],
 )
 def test_ws_config_rule(D, S, lo, hi, expected):
-    assert tf._ws_config(D, S, S, lo, hi) == expected
+    assert tuning.ws_fwd_config(D, S, S, lo or hi) == expected
+    assert tf._ws_config(D, S, S, lo, hi) == expected  # what the launcher takes, with no override set
 
 
 def test_ws_not_taken_on_cpu_tensors():
@@ -96,7 +99,7 @@ def _check_resources(k, tmp_path) -> list[tuple[int, int]]:
 def test_ws_compiles_for_sm90_without_spills(D, causal, tmp_path, sm90_compile):
     from longctx.kernels.gluon import flash_fwd_ws as ws
 
-    block_n, stages, pipe = tf.WS_CONFIG[D]
+    block_n, stages, pipe = tuning.ws_fwd_config(D, 8192, 8192, causal)
     t = torch.empty(1, 1, 256, D, dtype=torch.bfloat16)
     consts = dict(HEAD_DIM=D, BLOCK_D=D, HAS_LO=False, HAS_HI=causal, LONGEST_FIRST=causal, BLOCK_N=block_n,
                   STAGES=stages, PIPE=pipe, CONSUMER_REGS=240, PRODUCER_REGS=24)  # fmt: skip
@@ -120,13 +123,13 @@ BWD_STACK_BOUND = {64: 0, 128: 512}
 def test_ws_bwd_compiles_for_sm90(D, causal, tmp_path, sm90_compile):
     from longctx.kernels.gluon import flash_bwd_ws as ws
 
-    block_m, stages, early_dv = tf.WS_BWD_CONFIG[D]
+    block_m, stages, early_dv = tuning.ws_bwd_config(D)
     block_n = int(ws.WG_ROWS) * int(ws.NUM_CONSUMERS)
     t = torch.empty(1, 1, 256, D, dtype=torch.bfloat16)
     # lse2 / Delta: (B, Hq, Sq padded to 4) float32
     desc_rows = runtime._gluon_rows_desc(torch.empty(1, 1, 256, dtype=torch.float32), block_m)
     consts = dict(BLOCK_D=D, HAS_LO=False, HAS_HI=causal, BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv,
-                  CONSUMER_REGS=240, PRODUCER_REGS=24, DQ_TMA=tf.WS_BWD_DQ_TMA)  # fmt: skip
+                  CONSUMER_REGS=240, PRODUCER_REGS=24)  # fmt: skip
     descs = {"desc_q": runtime._gluon_desc(t, block_m), "desc_k": runtime._gluon_desc(t, block_n),
              "desc_v": runtime._gluon_desc(t, block_n), "desc_do": runtime._gluon_desc(t, block_m),
              "desc_lse2": desc_rows, "desc_delta": desc_rows, "desc_dqa": _dqa_desc(D, block_m)}  # fmt: skip
@@ -144,7 +147,7 @@ def _dqa_desc(D: int, block_m: int):
 
 
 def _check_dq_by_bulk_reduction(k) -> None:
-    """dQ leaves the backward by the copy engine's bulk reduction (tf.WS_BWD_DQ_TMA), never by element atomics."""
+    """dQ leaves the backward by the copy engine's bulk reduction, never by element atomics."""
     ptx = k.asm["ptx"]
     assert "cp.reduce.async.bulk.tensor" in ptx and ".add" in ptx
     # (the persistent kernels' one integer atomic is their work ticket)
