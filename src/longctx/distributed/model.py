@@ -152,21 +152,27 @@ class ContextParallel:
 
         logits (B, S/P, V), labels (B, S/P), loss_mask (B, S/P) or None. ``loss`` = sum of this rank's
         token losses / the number of counted tokens over the whole group, so the shares of all ranks add up
-        to the single-process mean; call `allreduce_gradients` after backward.
+        to the single-process mean; call `allreduce_gradients` after backward. A model that computes its loss
+        without logits (``GPT(..., labels=, reduction="sum")``) passes its local sum to `share_of_mean`.
         """
         per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
         if loss_mask is not None:
             m = loss_mask.flatten().to(per_token.dtype)
-            local_sum, local_count = (per_token * m).sum(), m.sum()
-        else:
-            local_sum = per_token.sum()
-            local_count = torch.tensor(float(per_token.numel()), device=per_token.device)
-        stats = torch.stack([local_sum.detach(), local_count.detach()]).to(torch.float64)
+            return self.share_of_mean((per_token * m).sum(), m.sum())
+        return self.share_of_mean(per_token.sum(), per_token.numel())
+
+    def share_of_mean(
+        self, local_sum: torch.Tensor, local_count: torch.Tensor | float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss, loss_value)`` from this rank's summed token loss and its number of counted tokens: the
+        differentiable share ``local_sum / global count`` and the global mean (detached, float32)."""
+        count = torch.as_tensor(local_count, dtype=torch.float64, device=local_sum.device).detach()
+        stats = torch.stack([local_sum.detach().to(torch.float64), count])
         if self.world > 1:
             info = group_info(self.group)
-            stats = stats.to(comm_device(info, logits))
+            stats = stats.to(comm_device(info, local_sum))
             dist.all_reduce(stats, group=self.group)
-        total_sum, total_count = stats[0].to(per_token.device), stats[1].clamp_min(1.0).to(per_token.device)
+        total_sum, total_count = stats[0].to(local_sum.device), stats[1].clamp_min(1.0).to(local_sum.device)
         loss = local_sum / total_count.to(local_sum.dtype)
         return loss, (total_sum / total_count).to(torch.float32)
 

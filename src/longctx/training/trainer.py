@@ -161,17 +161,17 @@ class Trainer:
     def forward_backward(self, batch: Batch) -> torch.Tensor:
         """Loss of ``batch`` and its gradients; returns the loss over the whole batch (detached)."""
         if self.cp is None:
-            with self.autocast():
-                logits = self.model(batch.inputs)  # (B, S, V)
-            loss = lm_loss(logits, batch.labels, batch.loss_mask)
+            with self.autocast():  # the loss without the (B, S, V) logits: longctx.linear_cross_entropy
+                loss = self.model(batch.inputs, labels=batch.labels, loss_mask=batch.loss_mask)
             loss.backward()
             return loss.detach()
         # Context parallelism: this rank's shard of every sequence, at its global positions. The loss this rank
         # differentiates is its part of the global mean; the one it reports is the global mean itself.
         inputs, labels, mask, pos = self.cp.shard_batch(batch.inputs, batch.labels, batch.loss_mask)
         with self.autocast():
-            logits = self.model(inputs, position_ids=pos)  # (B, S / ranks, V)
-        loss, loss_report = self.cp.loss(logits, labels, mask)
+            local_sum = self.model(inputs, position_ids=pos, labels=labels, loss_mask=mask, reduction="sum")
+        count = labels.numel() if mask is None else mask.sum()
+        loss, loss_report = self.cp.share_of_mean(local_sum, count)
         loss.backward()
         self.cp.allreduce_gradients(self.model)
         return loss_report.detach()
