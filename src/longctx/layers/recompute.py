@@ -38,6 +38,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from longctx.layers.offload import ActivationOffloader, OffloadedCheckpoint
+
 __all__ = [
     "GRANULARITIES",
     "METHODS",
@@ -134,9 +136,21 @@ def checkpoint_call(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def run_layers(
-    layers: nn.ModuleList, x: torch.Tensor, chunks: list[Chunk], *args: Any, active: bool = True
+    layers: nn.ModuleList,
+    x: torch.Tensor,
+    chunks: list[Chunk],
+    *args: Any,
+    active: bool = True,
+    offloader: ActivationOffloader | None = None,
+    offload_layers: int = 0,
 ) -> torch.Tensor:
-    """Run ``x = layer(x, *args)`` through every layer, checkpointing the chunks that say so when ``active``."""
+    """Run ``x = layer(x, *args)`` through every layer, checkpointing the chunks that say so when ``active``.
+
+    With an ``offloader``, the checkpointed chunks within the first ``offload_layers`` layers keep their input in
+    pinned host memory instead of on the device (`longctx.layers.offload`).
+    """
+    if offloader is not None and active:
+        offloader.begin()
 
     def run_chunk(start: int, end: int) -> Callable[..., torch.Tensor]:
         def fn(h: torch.Tensor, *a: Any) -> torch.Tensor:
@@ -147,7 +161,9 @@ def run_layers(
         return fn
 
     for c in chunks:
-        if c.checkpointed and active:
+        if c.checkpointed and active and offloader is not None and c.end <= offload_layers:
+            x = OffloadedCheckpoint.apply(run_chunk(c.start, c.end), offloader, x, *args)
+        elif c.checkpointed and active:
             x = checkpoint_call(run_chunk(c.start, c.end), x, *args)
         else:
             x = run_chunk(c.start, c.end)(x, *args)

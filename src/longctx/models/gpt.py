@@ -30,6 +30,7 @@ from longctx.layers.attention import CoreAttentionFn, SelfAttention
 from longctx.layers.loss import linear_cross_entropy
 from longctx.layers.mlp import SwiGLUMLP
 from longctx.layers.norms import RMSNorm
+from longctx.layers.offload import ActivationOffloader
 from longctx.layers.recompute import (
     checkpoint_call,
     plan_layers,
@@ -76,6 +77,13 @@ class GPTConfig:
     # recomputed in the backward, so the layer's working set is one chunk's (chunk, ffn) intermediates instead of
     # (S, ffn); None runs it whole
     sequence_chunk_size: int | None = None
+    # Megatron's activation offloading: the inputs that fully recomputed layers keep for backward go to pinned host
+    # memory, copied on a side stream behind the compute and back one layer ahead of its backward
+    # (longctx.layers.offload). Needs recompute_granularity="full"; cpu_offloading_num_layers: the first N layers
+    # (default: every layer); only activations are offloaded (cpu_offloading_activations must stay True).
+    cpu_offloading: bool = False
+    cpu_offloading_num_layers: int | None = None
+    cpu_offloading_activations: bool = True
     share_embeddings_and_output_weights: bool = True  # tied input and output embeddings
     rotary_base: float = 10000.0
     layernorm_epsilon: float = 1e-5
@@ -123,6 +131,29 @@ class GPTConfig:
         validate_recompute(
             self.recompute_granularity, self.recompute_method, self.recompute_num_layers, self.num_layers
         )
+        for name in ("cpu_offloading", "cpu_offloading_activations", "share_embeddings_and_output_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        n_off = self.cpu_offloading_num_layers
+        if n_off is not None and (
+            isinstance(n_off, bool) or not isinstance(n_off, int) or not 1 <= n_off <= self.num_layers
+        ):
+            raise ValueError(
+                f"GPTConfig.cpu_offloading_num_layers must be an int in [1, num_layers={self.num_layers}] or None "
+                f"(every layer), got {n_off!r}"
+            )
+        if self.cpu_offloading:
+            if self.recompute_granularity != "full":
+                raise ValueError(
+                    "cpu_offloading moves the inputs of fully recomputed layers to host memory: set "
+                    "recompute_granularity='full' (with recompute_method and recompute_num_layers), got "
+                    f"recompute_granularity={self.recompute_granularity!r}"
+                )
+            if not self.cpu_offloading_activations:
+                raise ValueError(
+                    "cpu_offloading offloads activations only: cpu_offloading_activations=False would offload "
+                    "nothing (weight offloading is not supported)"
+                )
         if not (self.layernorm_epsilon > 0 and self.rotary_base > 0 and self.init_method_std > 0):
             raise ValueError("layernorm_epsilon, rotary_base and init_method_std must be positive")
 
@@ -270,6 +301,8 @@ class GPT(nn.Module):
     def _apply_recompute(self) -> None:
         c = self.config
         self._chunks = plan_layers(c.recompute_granularity, c.recompute_method, c.recompute_num_layers, c.num_layers)
+        self._offloader = ActivationOffloader() if c.cpu_offloading else None
+        self._offload_layers = (c.cpu_offloading_num_layers or c.num_layers) if c.cpu_offloading else 0
         for layer in self.layers:
             layer.self_attention.recompute_core_attention = c.recompute_granularity == "selective"
 
@@ -315,7 +348,10 @@ class GPT(nn.Module):
         cos, sin = self.rotary(position_ids)  # (S, D) or (B, S, D), float32
 
         x = self.embedding_dropout(self.embedding(tokens))  # (B, S, h)
-        x = run_layers(self.layers, x, self._chunks, cos, sin, active=recompute_active(self))
+        x = run_layers(
+            self.layers, x, self._chunks, cos, sin, active=recompute_active(self),
+            offloader=self._offloader, offload_layers=self._offload_layers,
+        )  # fmt: skip
         return self.final_layernorm(x)  # (B, S, h)
 
     def forward(

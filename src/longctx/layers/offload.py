@@ -1,0 +1,181 @@
+"""Activation offloading: the input a checkpointed chunk of layers keeps for backward, in pinned host memory.
+
+With full recomputation every checkpointed chunk keeps one hidden state (B, S, h) for its backward: at S = 512K
+and h = 1024 in bf16 that is 1 GiB per chunk, 24 GiB for 24 layers, the largest item of the peak once the layers'
+own activations are recomputed. `OffloadedCheckpoint` runs a chunk like a checkpoint (no activations saved, the
+chunk recomputed in the backward) but hands its input to an `ActivationOffloader`, which copies it to pinned host
+memory on a side stream while the next chunks compute, and copies it back on the side stream one chunk ahead of
+the backward that needs it: while chunk i recomputes and differentiates, chunk i-1's input is on its way.
+
+Gradients are bitwise those of the same recomputation without offloading: the copies are exact and the
+recomputation replays the chunk with the RNG state and autocast settings of its forward (dropout draws the same
+masks). Like PyTorch's reentrant checkpoint, the recomputed chunk is differentiated inside the backward with
+`torch.autograd.backward`, so parameter gradients accumulate into ``.grad``: use ``loss.backward()``, not
+``torch.autograd.grad``.
+
+On a CPU device there is no host memory to move to: the offloader keeps the tensor as it is (the same code path,
+for tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["ActivationOffloader", "OffloadedCheckpoint", "host_memory_available"]
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available for new allocations (MemAvailable of /proc/meminfo), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class ActivationOffloader:
+    """Slots of tensors moved to pinned host memory and back, in forward order; one per checkpointed chunk.
+
+    ``offload(x) -> slot`` starts the device-to-host copy on a side stream; ``fetch(slot)`` returns the tensor on
+    the device (waiting for its copy back, which `prefetch` started earlier) and starts the copy of ``slot - 1``,
+    the chunk whose backward comes next. Pinned buffers are kept from one step to the next (pinning is slow).
+
+    Args:
+        reserve_bytes: host memory to leave free; offloading a tensor that would cut into it raises ValueError.
+    """
+
+    def __init__(self, reserve_bytes: int = 8 << 30) -> None:
+        self.reserve_bytes = reserve_bytes
+        self._buffers: list[torch.Tensor] = []  # pinned host buffers, by slot, reused across steps
+        self._slots: list[dict[str, Any]] = []
+        self._stream: torch.cuda.Stream | None = None
+
+    def begin(self) -> None:
+        """Start a new forward: slots are numbered from 0 again (the buffers stay)."""
+        self._slots = []
+
+    @property
+    def host_bytes(self) -> int:
+        """Pinned host memory held."""
+        return sum(b.numel() * b.element_size() for b in self._buffers)
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    def _buffer(self, slot: int, x: torch.Tensor) -> torch.Tensor:
+        if slot < len(self._buffers):
+            buf = self._buffers[slot]
+            if buf.shape == x.shape and buf.dtype == x.dtype:
+                return buf
+        need = x.numel() * x.element_size()
+        avail = host_memory_available()
+        if avail is not None and avail - need < self.reserve_bytes:
+            raise ValueError(
+                f"cpu_offloading needs {need / 2**30:.2f} GiB more pinned host memory for layer chunk {slot} "
+                f"({self.host_bytes / 2**30:.2f} GiB held), but only {avail / 2**30:.2f} GiB is available and "
+                f"{self.reserve_bytes / 2**30:.0f} GiB is kept free: offload fewer layers (cpu_offloading_num_layers), "
+                "use a shorter sequence, or a machine with more host memory"
+            )
+        buf = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
+        if slot < len(self._buffers):
+            self._buffers[slot] = buf
+        else:
+            self._buffers.append(buf)
+        return buf
+
+    def offload(self, x: torch.Tensor) -> int:
+        """Start moving ``x`` to host memory; returns its slot. ``x`` itself may be freed by the caller."""
+        slot = len(self._slots)
+        if x.device.type != "cuda":
+            self._slots.append({"tensor": x})
+            return slot
+        buf = self._buffer(slot, x)
+        stream = self._side_stream(x.device)
+        stream.wait_stream(torch.cuda.current_stream(x.device))  # x is written
+        with torch.cuda.stream(stream):
+            buf.copy_(x, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        x.record_stream(stream)  # its memory is not reused before the copy has read it
+        self._slots.append({"host": buf, "d2h": done, "device": x.device})
+        return slot
+
+    def prefetch(self, slot: int) -> None:
+        """Start copying ``slot`` back to the device (a no-op if started, or out of range)."""
+        if not 0 <= slot < len(self._slots):
+            return
+        entry = self._slots[slot]
+        if "host" not in entry or "tensor" in entry:
+            return
+        stream = self._side_stream(entry["device"])
+        with torch.cuda.stream(stream):
+            stream.wait_event(entry["d2h"])
+            t = torch.empty(entry["host"].shape, dtype=entry["host"].dtype, device=entry["device"])
+            t.copy_(entry["host"], non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        entry["tensor"], entry["h2d"] = t, ready
+
+    def fetch(self, slot: int) -> torch.Tensor:
+        """The tensor of ``slot`` on its device, ready for the current stream; prefetches ``slot - 1``."""
+        self.prefetch(slot)
+        entry = self._slots[slot]
+        t = entry.pop("tensor")
+        if "h2d" in entry:
+            current = torch.cuda.current_stream(t.device)
+            current.wait_event(entry.pop("h2d"))
+            t.record_stream(current)  # allocated on the side stream, used and freed on this one
+        self.prefetch(slot - 1)
+        return t
+
+
+def _autocast_state(device_type: str) -> dict[str, Any] | None:
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return {"dtype": torch.get_autocast_dtype(device_type), "cache_enabled": torch.is_autocast_cache_enabled()}
+
+
+class OffloadedCheckpoint(torch.autograd.Function):
+    """``run_fn(x, *args)`` keeping nothing for backward but ``args`` (small, e.g. RoPE tables) and ``x`` in the
+    offloader's host memory; recomputed and differentiated in the backward."""
+
+    @staticmethod
+    def forward(ctx, run_fn: Callable[..., torch.Tensor], offloader: ActivationOffloader, x: torch.Tensor, *args):
+        dev = x.device
+        ctx.run_fn, ctx.offloader, ctx.device = run_fn, offloader, dev
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.cuda_rng = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None
+        ctx.autocast = _autocast_state(dev.type)
+        ctx.x_requires_grad = x.requires_grad
+        with torch.no_grad():
+            y = run_fn(x, *args)
+        ctx.slot = offloader.offload(x)
+        ctx.save_for_backward(*args)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        x = ctx.offloader.fetch(ctx.slot).detach().requires_grad_(ctx.x_requires_grad)
+        args = ctx.saved_tensors
+        dev = ctx.device
+        devices = [dev] if dev.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=dev.type if devices else "cuda"):
+            torch.set_rng_state(ctx.cpu_rng)
+            if ctx.cuda_rng is not None:
+                torch.cuda.set_rng_state(ctx.cuda_rng, dev)
+            autocast = (
+                torch.autocast(dev.type, **ctx.autocast) if ctx.autocast is not None else contextlib.nullcontext()
+            )
+            with torch.enable_grad(), autocast:
+                y = ctx.run_fn(x, *args)
+        torch.autograd.backward(y, grad_y)
+        return (None, None, x.grad if ctx.x_requires_grad else None, *(None for _ in args))
