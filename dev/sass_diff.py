@@ -49,7 +49,7 @@ def _module(*names: str):
     raise ModuleNotFoundError(f"none of {names}")
 
 
-def _sass(kernel, workdir: str) -> tuple[str, int, int]:
+def _sass(kernel, workdir: str) -> tuple[str, int, int, str]:
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -59,13 +59,13 @@ def _sass(kernel, workdir: str) -> tuple[str, int, int]:
     text = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
     lines = []
     for line in text.splitlines():
-        line = re.sub(r"/\*[0-9a-fx]+\*/", "", line)  # addresses and encodings
+        line = re.sub(r"/\*\s*[0-9a-fx]+\s*\*/", "", line)  # addresses and encodings
         line = line.strip().rstrip(";").strip()
         if line and not line.startswith(("Fatbin", "code for", "arch =", "code version", "host =", "compile_size")):
             lines.append(" ".join(line.split()))
     body = "\n".join(lines)
     n_instr = sum(1 for ln in lines if ln[0].isupper() or ln[0] == "@")
-    return hashlib.sha256(body.encode()).hexdigest()[:16], n_instr, int(kernel.metadata.shared)
+    return hashlib.sha256(body.encode()).hexdigest()[:16], n_instr, int(kernel.metadata.shared), body
 
 
 def _compile(fn, consts: dict, types: dict, options: dict, gluon: bool = False):
@@ -198,6 +198,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("tree", help="a source tree: the folder holding src/longctx")
     parser.add_argument("-k", default="", help="only the cases whose name contains this")
+    parser.add_argument("--dump", default="", help="a folder: write each case's stripped SASS there, to diff")
     args = parser.parse_args()
     sys.path.insert(0, os.path.join(os.path.abspath(args.tree), "src"))
     import longctx
@@ -208,7 +209,11 @@ def main() -> None:
             if args.k not in name:
                 continue
             try:
-                digest, n, shared = _sass(build(), workdir)
+                digest, n, shared, body = _sass(build(), workdir)
+                if args.dump:
+                    os.makedirs(args.dump, exist_ok=True)
+                    with open(os.path.join(args.dump, name.replace(" ", "_").replace("=", "") + ".sass"), "w") as f:
+                        f.write(body + "\n")
                 print(f"{name:32s} {digest} instr={n} shared={shared}", flush=True)
             except Exception as exc:  # reported per case
                 print(f"{name:32s} ERROR {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
