@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from longctx.distributed.comm import GroupInfo, gather_seq, reduce_scatter_seq
-from longctx.distributed.launchers import Launchers
+from longctx.launchers.select import Launchers
 from longctx.distributed.sharding import local_chunks
 from longctx.masks import Band, TileKind
 

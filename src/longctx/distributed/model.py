@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from longctx.distributed.attention import METHODS, cp_attention
 from longctx.distributed.comm import comm_device, group_info
-from longctx.distributed.launchers import BACKENDS
+from longctx.launchers.select import BACKENDS
 from longctx.distributed.sharding import LAYOUTS, check_divisible, local_positions, shard, unshard
 
 __all__ = [

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from longctx.distributed.comm import GroupInfo, all_to_all
-from longctx.distributed.launchers import Launchers
+from longctx.launchers.select import Launchers
 from longctx.distributed.sharding import global_to_rank_major, reorder_to_global
 from longctx.masks import Band
 

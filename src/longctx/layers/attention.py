@@ -14,6 +14,13 @@ whatever global order its positions have). `GPT.set_core_attention(fn)` installs
 default is `default_core_attention`, i.e. ``longctx.attention(q, k, v, causal=True, backend=...)``.
 A replacement is assumed to be fused (memory linear in S, as ring attention over flash launchers is), so
 selective recomputation leaves it alone; set ``fn.unfused = True`` to have it recomputed.
+
+Recomputation that never recomputes attention (``keep_core_attention``, LightSeq's rematerialization-aware
+checkpointing): inside a chunk run by `longctx.layers.offload.OffloadedCheckpoint`, the forward keeps the core
+attention's output and log-sum-exp, and the recomputed forward in the backward reads them back instead of running
+attention again; the backward of attention (which recomputes the scores anyway) runs from q, k, v, out and lse
+through the launchers of `longctx.launchers.select`. The price is one (B, S, Hq D) output and one (B, Hq, S) float32
+lse kept per layer.
 """
 
 from __future__ import annotations
@@ -25,8 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from longctx.api import attention, explain
+from longctx.launchers.select import resolve_launchers
+from longctx.layers.offload import is_recording, is_replaying
 from longctx.layers.recompute import checkpoint_call, recompute_active
 from longctx.layers.rotary import apply_rotary
+from longctx.masks import Band
 
 __all__ = ["CoreAttentionFn", "SelfAttention", "default_core_attention", "dense_attention_with_dropout"]
 
@@ -58,6 +68,27 @@ def default_core_attention(backend: str = "auto") -> CoreAttentionFn:
 
     core_attention.backend = backend  # type: ignore[attr-defined]
     return core_attention
+
+
+class _KeptAttention(torch.autograd.Function):
+    """``out`` (kept from the forward) as the output of attention over q, k, v; the backward runs the attention
+    backward from the kept ``out`` and ``lse``. q (B, Hq, S, D); k, v (B, Hkv, S, D); lse (B, Hq, S)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, out, lse, scale: float):
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        bwd = resolve_launchers("auto", q.device, q.dtype).backward
+        dq, dk, dv = bwd(dout.contiguous(), q, k, v, out, lse, scale=ctx.scale, band=_CAUSAL)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+_CAUSAL = Band(None, 0)  # causal self-attention: Sq == Sk, key j <= query i
 
 
 class SelfAttention(nn.Module):
@@ -95,6 +126,9 @@ class SelfAttention(nn.Module):
         self.core_attention: CoreAttentionFn = default_core_attention(backend)
         # Set by the recomputation policy (longctx.layers.recompute): checkpoint the core attention when it is unfused.
         self.recompute_core_attention = False
+        # Set by the recomputation policy: keep the attention output for the recomputed forward (see the module doc).
+        self.keep_core_attention = False
+        self._kept: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def set_core_attention(self, fn: CoreAttentionFn | None) -> None:
         """Replace the core attention (None restores ``longctx.attention(causal=True, backend=...)``)."""
@@ -103,6 +137,16 @@ class SelfAttention(nn.Module):
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.attention_dropout > 0 and self.training:
             return dense_attention_with_dropout(q, k, v, self.attention_dropout)
+        if self.keep_core_attention and getattr(self.core_attention, "backend", None) is not None:
+            if is_recording():  # the chunk's forward, whose activations are dropped: keep out and lse
+                out, lse = resolve_launchers("auto", q.device, q.dtype).forward(
+                    q, k, v, scale=self.head_dim**-0.5, band=_CAUSAL
+                )
+                self._kept = (out, lse)
+                return out
+            if is_replaying() and self._kept is not None:  # its recomputation in the backward: read them back
+                (out, lse), self._kept = self._kept, None
+                return _KeptAttention.apply(q, k, v, out, lse, self.head_dim**-0.5)
         return self.core_attention(q, k, v)
 
     def core_is_unfused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

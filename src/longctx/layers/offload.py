@@ -20,12 +20,27 @@ for tests).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["ActivationOffloader", "OffloadedCheckpoint", "host_memory_available"]
+__all__ = ["ActivationOffloader", "OffloadedCheckpoint", "host_memory_available", "is_recording", "is_replaying"]
+
+_REPLAY = threading.local()
+
+
+def is_recording() -> bool:
+    """True while `OffloadedCheckpoint` runs a chunk's forward (whose activations are dropped): a layer may keep a
+    result here that its recomputation in the backward reads back (`is_replaying`)."""
+    return getattr(_REPLAY, "recording", False)
+
+
+def is_replaying() -> bool:
+    """True while `OffloadedCheckpoint` recomputes a chunk in the backward (layers that kept results in their
+    forward, such as the attention output, read them back instead of recomputing)."""
+    return getattr(_REPLAY, "active", False)
 
 
 def host_memory_available() -> int | None:
@@ -92,10 +107,10 @@ class ActivationOffloader:
             self._buffers.append(buf)
         return buf
 
-    def offload(self, x: torch.Tensor) -> int:
-        """Start moving ``x`` to host memory; returns its slot. ``x`` itself may be freed by the caller."""
+    def offload(self, x: torch.Tensor, to_host: bool = True) -> int:
+        """Start moving ``x`` to host memory (``to_host``; else keep it as it is); returns its slot."""
         slot = len(self._slots)
-        if x.device.type != "cuda":
+        if x.device.type != "cuda" or not (self.enabled and to_host):
             self._slots.append({"tensor": x})
             return slot
         buf = self._buffer(slot, x)
@@ -145,20 +160,27 @@ def _autocast_state(device_type: str) -> dict[str, Any] | None:
 
 
 class OffloadedCheckpoint(torch.autograd.Function):
-    """``run_fn(x, *args)`` keeping nothing for backward but ``args`` (small, e.g. RoPE tables) and ``x`` in the
-    offloader's host memory; recomputed and differentiated in the backward."""
+    """``run_fn(x, *args)`` keeping nothing for backward but ``args`` (small, e.g. RoPE tables) and ``x`` (in the
+    offloader's host memory when ``to_host``, else where it is); recomputed and differentiated in the backward,
+    inside `is_replaying`, after a forward inside `is_recording`."""
 
     @staticmethod
-    def forward(ctx, run_fn: Callable[..., torch.Tensor], offloader: ActivationOffloader, x: torch.Tensor, *args):
+    def forward(
+        ctx, run_fn: Callable[..., torch.Tensor], offloader: ActivationOffloader, to_host: bool, x: torch.Tensor, *args
+    ):
         dev = x.device
         ctx.run_fn, ctx.offloader, ctx.device = run_fn, offloader, dev
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None
         ctx.autocast = _autocast_state(dev.type)
         ctx.x_requires_grad = x.requires_grad
-        with torch.no_grad():
-            y = run_fn(x, *args)
-        ctx.slot = offloader.offload(x)
+        _REPLAY.recording = True
+        try:
+            with torch.no_grad():
+                y = run_fn(x, *args)
+        finally:
+            _REPLAY.recording = False
+        ctx.slot = offloader.offload(x, to_host)
         ctx.save_for_backward(*args)
         return y
 
@@ -175,7 +197,11 @@ class OffloadedCheckpoint(torch.autograd.Function):
             autocast = (
                 torch.autocast(dev.type, **ctx.autocast) if ctx.autocast is not None else contextlib.nullcontext()
             )
-            with torch.enable_grad(), autocast:
-                y = ctx.run_fn(x, *args)
+            _REPLAY.active = True
+            try:
+                with torch.enable_grad(), autocast:
+                    y = ctx.run_fn(x, *args)
+            finally:
+                _REPLAY.active = False
         torch.autograd.backward(y, grad_y)
-        return (None, None, x.grad if ctx.x_requires_grad else None, *(None for _ in args))
+        return (None, None, None, x.grad if ctx.x_requires_grad else None, *(None for _ in args))

@@ -146,8 +146,9 @@ def run_layers(
 ) -> torch.Tensor:
     """Run ``x = layer(x, *args)`` through every layer, checkpointing the chunks that say so when ``active``.
 
-    With an ``offloader``, the checkpointed chunks within the first ``offload_layers`` layers keep their input in
-    pinned host memory instead of on the device (`longctx.layers.offload`).
+    With an ``offloader``, checkpointed chunks run through `longctx.layers.offload.OffloadedCheckpoint` (which
+    lets layers keep results for their recomputation); those within the first ``offload_layers`` layers keep their
+    input in pinned host memory instead of on the device.
     """
     if offloader is not None and active:
         offloader.begin()
@@ -161,8 +162,8 @@ def run_layers(
         return fn
 
     for c in chunks:
-        if c.checkpointed and active and offloader is not None and c.end <= offload_layers:
-            x = OffloadedCheckpoint.apply(run_chunk(c.start, c.end), offloader, x, *args)
+        if c.checkpointed and active and offloader is not None:
+            x = OffloadedCheckpoint.apply(run_chunk(c.start, c.end), offloader, c.end <= offload_layers, x, *args)
         elif c.checkpointed and active:
             x = checkpoint_call(run_chunk(c.start, c.end), x, *args)
         else:

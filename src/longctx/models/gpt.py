@@ -84,6 +84,10 @@ class GPTConfig:
     cpu_offloading: bool = False
     cpu_offloading_num_layers: int | None = None
     cpu_offloading_activations: bool = True
+    # with full recomputation, keep each recomputed layer's attention output and log-sum-exp so the recomputed
+    # forward skips attention (LightSeq's rematerialization-aware checkpointing; longctx.layers.attention): one
+    # (S, Hq D) output and one (Hq, S) float32 lse more per layer, one attention forward less per step
+    recompute_skip_core_attention: bool = False
     share_embeddings_and_output_weights: bool = True  # tied input and output embeddings
     rotary_base: float = 10000.0
     layernorm_epsilon: float = 1e-5
@@ -131,7 +135,12 @@ class GPTConfig:
         validate_recompute(
             self.recompute_granularity, self.recompute_method, self.recompute_num_layers, self.num_layers
         )
-        for name in ("cpu_offloading", "cpu_offloading_activations", "share_embeddings_and_output_weights"):
+        for name in (
+            "cpu_offloading",
+            "cpu_offloading_activations",
+            "recompute_skip_core_attention",
+            "share_embeddings_and_output_weights",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
         n_off = self.cpu_offloading_num_layers
@@ -154,6 +163,12 @@ class GPTConfig:
                     "cpu_offloading offloads activations only: cpu_offloading_activations=False would offload "
                     "nothing (weight offloading is not supported)"
                 )
+        if self.recompute_skip_core_attention and (self.recompute_granularity != "full" or self.attention_dropout > 0):
+            raise ValueError(
+                "recompute_skip_core_attention keeps the attention output of fully recomputed layers: it needs "
+                f"recompute_granularity='full' (got {self.recompute_granularity!r}) and attention_dropout == 0 "
+                f"(got {self.attention_dropout})"
+            )
         if not (self.layernorm_epsilon > 0 and self.rotary_base > 0 and self.init_method_std > 0):
             raise ValueError("layernorm_epsilon, rotary_base and init_method_std must be positive")
 
@@ -301,10 +316,12 @@ class GPT(nn.Module):
     def _apply_recompute(self) -> None:
         c = self.config
         self._chunks = plan_layers(c.recompute_granularity, c.recompute_method, c.recompute_num_layers, c.num_layers)
-        self._offloader = ActivationOffloader() if c.cpu_offloading else None
+        replay = c.cpu_offloading or c.recompute_skip_core_attention
+        self._offloader = ActivationOffloader() if replay else None
         self._offload_layers = (c.cpu_offloading_num_layers or c.num_layers) if c.cpu_offloading else 0
         for layer in self.layers:
             layer.self_attention.recompute_core_attention = c.recompute_granularity == "selective"
+            layer.self_attention.keep_core_attention = c.recompute_skip_core_attention
 
     def set_recompute(
         self, granularity: str | None = None, method: str | None = None, num_layers: int | None = None

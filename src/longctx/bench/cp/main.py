@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         print("longctx bench cp: needs CUDA GPUs (run under torchrun --nproc-per-node N)", file=sys.stderr)
         return 1
     from longctx.distributed import init_distributed
-    from longctx.distributed.launchers import resolve_launchers
+    from longctx.launchers.select import resolve_launchers
 
     rank, world, _ = init_distributed("nccl" if dev.type == "cuda" else "gloo")
     if not dist.is_initialized():

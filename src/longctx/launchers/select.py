@@ -1,8 +1,9 @@
-"""The attention launchers context parallelism builds on: ``fwd(q, k, v, scale, band) -> (out, lse)`` and
-``bwd(do, q, k, v, out, lse, scale, band) -> (dq, dk, dv)``.
+"""A pair of attention launchers for a device and dtype: ``fwd(q, k, v, scale, band) -> (out, lse)`` and
+``bwd(do, q, k, v, out, lse, scale, band) -> (dq, dk, dv)`` (dq, dk, dv in float32, float64 for float64 inputs).
 
-Context parallelism never calls an autograd.Function of a backend: it calls the launchers block by block and
-merges the partial results with their lse itself (as ring-flash-attention does with flash-attn's launchers).
+Their callers never go through an autograd.Function of a backend: context parallelism calls them block by block
+and merges the partial results with their lse itself (as ring-flash-attention does with flash-attn's launchers);
+the recomputation that keeps each layer's attention output (`longctx.layers.attention`) replays the backward alone.
 
 backend "auto": the Triton launchers (`longctx.launchers.flash`) on CUDA for float16/bfloat16 when that module
 imports, else the tiled launchers (plain PyTorch, any device and dtype). "tiled" and "triton" pin one.
