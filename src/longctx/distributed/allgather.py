@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from longctx.distributed.comm import GroupInfo, gather_seq, reduce_scatter_seq
-from longctx.launchers.select import Launchers
 from longctx.distributed.sharding import local_chunks
+from longctx.launchers.select import Launchers
 from longctx.masks import Band, TileKind
 
 __all__ = ["AllGatherAttention"]

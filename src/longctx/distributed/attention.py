@@ -7,10 +7,10 @@ import torch
 from longctx.api import validate
 from longctx.distributed.allgather import AllGatherAttention
 from longctx.distributed.comm import GroupInfo, comm_device, cpu_group, group_info
-from longctx.launchers.select import BACKENDS, resolve_launchers
 from longctx.distributed.ring import RingAttention
 from longctx.distributed.sharding import LAYOUTS, chunks_per_rank
 from longctx.distributed.ulysses import UlyssesAttention, kv_replication
+from longctx.launchers.select import BACKENDS, resolve_launchers
 from longctx.masks import Band, normalize_window
 
 __all__ = ["cp_attention", "METHODS"]

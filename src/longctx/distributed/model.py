@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from longctx.distributed.attention import METHODS, cp_attention
 from longctx.distributed.comm import comm_device, group_info
-from longctx.launchers.select import BACKENDS
 from longctx.distributed.sharding import LAYOUTS, check_divisible, local_positions, shard, unshard
+from longctx.launchers.select import BACKENDS
 
 __all__ = [
     "ContextParallel",

@@ -28,8 +28,8 @@ import torch
 
 from longctx.distributed.blocks import Call, Cover, accumulate, merge_partial, plan_calls
 from longctx.distributed.comm import GroupInfo, RingComm
-from longctx.launchers.select import Launchers
 from longctx.distributed.sharding import local_chunks
+from longctx.launchers.select import Launchers
 from longctx.masks import Band
 
 __all__ = ["RingAttention"]

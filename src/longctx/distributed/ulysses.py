@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from longctx.distributed.comm import GroupInfo, all_to_all
-from longctx.launchers.select import Launchers
 from longctx.distributed.sharding import global_to_rank_major, reorder_to_global
+from longctx.launchers.select import Launchers
 from longctx.masks import Band
 
 __all__ = ["UlyssesAttention", "seq_to_head", "head_to_seq", "kv_replication"]
