@@ -5,21 +5,15 @@ Each backend declares what it supports by answering ``not_supported_reasons(inpu
 reasons; ``explain()`` prints the walk. A backend pinned by name (argument or ``LONGCTX_ATTN_BACKEND``)
 that cannot run raises with its reasons; auto falls back quietly.
 
-Switches, read at every call:
-
-=============================================  ==================================================
-``LONGCTX_ATTN_BACKEND=<name>``                 pin a backend (same as ``backend=<name>``)
-``LONGCTX_FLASH_ATTN=0`` / ``NVTE_FLASH_ATTN=0``  disable longctx's own flash kernels (tiled, triton)
-``LONGCTX_FUSED_ATTN=0`` / ``NVTE_FUSED_ATTN=0``  disable cuDNN fused attention (``sdpa_cudnn``)
-=============================================  ==================================================
+The user switches it honours (the backend pin, the flash and fused families) are read by `longctx.switches`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 
+from longctx import switches
 from longctx.backends.base import AttnInputs, Backend
 
 __all__ = [
@@ -91,24 +85,16 @@ def get_backend(name: str) -> Backend:
     return _REGISTRY[name]
 
 
-def _env_off(*names: str) -> str | None:
-    for n in names:
-        val = os.environ.get(n)
-        if val is not None and val.strip().lower() in ("0", "false", "off", "no"):
-            return n
-    return None
-
-
 def disabled_reason(backend: Backend) -> str | None:
     """Why an environment switch turns this backend off, or None."""
     if backend.family == "flash":
-        var = _env_off("LONGCTX_FLASH_ATTN", "NVTE_FLASH_ATTN")
-        if var:
-            return f"disabled by {var}={os.environ[var]}"
+        off = switches.flash_disabled()
+        if off:
+            return f"disabled by {off}"
     if backend.name == "sdpa_cudnn":
-        var = _env_off("LONGCTX_FUSED_ATTN", "NVTE_FUSED_ATTN")
-        if var:
-            return f"disabled by {var}={os.environ[var]}"
+        off = switches.fused_disabled()
+        if off:
+            return f"disabled by {off}"
     return None
 
 
@@ -148,8 +134,8 @@ def select_backend(requested: str, inp: AttnInputs) -> BackendChoice:
     if not isinstance(requested, str):
         raise TypeError(f"backend must be a string, got {type(requested).__name__}")
     how = "argument"
-    env = os.environ.get("LONGCTX_ATTN_BACKEND", "").strip()
-    if requested == "auto" and env and env != "auto":
+    env = switches.pinned_backend()
+    if requested == "auto" and env:
         requested, how = env, "LONGCTX_ATTN_BACKEND"
     if requested != "auto":
         backend = get_backend(requested)

@@ -3,32 +3,13 @@ as reasons, and the call). One file per backend beside this one; `longctx.dispat
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from longctx.masks import Band
 
-__all__ = ["AttnInputs", "Backend", "Switches", "switches"]
-
-
-def _env_on(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() in ("1", "true", "on", "yes")
-
-
-@dataclass(frozen=True)
-class Switches:
-    """The user switches of longctx's own kernels (documented in the README), read at every call by `switches`."""
-
-    deterministic: bool  # LONGCTX_DETERMINISTIC=1: every backward without atomics (bitwise repeatable)
-    tf32: bool  # LONGCTX_TRITON_TF32=1: float32 inputs accepted by the Triton kernels, their products in tf32
-
-
-def switches() -> Switches:
-    """The current user switches of the Triton backends (the backend pin and the flash / fused switches:
-    `longctx.dispatch`)."""
-    return Switches(deterministic=_env_on("LONGCTX_DETERMINISTIC"), tf32=_env_on("LONGCTX_TRITON_TF32"))
+__all__ = ["AttnInputs", "Backend"]
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from longctx.backends.base import AttnInputs, Backend, switches
+from longctx import switches
+from longctx.backends.base import AttnInputs, Backend
 from longctx.launchers.runtime import _interpret, _triton_import_error
 from longctx.masks import Band
 from longctx.ops.flash import triton_attention
@@ -24,7 +25,7 @@ class TritonBackend(Backend):
         if inp.device.type == "cuda":
             if inp.capability is not None and inp.capability < (8, 0):
                 reasons.append(f"needs compute capability >= 8.0 (Ampere or newer), got {inp.capability}")
-            if inp.dtype == torch.float32 and not switches().tf32:
+            if inp.dtype == torch.float32 and not switches.tf32():
                 reasons.append(
                     "float32 inputs are refused: the kernels would compute them in tf32 (~1e-3 relative error); "
                     "cast to bfloat16/float16, or set LONGCTX_TRITON_TF32=1 to accept the tf32 path"
@@ -53,6 +54,6 @@ class TritonBackend(Backend):
     def run(self, q, k, v, *, scale: float, band: Band, return_lse: bool, deterministic=False, block_mask=None):
         if block_mask is not None:
             raise ValueError("the triton backend does not support block_mask; use backend='auto'")
-        deterministic = deterministic or switches().deterministic  # LONGCTX_DETERMINISTIC=1
+        deterministic = deterministic or switches.deterministic()  # LONGCTX_DETERMINISTIC=1
         out, lse = triton_attention(q, k, v, scale=scale, band=band, deterministic=deterministic)
         return out, (lse if return_lse else None)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from longctx import switches
 from longctx.backends.base import AttnInputs, Backend
-from longctx.launchers import flash as _tf
 from longctx.launchers import runtime
 from longctx.masks import Band
 from longctx.ops.sparse import triton_sparse_attention
@@ -28,7 +28,7 @@ class TritonSparseBackend(Backend):
         if inp.device.type == "cuda":
             if inp.capability is not None and inp.capability < (8, 0):
                 reasons.append(f"needs compute capability >= 8.0, got {inp.capability}")
-            if inp.dtype == torch.float32 and not _tf._tf32_allowed():
+            if inp.dtype == torch.float32 and not switches.tf32():
                 reasons.append("float32 would run in tf32; cast to bfloat16/float16 or set LONGCTX_TRITON_TF32=1")
         elif inp.device.type == "cpu" and runtime._interpret():
             if not inp.pinned:
@@ -54,5 +54,6 @@ class TritonSparseBackend(Backend):
         if block_mask.block_size % 16 or not band.is_dense:
             # kernels need 16 | block_size; fall back to the plain-PyTorch block-sparse path
             return tiled_sparse.tiled_block_sparse(q, k, v, scale=scale, band=band, block_mask=block_mask)
+        deterministic = deterministic or switches.deterministic()  # LONGCTX_DETERMINISTIC=1
         out, lse = triton_sparse_attention(q, k, v, scale=scale, block_mask=block_mask, deterministic=deterministic)
         return out, lse

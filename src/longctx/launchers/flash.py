@@ -16,7 +16,7 @@ read there); this module only applies them:
   Triton dK/dV kernel with dQ added by atomics where `tuning.atomic_dq` says it is faster, else a separate dQ kernel.
   Atomics add in no fixed order: ``deterministic=True`` always takes the Triton kernels with the separate dQ kernel,
   each gradient element written once (bitwise repeatable). The user switch ``LONGCTX_DETERMINISTIC=1`` is read by
-  the backends (`longctx.backends.base.switches`) and arrives here as ``deterministic``.
+  the backends (`longctx.switches`) and arrives here as ``deterministic``.
 - float32 inputs compute their products in tf32 on the GPU (exact under the interpreter); the `triton` backend
   refuses them unless ``LONGCTX_TRITON_TF32=1``.
 """
@@ -488,28 +488,8 @@ def triton_backward(
     ``lse`` is the forward's (natural log). ``dlse`` (B, Hq, Sq), optional, is a gradient flowing into the
     lse itself. By default dQ is accumulated in float32 in no fixed order (fast, not bitwise repeatable);
     ``deterministic=True`` uses a separate dQ kernel instead, without atomics (callers fold the user switch
-    ``LONGCTX_DETERMINISTIC`` in: `longctx.backends.base.switches`). ``grad_dtype`` (e.g. float32) writes the
+    ``LONGCTX_DETERMINISTIC`` in: `longctx.switches`). ``grad_dtype`` (e.g. float32) writes the
     gradients in that dtype instead of the inputs': context parallelism sums per-block gradients and must not round
     each one to bf16 first.
     """
     return _backward_impl(do, q, k, v, out, lse, dlse, float(scale), band.lo, band.hi, deterministic, grad_dtype)
-
-
-# -- names the block-sparse launchers (`launchers.sparse`) and their backend still read from here; they move to
-# `longctx.tuning` and `longctx.backends.base.switches`: drop this block once nothing imports them from this module.
-WS_CONFIG = tuning.WS_CONFIG
-WS_BWD_CONFIG = tuning.WS_BWD_CONFIG
-WS_BWD_DQ_TMA = True  # the Gluon backward's only dQ path: the copy engine's bulk reduction
-_seq_bucket = tuning.seq_bucket
-
-
-def _deterministic_env() -> bool:
-    from longctx.backends.base import switches
-
-    return switches().deterministic
-
-
-def _tf32_allowed() -> bool:
-    from longctx.backends.base import switches
-
-    return switches().tf32

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from longctx import switches
 from longctx.masks import Band
 
 __all__ = ["Launchers", "resolve_launchers", "BACKENDS"]
@@ -71,7 +72,9 @@ def _triton() -> Launchers:
     extra = {"grad_dtype": torch.float32} if "grad_dtype" in inspect.signature(mod.triton_backward).parameters else {}
 
     def bwd(do, q, k, v, out, lse, *, scale: float, band: Band):
-        return mod.triton_backward(do, q, k, v, out, lse, scale=scale, band=band, deterministic=False, **extra)
+        return mod.triton_backward(
+            do, q, k, v, out, lse, scale=scale, band=band, deterministic=switches.deterministic(), **extra
+        )
 
     return Launchers("triton", fwd, bwd)
 

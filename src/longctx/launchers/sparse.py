@@ -10,7 +10,7 @@ does not compile the Gluon kernels. The persistent kernels take their work items
 order, the longest items first within a head), kept per mask (`_schedule_cached`).
 
 Tiles of the Triton kernels: `longctx.tuning.sparse_tile_choices`, autotuned over the first two unless
-``LONGCTX_TRITON_AUTOTUNE=0``; the Gluon kernels' configs: `longctx.tuning.sparse_ws_config`. Developer overrides
+``LONGCTX_TUNING=autotune=0``; the Gluon kernels' configs: `longctx.tuning.sparse_ws_config`. Developer overrides
 (`longctx.tuning`, docs/tuning.md): ``sparse_ws`` / ``sparse_ws_bwd`` (False: the Triton kernels),
 ``sparse_tiles`` (forced Triton tiles), ``sparse_tma_in_interpreter``. The mask's block size must be a multiple of
 16 (tl.dot's minimum); the backend runs other block sizes on the plain-PyTorch path (`longctx.reference`).
@@ -326,7 +326,7 @@ def _forward_impl(q, k, v, scale: float, mt: tuple, meta: list) -> tuple[torch.T
             Sk=Sk,
             GROUP=Hq // Hkv,
             qk_scale=float(scale) * _LOG2E,
-            SEQ_BUCKET=_tf._seq_bucket(max(Sq, Sk)),
+            SEQ_BUCKET=tuning.seq_bucket(max(Sq, Sk)),
             HEAD_DIM=D,
             BLOCK_D=bd,
             MASK_BS=mask_bs,
@@ -349,7 +349,7 @@ def _backward_impl(do, q, k, v, out, lse, dlse, scale: float, mt: tuple, meta: l
     bd = tuning.block_d(D)
     if runtime._interpret():
         runtime._patch_interpreter_for_numpy2()
-    nondet = not (deterministic or _tf._deterministic_env())
+    nondet = not deterministic
     ws = _ws_config("bwd", B * Hkv, mask_bs, q, k, v, do) if nondet else None
     # (B, Hq, Sq) each; for the warp-specialised kernel each head's rows padded to 4 floats (TMA alignment)
     delta, lse2 = _tf.bwd_preprocess(out, do, lse, dlse, bd, _cdiv(Sq, 4) * 4 if ws is not None else None)
@@ -370,7 +370,7 @@ def _backward_impl(do, q, k, v, out, lse, dlse, scale: float, mt: tuple, meta: l
         GROUP=Hq // Hkv,
         qk_scale=float(scale) * _LOG2E,
         sm_scale=float(scale),
-        SEQ_BUCKET=_tf._seq_bucket(max(Sq, Sk)),
+        SEQ_BUCKET=tuning.seq_bucket(max(Sq, Sk)),
         HEAD_DIM=D,
         BLOCK_D=bd,
         MASK_BS=mask_bs,
