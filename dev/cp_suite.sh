@@ -29,7 +29,7 @@ LOG="$OUT/suite.log"
 # NVLink multicast stays off on the shared hosts (KINDS.md); autotuning off: first config of each kernel, for
 # compile time within the budget (CP and the single-GPU baseline use the same kernels: like-for-like ratios).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export LONGCTX_TRITON_AUTOTUNE=0 PYTHONUNBUFFERED=1
+export LONGCTX_TUNING=autotune=0 PYTHONUNBUFFERED=1
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 NPROC=${NPROC:-4}
 PY=${PYTHON:-python3}

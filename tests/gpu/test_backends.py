@@ -10,8 +10,6 @@ from longctx.cli.commands import error_vs_oracle, tolerance_floor
 from longctx.dispatch import AttnInputs, get_backend, reasons_for
 from longctx.masks import Band
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
 CASES = [
     # (B, Hq, Hkv, Sq, Sk, D, causal, window)
     (2, 8, 8, 1023, 1023, 64, False, None),

@@ -10,8 +10,6 @@ import longctx
 import longctx.masks as bsm
 from longctx.reference.naive import naive_attention
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
 
 def _errors(q, k, v, do, run, mask, scale):
     """Max-abs errors of run and of PyTorch in q's dtype against the float64 oracle: out, lse, dq, dk, dv."""

@@ -13,12 +13,7 @@ from longctx import tuning
 from longctx.launchers import sparse as ts
 from tests.gpu.test_block_sparse_kernels import MASKS, _check, _inputs
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"
-    ),
-]
+pytestmark = pytest.mark.hopper
 
 
 @pytest.fixture

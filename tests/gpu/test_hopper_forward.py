@@ -15,12 +15,7 @@ import torch
 
 from longctx import tuning
 
-
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs an sm_90 (Hopper) GPU")]
+pytestmark = pytest.mark.hopper
 
 
 @pytest.fixture(autouse=True)

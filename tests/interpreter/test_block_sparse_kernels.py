@@ -125,8 +125,10 @@ TMA_SCRIPT = COMMON + textwrap.dedent(
 
 
 def _run(script: str, extra_env: dict | None = None) -> str:
-    env = dict(os.environ, TRITON_INTERPRET="1", LONGCTX_TRITON_AUTOTUNE="0", **(extra_env or {}))
-    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    extra = dict(extra_env or {})
+    tuning = ",".join(filter(None, ["autotune=0", extra.pop("LONGCTX_TUNING", "")]))
+    env = dict(os.environ, TRITON_INTERPRET="1", LONGCTX_TUNING=tuning, **extra)
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
     env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

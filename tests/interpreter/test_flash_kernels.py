@@ -221,7 +221,7 @@ def test_auto_never_picks_triton_on_cpu(interpreter_results):
 def test_tma_allocator_is_installed_in_every_thread():
     """Triton keeps its scratch allocator per thread (a ContextVar). The autograd engine runs backward, and
     the recomputed forward of activation checkpointing, in its own threads: the launcher must install the
-    allocator there too, not once per process (the H100 run of bench_recompute failed on exactly this)."""
+    allocator there too, not once per process (a recomputed forward fails without it)."""
     import threading
 
     from triton.runtime import _allocation
