@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from longctx.api import explain
 from longctx.models.gpt import GPT, GPTConfig, lm_loss
 from longctx.training.checkpoint import load_training_state, save_training_state
 from longctx.training.config import TrainConfig, parse_config
@@ -395,11 +396,9 @@ def _default_backend(mcfg: GPTConfig, device: torch.device, use_bf16: bool) -> s
     backend for the inputs instead (cuDNN through SDPA, for plain causal attention on the H100)."""
     if device.type != "cuda":
         return "auto"
-    import longctx
-
     q, kv = _attention_probe(mcfg, device, torch.bfloat16 if use_bf16 else torch.float32)
     try:
-        longctx.explain(q, kv, kv, causal=True, backend="triton")
+        explain(q, kv, kv, causal=True, backend="triton")
     except ValueError:
         return "auto"
     return "triton"
@@ -407,12 +406,10 @@ def _default_backend(mcfg: GPTConfig, device: torch.device, use_bf16: bool) -> s
 
 def _chosen_backend(model: GPT, device: torch.device, dtype: torch.dtype) -> str:
     """The backend that will run the model's attention; ValueError (with the reasons) if the configured one can't."""
-    import longctx
-
     c = model.config
     q, kv = _attention_probe(c, device, dtype)
     try:
-        return longctx.explain(q, kv, kv, causal=True, backend=c.attention_backend).backend.name
+        return explain(q, kv, kv, causal=True, backend=c.attention_backend).backend.name
     except ValueError as e:
         raise ValueError(f"attention backend {c.attention_backend!r}: {e}") from e
 
