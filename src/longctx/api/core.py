@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 
@@ -10,7 +11,7 @@ import torch
 from longctx.dispatch import AttnInputs, BackendChoice, get_backend, select_backend
 from longctx.masks import Band, normalize_window
 
-__all__ = ["attention", "flash_attn_func", "explain"]
+__all__ = ["attention", "flash_attn_func", "explain", "follow_autocast"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -26,6 +27,31 @@ def _check_tensor(name: str, t: object) -> torch.Tensor:
     if t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} has dtype {t.dtype}; expected one of float16, bfloat16, float32, float64")
     return t
+
+
+def follow_autocast(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, contextlib.AbstractContextManager]:
+    """q, k, v as SDPA receives them under ``torch.autocast``, and the context to run the attention in.
+
+    Inside an autocast region enabled for the tensors' device type, every float16/bfloat16/float32 input is cast
+    to the autocast dtype (float64 stays float64, as autocast leaves it), and the attention itself runs with
+    autocast off for that device, as one op, so a backend's float32 arithmetic is not lowered tile by tile.
+    Outside autocast the tensors come back unchanged and mixed dtypes reach validation, which rejects them.
+    Non-tensors pass through for validation to reject.
+    """
+    if not isinstance(q, torch.Tensor):
+        return q, k, v, contextlib.nullcontext()
+    device_type = q.device.type
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return q, k, v, contextlib.nullcontext()
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t):
+        eligible = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dtype) if eligible and t.device.type == device_type else t
+
+    return cast(q), cast(k), cast(v), torch.autocast(device_type, enabled=False)
 
 
 def validate(
@@ -172,27 +198,32 @@ def attention(
         deterministic: require a backward pass that gives bitwise identical gradients on every run.
         block_mask: a `longctx.BlockMask` for block-sparse attention (see `longctx.block_mask`).
 
+    Inside ``torch.autocast`` on the tensors' device, q, k and v are first cast to the autocast dtype (float64
+    excepted), as for SDPA, so float32 q/k after RoPE and a bfloat16 v are accepted there.
+
     Returns:
-        out (B, Hq, Sq, D) in q's dtype, or ``(out, lse)`` with ``return_lse``. A row that sees no key
-        gives output 0 and lse -inf, with zero gradients.
+        out (B, Hq, Sq, D) in q's dtype (the autocast dtype inside autocast), or ``(out, lse)`` with
+        ``return_lse``. A row that sees no key gives output 0 and lse -inf, with zero gradients.
 
     Raises:
-        TypeError: non-tensor inputs, unsupported or mixed dtypes, a non-bool causal.
+        TypeError: non-tensor inputs, unsupported dtypes, mixed dtypes outside autocast, a non-bool causal.
         ValueError: wrong ranks or mismatched shapes, Hq not a multiple of Hkv, mixed devices, window
             values below -1, a non-finite scale, an unknown backend, or a pinned backend that cannot
             run these inputs.
     """
+    q, k, v, run_ctx = follow_autocast(q, k, v)
     scale, band, choice = _resolve(q, k, v, causal, window, scale, backend, return_lse, deterministic, block_mask)
-    out, lse = choice.backend.run(
-        q,
-        k,
-        v,
-        scale=scale,
-        band=band,
-        return_lse=return_lse,
-        deterministic=deterministic,
-        block_mask=block_mask,
-    )
+    with run_ctx:
+        out, lse = choice.backend.run(
+            q,
+            k,
+            v,
+            scale=scale,
+            band=band,
+            return_lse=return_lse,
+            deterministic=deterministic,
+            block_mask=block_mask,
+        )
     return (out, lse) if return_lse else out
 
 
@@ -213,6 +244,7 @@ def explain(
 
     Takes the same arguments as `attention`; runs nothing. ``print(longctx.explain(q, k, v, causal=True))``.
     """
+    q, k, v, _ = follow_autocast(q, k, v)
     return _resolve(q, k, v, causal, window, scale, backend, return_lse, deterministic, block_mask)[2]
 
 
@@ -241,6 +273,8 @@ def flash_attn_func(
         deterministic: deterministic backward.
         return_attn_probs: also return ``(softmax_lse, None)``: lse (B, Hq, Sq) float32 as flash-attn does;
             the probabilities themselves are never materialised, so the third item is None.
+
+    Inside ``torch.autocast`` on q's device, q, k and v are cast to the autocast dtype first (as `attention`).
 
     Returns:
         out (B, Sq, Hq, D), or ``(out, softmax_lse, None)`` with ``return_attn_probs``.

@@ -26,6 +26,7 @@ from collections import OrderedDict
 
 import torch
 
+from longctx.api.core import follow_autocast
 from longctx.dispatch import AttnInputs, get_backend, select_backend
 from longctx.masks import Band, BlockMask, DocBand, normalize_window
 from longctx.masks.build import _build_analytic
@@ -168,14 +169,18 @@ def flash_attn_varlen_func(
             "triton_sparse" or "math" (dense reference, quadratic memory).
         block_size: the block size of the underlying block-sparse mask.
 
+    Inside ``torch.autocast`` on q's device, q, k and v are cast to the autocast dtype first (as `attention`).
+
     Returns:
         out (total_q, Hq, D), or ``(out, softmax_lse, None)`` with return_attn_probs.
 
     Raises:
-        TypeError/ValueError: bad tensors, or cu_seqlens that are not int32, not on q's device, not starting
-            at 0, decreasing, not ending at the number of tokens, or a max_seqlen below the longest document.
+        TypeError/ValueError: bad tensors (mixed dtypes outside autocast), or cu_seqlens that are not int32, not
+            on q's device, not starting at 0, decreasing, not ending at the number of tokens, or a max_seqlen below
+            the longest document.
         NotImplementedError: dropout_p != 0 or alibi_slopes.
     """
+    q, k, v, run_ctx = follow_autocast(q, k, v)
     if dropout_p != 0.0:
         raise NotImplementedError(
             f"flash_attn_varlen_func: dropout_p={dropout_p} is not supported (no attention dropout in longctx's "
@@ -242,9 +247,10 @@ def flash_attn_varlen_func(
             chosen = get_backend("tiled")
     else:
         chosen = select_backend(backend, inp).backend
-    out4, lse = chosen.run(
-        q4, k4, v4, scale=scale, band=Band(), return_lse=True, deterministic=deterministic, block_mask=bm
-    )
+    with run_ctx:
+        out4, lse = chosen.run(
+            q4, k4, v4, scale=scale, band=Band(), return_lse=True, deterministic=deterministic, block_mask=bm
+        )
     out = out4[0].permute(1, 0, 2)  # (total_q, Hq, D)
     if not out.is_contiguous():
         out = out.contiguous()
