@@ -1,0 +1,173 @@
+"""Context parallelism for transformers models (`longctx.integrations.transformers.apply(...,
+context_parallel_group=...)`) in gloo processes, against the same model in one process.
+
+One world of 2 processes is spawned (a FileStore in a temporary directory) and runs every case; each case is then
+reported as its own test. Every rank builds the same tiny model from one seed and calls it with the same full
+batch; the loss value must equal the single-process loss and the gradients, summed over the ranks by
+`allreduce_gradients`, the single-process gradients.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import tempfile
+import traceback
+from functools import cache
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+WORLD_TIMEOUT_S = 240
+V = 89
+
+CASES = (
+    "llama-ring-zigzag",
+    "mistral-window-allgather-contiguous",
+    "qwen2-ulysses-zigzag",
+    "llama-ring-recompute-logits-loss",
+    "llama-num-items-in-batch",
+    "bad-padding",
+    "bad-position-ids",
+)
+
+
+def _model(family: str):
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    small = dict(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+    )  # fmt: skip
+    cfg = {
+        "llama": lambda: LlamaConfig(**small),
+        "mistral": lambda: MistralConfig(**small, sliding_window=5),
+        "qwen2": lambda: Qwen2Config(**small),
+    }[family]()
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="longctx").float()
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _close(got, ref, what: str) -> None:
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-6, msg=lambda m: f"{what}: {m}")
+
+
+def _run_case(name: str, rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    import longctx.integrations.transformers as lt
+
+    family = name.split("-")[0] if not name.startswith("bad") else "llama"
+    method = next((m for m in ("ring", "allgather", "ulysses") if m in name), "ring")
+    layout = "contiguous" if "contiguous" in name else "zigzag"
+    x = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(1))  # the same on every rank
+    labels = x.clone()
+    labels[1, :3] = -100
+    kw = {}
+    if "recompute" in name:
+        kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, fused_loss=False)
+    model = lt.apply(
+        _model(family), context_parallel_group=dist.group.WORLD, context_parallel_method=method,
+        context_parallel_layout=layout, **kw,
+    )  # fmt: skip
+    if name == "bad-padding":
+        mask = torch.ones_like(x)
+        mask[0, -2:] = 0
+        try:
+            model(input_ids=x, attention_mask=mask, labels=labels)
+        except ValueError as e:
+            assert "padding" in str(e), e
+            return
+        raise AssertionError("padding under context parallelism did not raise")
+    if name == "bad-position-ids":
+        try:
+            model(input_ids=x, position_ids=torch.arange(24)[None], labels=labels)
+        except ValueError as e:
+            assert "position_ids" in str(e), e
+            return
+        raise AssertionError("position_ids under context parallelism did not raise")
+
+    single = _model(family)
+    extra = {"num_items_in_batch": torch.tensor(37)} if "num-items" in name else {}
+    ref = single(input_ids=x, labels=labels, **extra).loss
+    ref.backward()
+    out = model(input_ids=x, labels=labels, **extra)
+    out.loss.backward()
+    lt.allreduce_gradients(model)
+    _close(out.loss.detach(), ref.detach(), "loss")
+    ref_g, got_g = _grads(single), _grads(model)
+    assert ref_g.keys() == got_g.keys()
+    for n in ref_g:
+        _close(got_g[n], ref_g[n], n)
+    # without labels: this rank's logits, the matching part of the single-process logits
+    with torch.no_grad():
+        local = model(input_ids=x).logits
+        full = single(input_ids=x).logits
+    from longctx.distributed import shard
+
+    _close(local, shard(full, 1, None, layout), "logits")
+
+
+def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    results = {}
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    try:
+        for name in CASES:
+            try:
+                _run_case(name, rank, world)
+                results[name] = "ok"
+            except Exception as e:  # noqa: BLE001 - reported per case
+                results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"
+            with open(path + ".tmp", "w") as f:
+                json.dump(results, f)
+            os.replace(path + ".tmp", path)
+    finally:
+        dist.destroy_process_group()
+
+
+@cache
+def run_world() -> dict[str, list[str]]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_worker, args=(r, WORLD, store_path, tmp)) for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=WORLD_TIMEOUT_S)
+        for p in procs:
+            p.join(timeout=max(1.0, (deadline - datetime.datetime.now()).total_seconds()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:
+            procs[r].kill()
+            procs[r].join()
+        per_rank = []
+        for r in range(WORLD):
+            try:
+                with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                    per_rank.append(json.load(f))
+            except FileNotFoundError:
+                per_rank.append({})
+    return {n: [pr.get(n, f"did not run (hung ranks {hung})") for pr in per_rank] for n in CASES}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_transformers_cp_gloo(name: str) -> None:
+    results = run_world()[name]
+    assert all(r == "ok" for r in results), "\n".join(f"rank {i}: {r}" for i, r in enumerate(results))
