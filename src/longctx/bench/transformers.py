@@ -1,0 +1,313 @@
+"""`longctx bench transformers`: a HuggingFace `LlamaForCausalLM` with longctx (`apply`) against plain transformers.
+
+The same model shape (default: the Llama-shaped 336M of the memory benchmark: hidden 1024, 24 layers, 16 query /
+4 kv heads, ffn 2816, vocab 32000), batch 1, bf16 autocast, fp32 parameters, AdamW; one training step is forward,
+backward and the optimizer step. Providers:
+
+    hf-sdpa-ckpt          transformers as a user has it: attn_implementation="sdpa", gradient checkpointing,
+                          the loss through the (S, vocab) logits
+    longctx-apply         attn_implementation="longctx" + longctx.integrations.transformers.apply: full
+                          recomputation (uniform, 1 layer), the logits-free loss
+    longctx-apply-offload the same with the checkpointed layer inputs offloaded to pinned host memory
+
+For every provider: tokens/s (S / the median step time) and peak memory (``torch.cuda.max_memory_allocated``;
+on the CPU the peak of live tensors) at each S of ``--seq-lengths``, then (``--longest``) the longest S that
+trains one whole step, searched by doubling and bisection (`longctx.bench.cp.search.search_longest`; a try that
+runs out of memory, or exceeds ``--memory-cap-gib``, does not fit).
+
+    longctx bench transformers                               # the GPU run
+    longctx bench transformers --seq-lengths 8192,32768 --longest
+    python -m longctx.bench.transformers --quick             # a CPU check of the same code on a tiny model
+
+Writes ``<out-dir>/transformers_<gpu><tag>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from longctx.bench import result_stem
+
+PROVIDERS = ("hf-sdpa-ckpt", "longctx-apply", "longctx-apply-offload")
+
+SHAPE_336M = dict(
+    vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
+    num_key_value_heads=4,
+)  # fmt: skip
+SHAPE_QUICK = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2,
+)  # fmt: skip
+
+
+def build(provider: str, shape: dict[str, int], max_len: int, device: torch.device):
+    """The model of ``provider`` (fp32 parameters on ``device``), with its settings applied."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import longctx.integrations.transformers as lt
+
+    cfg = LlamaConfig(**shape, max_position_embeddings=max_len, use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    impl = "sdpa" if provider.startswith("hf-") else "longctx"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=torch.float32)
+    model.train()
+    if provider == "hf-sdpa-ckpt":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif provider in ("longctx-apply", "longctx-apply-offload"):
+        lt.apply(
+            model, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+            cpu_offloading=provider.endswith("offload"), fused_loss=True,
+        )  # fmt: skip
+    else:
+        raise ValueError(f"unknown provider {provider!r}; expected one of {', '.join(PROVIDERS)}")
+    return model
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure(model, opt: torch.optim.Optimizer, s: int, steps: int, warmup: int, device: torch.device) -> dict[str, Any]:
+    """Median step time and peak memory of ``steps`` training steps at sequence length ``s`` (batch 1)."""
+    g = torch.Generator().manual_seed(s)
+    x = torch.randint(0, model.config.vocab_size, (1, s), generator=g).to(device)  # (1, S)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    _free(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        from longctx.memory.measure import peak_live_bytes
+
+        peak = peak_live_bytes(step)
+    med = statistics.median(times)
+    return {"s": s, "step_ms": 1e3 * med, "tokens_per_s": s / med, "peak_bytes": peak}
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+class Runner:
+    """One provider's model and optimizer, rebuilt after an out-of-memory error."""
+
+    def __init__(self, provider: str, shape: dict[str, int], max_len: int, device: torch.device) -> None:
+        self.provider, self.shape, self.max_len, self.device = provider, shape, max_len, device
+        self.model = self.opt = None
+
+    def _ensure(self) -> None:
+        if self.model is None:
+            self.model = build(self.provider, self.shape, self.max_len, self.device)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, fused=self.device.type == "cuda")
+
+    def release(self) -> None:
+        self.model = self.opt = None
+        _free(self.device)
+
+    def run(self, s: int, steps: int, warmup: int, cap_bytes: float | None) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        try:
+            self._ensure()
+            r = measure(self.model, self.opt, s, steps, warmup, self.device)
+        except Exception as e:  # noqa: BLE001 - an OOM is a result; anything else is reported as an error
+            self.release()
+            status = "over" if _is_oom(e) else "error"
+            return {"s": s, "status": status, "error": f"{type(e).__name__}: {str(e)[:200]}",
+                    "secs": time.perf_counter() - t0, "peak": float("inf")}  # fmt: skip
+        over = cap_bytes is not None and r["peak_bytes"] > cap_bytes
+        return {**r, "status": "over" if over else "ok", "secs": time.perf_counter() - t0, "peak": r["peak_bytes"]}
+
+
+def _env(device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    info: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001
+        info["triton"] = None
+    info["gpu"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if device.type == "cuda":
+        info["cudnn"] = torch.backends.cudnn.version()
+        info["memory_gib"] = torch.cuda.get_device_properties(device).total_memory / 2**30
+    return info
+
+
+def _gib(b: float | None) -> str:
+    if b is None or b == float("inf"):
+        return "-"
+    return f"{b / 2**30:.2f}" if b >= 2**27 else f"{b / 2**30:.5f}"  # tiny (--quick) peaks keep their digits
+
+
+def report(meta: dict[str, Any], ladder: dict[str, list[dict]], longest: dict[str, dict]) -> str:
+    """The Markdown report: tokens/s and peak GiB per S and provider, then the longest S of each provider."""
+    provs = meta["providers"]
+    env = meta["env"]
+    lines = [
+        f"# HuggingFace LlamaForCausalLM ({meta['params_m']:.0f}M) with longctx vs plain transformers",
+        "",
+        f"{env['gpu']}, torch {env['torch']}, transformers {env['transformers']}, triton {env.get('triton')}, "
+        f"cuDNN {env.get('cudnn')}. Batch 1, bf16 autocast, fp32 parameters, AdamW; one step = forward + backward + "
+        "optimizer step; median of the timed steps. hf-sdpa-ckpt: SDPA + transformers' gradient checkpointing + "
+        "the loss through the logits; longctx-apply: attn_implementation='longctx' + apply(full uniform 1, "
+        "fused_loss); -offload: with cpu_offloading.",
+        "",
+        "| S | " + " | ".join(f"{p} tokens/s | {p} peak GiB" for p in provs) + " |",
+        "|---|" + "---|---|" * len(provs),
+    ]
+    seqs = sorted({r["s"] for rs in ladder.values() for r in rs})
+    for s in seqs:
+        cells = []
+        for p in provs:
+            r = next((r for r in ladder.get(p, []) if r["s"] == s), None)
+            if r is None:
+                cells += ["-", "-"]
+            elif r["status"] != "ok":
+                cells += [r["status"].upper() if r["status"] == "over" else "error", "-"]
+            else:
+                cells += [f"{r['tokens_per_s']:.0f}", _gib(r["peak_bytes"])]
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    if longest:
+        head = "| provider | longest S that trains | peak GiB there | tokens/s there | shortest S that does not |"
+        lines += ["", head, "|---|---|---|---|---|"]
+        for p in provs:
+            res = longest.get(p)
+            if res is None:
+                continue
+            best = next((t for t in res["tries"] if t["n"] == res["best"] and t["status"] == "ok"), None)
+            lines.append(
+                f"| {p} | {res['best'] or '-'} | {_gib(best['peak_bytes']) if best else '-'} | "
+                f"{best['tokens_per_s']:.0f} | {res['over'] or '-'} |"
+                if best
+                else f"| {p} | - | - | - | {res['over'] or '-'} |"
+            )
+        lines += ["", f"Search: doubling then bisection to {meta['resolution']:.0%}, multiples of {meta['quantum']}."]
+    return "\n".join(lines) + "\n"
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the comparison; returns the exit status."""
+    ap = argparse.ArgumentParser(prog="longctx bench transformers", description=__doc__.splitlines()[0])
+    ap.add_argument("--seq-lengths", type=_ints, default=[8192, 32768, 65536], help="the ladder of S")
+    ap.add_argument("--providers", default=",".join(PROVIDERS), help=f"subset of {','.join(PROVIDERS)}")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per S")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per S")
+    ap.add_argument("--longest", action="store_true", help="also search the longest S that trains")
+    ap.add_argument("--search-start", type=int, default=65536)
+    ap.add_argument("--search-limit", type=int, default=1 << 21)
+    ap.add_argument("--search-budget-s", type=float, default=900.0, help="per provider")
+    ap.add_argument("--memory-cap-gib", type=float, default=None, help="a try above this peak does not fit")
+    ap.add_argument("--quick", action="store_true", help="CPU check: tiny model, S=64,128, a tiny search")
+    ap.add_argument("--out-dir", default=str(Path("benchmarks") / "results"))
+    ap.add_argument("--tag", default="", help="suffix naming what the run covers, not when")
+    args = ap.parse_args(argv)
+
+    providers = [p for p in args.providers.split(",") if p]
+    bad = [p for p in providers if p not in PROVIDERS]
+    if bad:
+        ap.error(f"unknown providers {bad}; expected a subset of {','.join(PROVIDERS)}")
+    if args.quick:
+        device, shape, quantum = torch.device("cpu"), SHAPE_QUICK, 64
+        seqs, steps, warmup = [64, 128], 1, 0
+        cap = (args.memory_cap_gib or 0.003) * 2**30  # about 3 MiB: the search brackets
+        start, limit, budget = 64, 1024, 60.0
+    else:
+        if not torch.cuda.is_available():
+            ap.error("the comparison runs on a CUDA GPU; use --quick for the CPU check")
+        from longctx.bench.cp.search import QUANTUM
+
+        device, shape, quantum = torch.device("cuda"), SHAPE_336M, QUANTUM
+        seqs, steps, warmup = args.seq_lengths, args.steps, args.warmup
+        cap = args.memory_cap_gib * 2**30 if args.memory_cap_gib else None
+        start, limit, budget = args.search_start, args.search_limit, args.search_budget_s
+    max_len = max([*seqs, limit])
+    env = _env(device)
+    h, L, V, f = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"], shape["intermediate_size"]
+    kv = h * shape["num_key_value_heads"] // shape["num_attention_heads"]
+    params = 2 * V * h + L * (2 * h * h + 2 * h * kv + 3 * h * f + 2 * h) + h
+    meta: dict[str, Any] = {
+        "benchmark": "transformers", "env": env, "shape": shape, "params_m": params / 1e6, "providers": providers,
+        "seq_lengths": seqs, "steps": steps, "warmup": warmup, "quantum": quantum, "resolution": 0.08,
+        "memory_cap_bytes": cap, "date": _dt.date.today().isoformat(),
+    }  # fmt: skip
+    ladder: dict[str, list[dict]] = {}
+    longest: dict[str, dict] = {}
+    for p in providers:
+        runner = Runner(p, shape, max_len, device)
+        ladder[p] = []
+        for s in seqs:
+            r = runner.run(s, steps, warmup, cap)
+            ladder[p].append(r)
+            print(f"{p:>22} S={s:>8}: {r['status']:>5} " + (
+                f"{r['tokens_per_s']:9.0f} tokens/s {_gib(r['peak_bytes'])} GiB" if r["status"] == "ok"
+                else r.get("error", "")), flush=True)  # fmt: skip
+        if args.longest or args.quick:
+            from longctx.bench.cp.search import search_longest
+
+            def try_fn(n: int, _runner: Runner = runner) -> dict[str, Any]:
+                return _runner.run(n, 1, 1 if device.type == "cuda" else 0, cap)
+
+            search_cap = cap if cap is not None else torch.cuda.get_device_properties(device).total_memory
+            known = [dict(r, n=r["s"]) for r in ladder[p] if r["status"] in ("ok", "over")]
+            res = search_longest(
+                try_fn, start=start, cap=search_cap, limit=limit, budget_s=budget, quantum=quantum, known=known
+            )
+            longest[p] = res
+            print(f"{p:>22} longest S: {res['best']} (does not fit: {res['over']}; {res['stop']})", flush=True)
+        runner.release()
+    text = report(meta, ladder, longest)
+    stem = result_stem(args.out_dir, "transformers", env["gpu"], args.tag + ("_quick" if args.quick else ""))
+    Path(stem).parent.mkdir(parents=True, exist_ok=True)
+    clean = {p: {k: v for k, v in res.items() if k != "tries"} | {"tries": res["tries"]} for p, res in longest.items()}
+    Path(stem + ".json").write_text(json.dumps({"meta": meta, "ladder": ladder, "longest": clean}, indent=1,
+                                               default=str))  # fmt: skip
+    Path(stem + ".md").write_text(text)
+    print(text)
+    print(f"wrote {stem}.md and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
