@@ -1,0 +1,163 @@
+"""GPU lane of the transformers integration and of autocast: bf16 on CUDA against SDPA and a float32 reference.
+
+Every check measures longctx's error and SDPA's error against the same float32 run (SDPA, fp32 weights, no
+autocast) and asks ``err(longctx) <= 2 * err(SDPA) + floor``: attention that follows autocast, and a tiny Llama /
+Mistral / Qwen2 under bf16 autocast (plain, right-padded, packed with the flattening collator), with `apply`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import longctx
+from longctx import tuning
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    DataCollatorWithFlattening,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
+
+import longctx.integrations.transformers as lt  # noqa: E402
+
+V = 1000
+
+
+@pytest.fixture(autouse=True)
+def _no_autotune():
+    with tuning.override(autotune=False):
+        yield
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+# -- attention follows autocast ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_follows_autocast_on_cuda(dtype):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 1025, 128, generator=g).cuda()  # float32 q, k (after RoPE)
+    k = torch.randn(2, 2, 1025, 128, generator=g).cuda()
+    v = torch.randn(2, 2, 1025, 128, generator=g).cuda().to(dtype)
+    with pytest.raises(TypeError, match="share one dtype"):
+        longctx.attention(q, k, v, causal=True)
+    with torch.autocast("cuda", dtype=dtype):
+        out = longctx.attention(q, k, v, causal=True)
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True)
+    assert out.dtype == ref.dtype == dtype
+    assert _err(out, exact) <= 2 * _err(ref, exact) + 1e-3
+    cast = longctx.attention(q.to(dtype), k.to(dtype), v, causal=True)
+    assert torch.equal(out, cast)
+
+
+def test_varlen_follows_autocast_on_cuda():
+    g = torch.Generator().manual_seed(1)
+    cu = torch.tensor([0, 300, 1000, 1333], dtype=torch.int32, device="cuda")
+    q = torch.randn(1333, 8, 64, generator=g).cuda()
+    k = torch.randn(1333, 2, 64, generator=g).cuda()
+    v = torch.randn(1333, 2, 64, generator=g).cuda().bfloat16()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = longctx.flash_attn_varlen_func(q, k, v, cu, cu, 700, 700, causal=True)
+    ref = longctx.flash_attn_varlen_func(q.bfloat16(), k.bfloat16(), v, cu, cu, 700, 700, causal=True)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+
+
+# -- models ---------------------------------------------------------------------------------------------------------
+
+_SHAPE = dict(
+    vocab_size=V, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+    num_key_value_heads=2, max_position_embeddings=4096,
+)  # fmt: skip
+
+
+def _model(family: str):
+    cfg = {
+        "llama": lambda: LlamaConfig(**_SHAPE),
+        "mistral": lambda: MistralConfig(**_SHAPE, sliding_window=200),
+        "qwen2": lambda: Qwen2Config(**_SHAPE, use_sliding_window=True, sliding_window=150, max_window_layers=1),
+    }[family]()
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").cuda().float()
+
+
+def _run(model, impl: str, batch: dict, autocast: bool) -> tuple[torch.Tensor, dict]:
+    model.set_attn_implementation(impl)
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        out = model(**batch)
+    out.loss.backward()
+    logits = out.logits.detach().float() if out.logits is not None else None
+    return logits, {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _check(model, batch: dict, *, real: torch.Tensor | None = None, patched=None) -> None:
+    exact = _run(model, "sdpa", batch, autocast=False)
+    ref = _run(model, "sdpa", batch, autocast=True)
+    got = _run(patched or model, "longctx", batch, autocast=True)
+    sel = (lambda t: t[real]) if real is not None else (lambda t: t)
+    if got[0] is not None:
+        assert _err(sel(got[0]), sel(exact[0])) <= 2 * _err(sel(ref[0]), sel(exact[0])) + 1e-2
+    for n in exact[1]:
+        scale = exact[1][n].abs().max().item()
+        assert _err(got[1][n], exact[1][n]) <= 2 * _err(ref[1][n], exact[1][n]) + 5e-3 * scale, n
+
+
+def _tokens(B: int, S: int, seed: int = 2) -> torch.Tensor:
+    return torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(seed)).cuda()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_model_bf16_autocast_against_sdpa(family):
+    x = _tokens(2, 1000)
+    _check(_model(family), dict(input_ids=x, labels=x))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_right_padded_bf16_against_sdpa(family):
+    x = _tokens(3, 700, seed=3)
+    mask = torch.ones_like(x)
+    mask[0, 500:] = 0
+    mask[2, 37:] = 0
+    batch = dict(input_ids=x, attention_mask=mask, labels=x.masked_fill(mask == 0, -100))
+    _check(_model(family), batch, real=mask.bool())
+
+
+@pytest.mark.parametrize("flash_kwargs", [True, False], ids=["cu_seq_lens", "position_ids"])
+def test_packed_bf16_against_sdpa(flash_kwargs):
+    g = torch.Generator().manual_seed(4)
+    feats = [{"input_ids": torch.randint(0, V, (n,), generator=g).tolist()} for n in (300, 1, 517, 129, 800)]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(feats)
+    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    _check(_model("mistral"), {**batch, "use_cache": False})
+
+
+def test_apply_bf16_against_sdpa():
+    """apply (full recompute, fused loss): gradients as accurate as SDPA's under bf16 autocast."""
+    x = _tokens(1, 2048, seed=5)
+    model = _model("llama")
+    patched = _model("llama")
+    lt.apply(patched, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    _check(model, dict(input_ids=x, labels=x), patched=patched)
+
+
+def test_apply_offloading_gradients_bitwise_equal_recompute():
+    x = _tokens(1, 1024, seed=6)
+    grads = []
+    for offload in (False, True):
+        model = lt.apply(
+            _model("llama"), recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+            cpu_offloading=offload,
+        )  # fmt: skip
+        grads.append(_run(model, "longctx", dict(input_ids=x, labels=x), autocast=True)[1])
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n
