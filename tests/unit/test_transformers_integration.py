@@ -367,3 +367,13 @@ def test_hidden_states_inside_a_recomputed_chunk_raise():
     x = _tokens(1, 7)
     with pytest.raises(ValueError, match="output_hidden_states"):
         model(input_ids=x, labels=x, output_hidden_states=True)
+
+
+def test_from_pretrained_takes_the_implementation(tmp_path):
+    _model("qwen2").save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="longctx")
+    assert model.config._attn_implementation == "longctx"
+    x = _tokens(1, 9)
+    ref = _model("qwen2")
+    ref.set_attn_implementation("sdpa")
+    _assert_close(model(input_ids=x).logits, ref(input_ids=x).logits)

@@ -309,7 +309,16 @@ def _varlen_kwargs(kwargs: dict[str, Any]) -> _Varlen | None:
     return _Varlen(None, None, cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k))
 
 
-def _run_varlen(q, k, v, meta: _Varlen, *, causal: bool, window: int | None, scale: float | None) -> torch.Tensor:
+def _run_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: _Varlen,
+    *,
+    causal: bool,
+    window: int | None,
+    scale: float | None,
+) -> torch.Tensor:
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     q_t = q.transpose(1, 2).reshape(B * Sq, Hq, D)  # (B*Sq, Hq, D)
@@ -514,7 +523,7 @@ def _token_loss_sum(model: nn.Module, hidden: torch.Tensor, shift: torch.Tensor,
     return F.cross_entropy(logits.flatten(0, 1), shift.flatten(), ignore_index=-100, reduction="sum")
 
 
-def _patch_forward(model: nn.Module, *, fused_loss: bool, cp: Any) -> None:
+def _patch_forward(model: nn.Module, *, fused_loss: bool, cp: ContextParallel | None) -> None:
     original = model.forward
     base = _decoder(model)
 
@@ -574,7 +583,16 @@ def _patch_forward(model: nn.Module, *, fused_loss: bool, cp: Any) -> None:
     model.forward = types.MethodType(forward, model)
 
 
-def _cp_inputs(cp, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, shift):
+def _cp_inputs(
+    cp: ContextParallel,
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    past_key_values: Any,
+    shift: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """This rank's (zigzag) shard of the full-batch inputs and shifted labels, and its global positions."""
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(
             "context parallelism shards one unpadded sequence per row: got an attention_mask with padding; pack "
@@ -594,7 +612,7 @@ def _cp_inputs(cp, input_ids, inputs_embeds, attention_mask, position_ids, past_
     return cp.shard(input_ids), cp.shard(inputs_embeds), pos, cp.shard(shift)
 
 
-def _cp_loss(cp, local_sum: torch.Tensor, shift: torch.Tensor, num_items: Any) -> torch.Tensor:
+def _cp_loss(cp: ContextParallel, local_sum: torch.Tensor, shift: torch.Tensor, num_items: Any) -> torch.Tensor:
     """This rank's share of the global mean, whose value is the global mean itself (for logging)."""
     if num_items is None:
         share, mean = cp.share_of_mean(local_sum, (shift != -100).sum())
@@ -610,7 +628,18 @@ def _cp_loss(cp, local_sum: torch.Tensor, shift: torch.Tensor, num_items: Any) -
     return share + (mean.to(share.dtype) - share).detach()
 
 
-def _cp_attention(cp, q, k, v, mask: LongctxMask | None, kwargs, *, causal: bool, window: int | None, scale: float):
+def _cp_attention(
+    cp: ContextParallel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: LongctxMask | None,
+    kwargs: dict[str, Any],
+    *,
+    causal: bool,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
     if mask is not None and mask.padding is not None:
         raise ValueError("context parallelism does not support padded rows (attention_mask with zeros)")
     if _varlen_kwargs(kwargs) is not None:
