@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/longctx check
 	$(VENV)/bin/longctx demo-memory --lengths 512,1024,2048
-	$(VENV)/bin/longctx train
+	$(VENV)/bin/longctx train --overwrite
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests dev

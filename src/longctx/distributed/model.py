@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ __all__ = [
     "cp_cross_entropy",
     "allreduce_gradients",
     "broadcast_parameters",
+    "check_agreement",
 ]
 
 
@@ -65,6 +67,49 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
         dev = torch.device("cpu")
         dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size(), dev
+
+
+def check_agreement(settings: dict[str, Any], local_error: str | None = None, group=None) -> None:
+    """Check, before any other collective, that every rank runs the same settings and can start.
+
+    One ``all_gather_object`` of ``(settings, local_error)``: every rank learns the others' settings and errors
+    and raises the same verdict, so a mismatch (say ``num_layers`` or ``seed``) is an error on every rank
+    instead of a collective that waits forever for a tensor of another shape.
+
+    Args:
+        settings: what must be equal on every rank (the model configuration, the training settings, the seed).
+        local_error: why this rank cannot start (e.g. the first rank's run folder check), or None.
+        group: the process group (default: the world).
+
+    Raises:
+        ValueError: on every rank, naming the differing settings with their values per rank, or the error of
+            the rank that cannot start.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if local_error:
+            raise ValueError(local_error)
+        return
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (settings, local_error), group=group)
+    errors = [(r, err) for r, (_, err) in enumerate(gathered) if err]
+    if errors:
+        r, err = errors[0]
+        raise ValueError(err if r == rank else f"rank {r} cannot start: {err}")
+    ref = gathered[0][0]
+    diffs = []
+    for r in range(1, world):
+        other = gathered[r][0]
+        for key in sorted(set(ref) | set(other), key=str):
+            if ref.get(key, "<absent>") != other.get(key, "<absent>"):
+                diffs.append(
+                    f"{key}: rank 0 has {ref.get(key, '<absent>')!r}, rank {r} has {other.get(key, '<absent>')!r}"
+                )
+    if diffs:
+        raise ValueError(
+            f"the {world} context-parallel ranks were started with different settings ({'; '.join(diffs)}); "
+            "every rank must run the same command line, config file and seed"
+        )
 
 
 def _cp_backend(attention_backend: str) -> str:

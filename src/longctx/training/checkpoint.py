@@ -2,14 +2,18 @@
 
 A checkpoint is one file holding plain data only (tensors, numbers, strings, lists, dicts):
 
-    {"format": "longctx-checkpoint", "version": 1, "step": int, "model": state_dict,
+    {"format": "longctx-checkpoint", "version": 2, "checksums": {...}, "step": int, "model": state_dict,
      "optimizer": state_dict, "rng": {...}, "model_config": dict, "train_config": dict, "extra": dict}
 
 Saving writes a temporary file next to the target, flushes it to disk and renames it over the target
 with `os.replace` (atomic on POSIX): a crash mid-save leaves the previous checkpoint intact, never a torn
-one. Loading refuses, with a `CheckpointError` that says why and what to do, a file that is missing,
-truncated or corrupt, not a longctx checkpoint, of another format version, or written for another model
-configuration.
+one (a crash can leave a ``*.tmp`` file beside it, which `remove_partial_files` deletes). ``checksums`` holds a
+CRC-32 of every tensor's bytes (by its path in the payload, e.g. ``model/layers.0.mlp.fc1.weight``) and one of
+everything else; loading recomputes them, so bytes flipped on disk are an error naming the tensor instead of
+weights that load and train to NaN. Loading refuses, with a `CheckpointError` that says why and what to do, a
+file that is missing, truncated or corrupt, not a longctx checkpoint, of another format version, or written
+for another model configuration. `save_training_state` refuses to write a model or optimizer state that holds
+NaN or infinity.
 
 `save_training_state` and `load_training_state` are what the trainer calls: the model, the optimizer, the RNG
 states and the step in one file, and on loading a check that the checkpoint was written for the same model.
@@ -20,6 +24,8 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +40,13 @@ __all__ = [
     "capture_rng",
     "restore_rng",
     "config_diff",
+    "checksums",
+    "non_finite_tensors",
+    "remove_partial_files",
 ]
 
 FORMAT = "longctx-checkpoint"
-VERSION = 1
+VERSION = 2
 
 # Model fields that say how the model is computed, not what it is: a resumed run may change them.
 HOW_FIELDS = ("attention_backend", "recompute_granularity", "recompute_method", "recompute_num_layers")
@@ -71,11 +80,61 @@ def _to_tuples(x: Any) -> Any:
     return tuple(_to_tuples(i) for i in x) if isinstance(x, list) else x
 
 
+def _leaves(x: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, leaf) of a nested payload in a fixed order: dict keys sorted, lists in order."""
+    if isinstance(x, dict):
+        for k in sorted(x, key=str):
+            yield from _leaves(x[k], f"{path}/{k}" if path else str(k))
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            yield from _leaves(v, f"{path}/{i}")
+    else:
+        yield path, x
+
+
+def _tensor_crc(t: torch.Tensor) -> int:
+    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)  # any dtype, as raw bytes
+    return zlib.crc32(memoryview(data.numpy())) if data.numel() else 0
+
+
+def checksums(payload: dict[str, Any]) -> dict[str, int]:
+    """CRC-32 of every tensor of ``payload`` (keyed by its path) and, under ``""``, of all other values."""
+    out: dict[str, int] = {}
+    rest = []
+    for path, leaf in _leaves(payload):
+        if isinstance(leaf, torch.Tensor):
+            out[path] = _tensor_crc(leaf)
+        else:
+            rest.append(f"{path}={leaf!r}")
+    out[""] = zlib.crc32("\n".join(rest).encode())
+    return out
+
+
+def non_finite_tensors(payload: dict[str, Any]) -> list[str]:
+    """Paths of the floating-point tensors of ``payload`` that hold NaN or infinity."""
+    return [
+        path
+        for path, leaf in _leaves(payload)
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and not bool(torch.isfinite(leaf).all())
+    ]
+
+
+def remove_partial_files(path: str | Path) -> list[Path]:
+    """Delete the temporary files an interrupted `save_checkpoint` of ``path`` left beside it; returns them."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return []
+    stale = sorted(path.parent.glob(path.name + ".*.tmp"))
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
 def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> Path:
-    """Write ``payload`` (plus the format header) to ``path`` atomically; returns the path."""
+    """Write ``payload`` (plus the format header and its checksums) to ``path`` atomically; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"format": FORMAT, "version": VERSION, **payload}
+    data = {"format": FORMAT, "version": VERSION, "checksums": checksums(payload), **payload}
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -86,7 +145,21 @@ def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _fsync_dir(path.parent)  # the rename itself reaches the disk
     return path
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a directory; the rename is still atomic
+    finally:
+        os.close(fd)
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -108,10 +181,26 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise CheckpointError(
             f"checkpoint {str(path)!r} has format version {data.get('version')!r}; this longctx reads version {VERSION}"
         )
-    missing = [k for k in ("step", "model", "optimizer", "rng", "model_config") if k not in data]
+    missing = [k for k in ("checksums", "step", "model", "optimizer", "rng", "model_config") if k not in data]
     if missing:
         raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: missing {missing}")
+    _verify(path, data)
     return data
+
+
+def _verify(path: Path, data: dict[str, Any]) -> None:
+    saved = data["checksums"]
+    payload = {k: v for k, v in data.items() if k not in ("format", "version", "checksums")}
+    now = checksums(payload)
+    bad = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    if bad:
+        what = ", ".join(repr(k) if k else "its non-tensor data" for k in bad[:5])
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is corrupt: the checksum of {what}{more} does not match the one written "
+            "with it (bytes changed on disk or in transfer); it was left untouched - restore a good copy or "
+            "start a new run in another --save directory"
+        )
 
 
 def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -142,6 +231,9 @@ def save_training_state(
         model, optimizer: their ``state_dict`` is saved.
         model_config, train_config: plain dicts (``GPTConfig.to_dict()``, ``TrainConfig.to_dict()``).
         extra: anything else worth keeping (the last evaluation).
+
+    Raises:
+        CheckpointError: the model or optimizer state holds NaN or infinity (nothing is written).
     """
     payload = {
         "step": step,
@@ -152,6 +244,13 @@ def save_training_state(
         "train_config": train_config,
         "extra": extra or {},
     }
+    bad = non_finite_tensors({"model": payload["model"], "optimizer": payload["optimizer"]})
+    if bad:
+        raise CheckpointError(
+            f"refusing to write checkpoint {str(path)!r} at step {step}: NaN or infinity in "
+            f"{', '.join(bad[:5])}{f' and {len(bad) - 5} more' if len(bad) > 5 else ''}; the previous checkpoint "
+            "is kept"
+        )
     return save_checkpoint(path, payload)
 
 

@@ -7,6 +7,10 @@ underscores); NeMo's spellings are accepted too (``activations_checkpoint_granul
 ``activations_checkpoint_method``, ``activations_checkpoint_num_layers``, ``max_steps``,
 ``gradient_clip_val`` ...), and so is NeMo's nesting (``model:``, ``trainer:``, ``optim:`` sections). An
 unknown key is an error that names it and suggests the closest known one.
+
+Every value is checked against its field's type with one rule for YAML and flags (`coerce`): an error names the
+key, where it came from, the value, its type and the type expected. Numbers in scientific notation (``3e-4``,
+which YAML 1.1 reads as a string, or ``1e3`` steps) are accepted; a quoted number in YAML (``"5"``) is not.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -21,10 +27,22 @@ from typing import Any
 from longctx.models.gpt import PRESETS, GPTConfig
 from longctx.training.data import RecallTask
 
-__all__ = ["TrainConfig", "parse_config", "load_yaml", "build_parser", "ALIASES", "CP_METHODS", "CP_LAYOUTS"]
+__all__ = [
+    "TrainConfig",
+    "parse_config",
+    "load_yaml",
+    "build_parser",
+    "coerce",
+    "ALIASES",
+    "CP_METHODS",
+    "CP_LAYOUTS",
+    "ON_NONFINITE",
+]
 
 CP_METHODS = ("ring", "allgather", "ulysses")
 CP_LAYOUTS = ("zigzag", "contiguous")
+ON_NONFINITE = ("stop", "skip")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True)
@@ -55,13 +73,15 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     clip_grad: float = 1.0  # 0 disables clipping
+    on_nonfinite: str = "stop"  # a non-finite loss or gradient: "stop" the run, or "skip" the step
     # evaluation, logging, checkpoints
     eval_interval: int = 250  # 0 evaluates only after the last step
     eval_iters: int = 8  # 0 disables evaluation
     log_interval: int = 50
     save: str | None = "runs/recall"  # None (or "none") writes no checkpoint and no metrics
-    save_interval: int = 500  # 0 saves only at the end
+    save_interval: int = 500  # 0 saves only at the end (and on an interrupt)
     resume: str | None = None  # "auto" = <save>/checkpoint.pt, or a path
+    overwrite: bool = False  # start afresh in a --save folder that holds another run's files
     halt_after: int | None = None  # stop (saving a checkpoint) after this many steps, as an interruption would
     seed: int = 1234
     # context parallelism (run under torchrun with --nproc-per-node = context_parallel; see longctx.distributed)
@@ -75,26 +95,39 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             if f.name != "model":
-                object.__setattr__(self, f.name, _checked(f.name, str(f.type), getattr(self, f.name)))
+                object.__setattr__(self, f.name, coerce(f.name, str(f.type), getattr(self, f.name)))
         if isinstance(self.save, str) and self.save.lower() == "none":
             object.__setattr__(self, "save", None)
         if not isinstance(self.model, dict):
             raise TypeError(f"model must be a dict of GPTConfig fields, got {type(self.model).__name__}")
+        unknown = [k for k in self.model if k not in MODEL_FIELDS]
+        if unknown:
+            raise _unknown_key_error(unknown, "model")
+        object.__setattr__(self, "model", {k: coerce(k, _MODEL_TYPES[k], v) for k, v in self.model.items()})
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; expected one of {sorted(PRESETS)}")
-        at_least = {"train_iters": 1, "micro_batch_size": 1, "context_parallel": 1, "lr_warmup_iters": 0}
-        at_least |= {"eval_iters": 0, "eval_interval": 0, "save_interval": 0, "halt_after": 0}
-        for name, low in at_least.items():
+        for name, (low, strict) in _LOWER_BOUNDS.items():
             value = getattr(self, name)
-            if value is not None and value < low:
-                raise ValueError(f"{name} must be >= {low}, got {value}")
-        for name in ("lr", "min_lr", "weight_decay", "clip_grad"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.cp_method not in CP_METHODS:
-            raise ValueError(f"cp_method must be one of {list(CP_METHODS)}, got {self.cp_method!r}")
-        if self.cp_layout not in CP_LAYOUTS:
-            raise ValueError(f"cp_layout must be one of {list(CP_LAYOUTS)}, got {self.cp_layout!r}")
+            if value is not None and (value <= low if strict else value < low):
+                raise ValueError(
+                    f"{name} must be {'>' if strict else '>='} {low}, got {value}{_RANGE_HINTS.get(name, '')}"
+                )
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr}): the schedule decays from lr to min_lr")
+        _choice("cp_method", self.cp_method, CP_METHODS)
+        _choice("cp_layout", self.cp_layout, CP_LAYOUTS)
+        _choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+        if not _DEVICE.fullmatch(self.device):
+            hint = " (use 'cuda' for an NVIDIA GPU)" if self.device.lower() in ("gpu", "nvidia", "cuda:") else ""
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}{hint}")
+        if self.resume is not None and self.overwrite:
+            raise ValueError(
+                "resume and overwrite exclude each other: --resume continues the run in --save, "
+                "--overwrite starts a new one there; pass one of them"
+            )
         self.model_config()  # the model settings, validated by GPTConfig (its ValueError names the field)
 
     def model_config(self, vocab_size: int | None = None) -> GPTConfig:
@@ -116,29 +149,156 @@ class TrainConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "model"}
 
 
-def _checked(name: str, annotation: str, value: Any) -> Any:
-    """``value`` converted to the field's type where that is lossless; TypeError naming the field otherwise."""
+# (bound, strict): strict means value > bound, else value >= bound
+_LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
+    "train_iters": (1, False),
+    "micro_batch_size": (1, False),
+    "context_parallel": (1, False),
+    "log_interval": (1, False),
+    "halt_after": (1, False),
+    "num_pairs": (1, False),
+    "num_queries": (1, False),
+    "num_keys": (1, False),
+    "num_values": (1, False),
+    "lr_warmup_iters": (0, False),
+    "eval_iters": (0, False),
+    "eval_interval": (0, False),
+    "save_interval": (0, False),
+    "seed": (0, False),
+    "lr": (0.0, True),
+    "min_lr": (0.0, False),
+    "weight_decay": (0.0, False),
+    "clip_grad": (0.0, False),
+}
+_RANGE_HINTS = {
+    "train_iters": " (the number of optimiser steps)",
+    "micro_batch_size": " (sequences per step)",
+    "clip_grad": " (0 disables clipping)",
+    "eval_iters": " (0 disables evaluation)",
+    "save_interval": " (0 saves only at the end)",
+}
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+# -- one type rule for YAML, flags and Python ---------------------------------------------------------------
+
+_SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _kind(annotation: str) -> str:
+    for kind in ("bool", "int", "float", "str"):
+        if kind in annotation:
+            return kind
+    return "any"
+
+
+def coerce(name: str, annotation: str, value: Any, source: str = "python") -> Any:
+    """``value`` of the setting ``name`` converted to its type (``annotation``, e.g. ``"int | None"``).
+
+    Args:
+        name: the setting (Megatron name), as the error message names it.
+        annotation: the field's type as a string (``str(dataclasses.Field.type)``).
+        value: what was given.
+        source: ``"flag"`` (a string from the command line, parsed), ``"yaml"`` or ``"python"`` (typed values;
+            a string is accepted for a number only in scientific notation, which YAML 1.1 leaves a string).
+
+    Raises:
+        TypeError: the value's type does not fit (the message names the key, the value, its type, the type
+            expected, where it came from and the fix).
+        ValueError: a non-finite number.
+    """
     optional = "None" in annotation
+    kind = _kind(annotation)
     if value is None and optional:
         return None
-    if "bool" in annotation:
+    if isinstance(value, str) and optional and source == "flag" and value.lower() in ("none", "null"):
+        return None
+    out: Any = _MISSING
+    if kind == "bool":
         if isinstance(value, bool):
-            return value
-    elif "int" in annotation:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif "float" in annotation:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif isinstance(value, str):
+            out = value
+        elif isinstance(value, str) and source == "flag" and value.lower() in _TRUE + _FALSE:
+            out = value.lower() in _TRUE
+    elif kind == "int":
+        out = _as_int(value, source)
+    elif kind == "float":
+        out = _as_float(value, source)
+    elif kind == "str":
+        if isinstance(value, str):
+            out = value
+    else:
+        out = value
+    if out is _MISSING:
+        raise TypeError(_type_message(name, annotation, kind, value, source))
+    if isinstance(out, float) and not math.isfinite(out):
+        raise ValueError(f"{_where(name, source)} must be a finite number, got {value!r}")
+    return out
+
+
+_MISSING = object()
+
+
+def _as_int(value: Any, source: str) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
-    expected = annotation.replace(" | None", " or None")
-    raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+    if isinstance(value, str) and (source == "flag" or _SCIENTIFIC.fullmatch(value.strip())):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+        try:
+            value = float(value)
+        except ValueError:
+            return _MISSING
+    if isinstance(value, float) and value.is_integer():  # 1e3 steps, 1.0e+3 from YAML
+        return int(value)
+    return _MISSING
+
+
+def _as_float(value: Any, source: str) -> Any:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str) and (source == "flag" or _SCIENTIFIC.fullmatch(value.strip())):
+        try:
+            return float(value)
+        except ValueError:
+            return _MISSING
+    return _MISSING
+
+
+def _where(name: str, source: str) -> str:
+    if source == "flag":
+        return f"--{name.replace('_', '-')}"
+    return name
+
+
+_EXPECTED = {
+    "bool": "a bool (true or false)",
+    "int": "an int (e.g. 100 or 1e3)",
+    "float": "a float (e.g. 0.001 or 1e-3)",
+    "str": "a str",
+}
+
+
+def _type_message(name: str, annotation: str, kind: str, value: Any, source: str) -> str:
+    expected = _EXPECTED.get(kind, annotation) + (" or none" if "None" in annotation else "")
+    text = f"{_where(name, source)} must be {expected}, got {value!r} ({type(value).__name__})"
+    if source == "yaml" and isinstance(value, str) and kind in ("int", "float", "bool"):
+        text += (
+            f"; write it without quotes in the YAML file ({name}: {value})"
+            if kind != "bool"
+            else (f"; write {name}: true or {name}: false, without quotes")
+        )
+    elif kind == "int" and isinstance(value, float):
+        text += f"; {name} counts whole items"
+    elif source == "flag" and kind == "bool":
+        text += "; pass true/false, yes/no, on/off or 1/0"
+    return text
 
 
 # -- names: Megatron (ours), NeMo and a few common spellings -----------------------------------------------
@@ -162,6 +322,8 @@ ALIASES: dict[str, str] = {
 MODEL_FIELDS = tuple(f.name for f in fields(GPTConfig))
 TRAIN_FIELDS = tuple(f.name for f in fields(TrainConfig) if f.name != "model")
 ALL_KEYS = set(TRAIN_FIELDS) | set(MODEL_FIELDS)
+_MODEL_TYPES = {f.name: str(f.type) for f in fields(GPTConfig)}
+_TRAIN_TYPES = {f.name: str(f.type) for f in fields(TrainConfig) if f.name != "model"}
 _NEMO_SECTIONS = ("model", "trainer", "optim", "exp_manager")
 
 
@@ -183,18 +345,20 @@ def _unknown_key_error(unknown: list[str], where: str) -> ValueError:
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML file of settings into a flat mapping of canonical (Megatron) names.
+    """Read a YAML file of settings into a flat mapping of canonical (Megatron) names, each value type-checked.
 
     Args:
         path: a YAML file holding a flat mapping, or NeMo's nesting (``model:``, ``trainer:``, ``optim:``,
             ``exp_manager:`` sections), which is flattened.
 
     Returns:
-        ``{canonical name: value}``; NeMo and other spellings in `ALIASES` are renamed.
+        ``{canonical name: value}``; NeMo and other spellings in `ALIASES` are renamed; numbers in scientific
+        notation are numbers.
 
     Raises:
         ValueError: the file cannot be read, is not YAML, is not a mapping, or holds unknown keys (named,
             with the closest known key).
+        TypeError: a value of the wrong type (the message names the file, the key, the value and its type).
     """
     import yaml
 
@@ -224,88 +388,150 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         out[name] = val
     if unknown:
         raise _unknown_key_error(unknown, repr(str(path)))
+    for name, val in out.items():
+        try:
+            out[name] = coerce(name, _TRAIN_TYPES.get(name) or _MODEL_TYPES[name], val, "yaml")
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"config file {str(path)!r}: {e}") from None
     return out
 
 
 # -- flags -------------------------------------------------------------------------------------------------
 
+_DEFAULTS = {f.name: f.default for f in fields(TrainConfig) if f.name != "model"}
 
-def _none_or(typ: type) -> Any:
-    def conv(s: str) -> Any:
-        return None if s.lower() in ("none", "null") else typ(s)
+_TRAIN_HELP: dict[str, str] = {
+    "num_pairs": "recall task: key-value pairs per sequence",
+    "num_queries": "recall task: pairs queried at the end of each sequence",
+    "num_keys": "recall task: size of the key vocabulary",
+    "num_values": "recall task: size of the value vocabulary (chance accuracy is 1/num_values)",
+    "train_iters": "optimiser steps of the whole run (alias --steps)",
+    "micro_batch_size": "sequences per step (alias --batch-size)",
+    "lr": "peak learning rate, after warmup (scientific notation accepted: 3e-3)",
+    "min_lr": "learning rate at the end of the cosine decay",
+    "lr_warmup_iters": "steps of linear warmup",
+    "weight_decay": "AdamW weight decay (matrices only)",
+    "adam_beta1": "AdamW beta1",
+    "adam_beta2": "AdamW beta2",
+    "clip_grad": "gradient-norm clipping; 0 disables it",
+    "on_nonfinite": "a non-finite loss or gradient: stop the run (naming the step) or skip the step",
+    "eval_interval": "steps between evaluations; 0 evaluates after the last step only",
+    "eval_iters": "held-out batches per evaluation; 0 disables evaluation",
+    "log_interval": "steps between progress lines when stdout is not a terminal",
+    "save": "run folder: checkpoint.pt, metrics.jsonl and loss.png; 'none' writes nothing",
+    "save_interval": "steps between checkpoints; 0 saves at the end only (an interrupt always saves)",
+    "resume": "continue the run in --save (or from the checkpoint PATH)",
+    "overwrite": "start a new run in a --save folder that holds another run's checkpoint, deleting its files",
+    "halt_after": "stop after this many steps with a checkpoint, as an interruption would",
+    "seed": "seed of the initial weights, the data and dropout",
+    "context_parallel": "ranks sharing each sequence (run under torchrun --nproc-per-node N)",
+    "cp_method": "context-parallel method: " + ", ".join(CP_METHODS),
+    "cp_layout": "context-parallel sequence layout: " + " or ".join(CP_LAYOUTS),
+    "device": "auto (cuda if available), cpu, cuda or cuda:N",
+    "bf16": "bf16 autocast",
+    "data": "text file for byte-level language modelling instead of the recall task",
+    "quiet": "print nothing but errors",
+}
 
-    conv.__name__ = typ.__name__  # argparse names the type in its error messages
-    return conv
+
+_MODEL_HELP: dict[str, str] = {
+    "vocab_size": "vocabulary size (byte-level text sets 256)",
+    "seq_length": "tokens per training sequence",
+    "num_layers": "transformer layers",
+    "hidden_size": "model width",
+    "num_attention_heads": "query heads",
+    "num_query_groups": "key/value heads: none = multi-head, 1 = multi-query, a divisor of the heads = GQA",
+    "ffn_hidden_size": "SwiGLU inner size; none: 8/3 of hidden_size, rounded up to a multiple of 64",
+    "kv_channels": "head dim; none: hidden_size / num_attention_heads",
+    "attention_dropout": "dropout on the attention probabilities (not under context parallelism)",
+    "hidden_dropout": "dropout on the embeddings and the residual branches",
+    "attention_backend": "auto or a backend name (longctx info lists them)",
+    "recompute_granularity": "activation recomputation: none, full or selective",
+    "recompute_method": "full recomputation: uniform or block",
+    "recompute_num_layers": "full recomputation: layers per group (uniform) or recomputed layers (block)",
+    "sequence_chunk_size": "tokens per chunk of the norm/MLP part of a layer in training; none runs it whole",
+    "cpu_offloading": "keep the inputs of fully recomputed layers in host memory",
+    "cpu_offloading_num_layers": "offload the first N layers; none: every layer",
+    "cpu_offloading_activations": "offload activations (must stay true)",
+    "recompute_skip_core_attention": "full recomputation keeps attention outputs and skips attention in the replay",
+    "share_embeddings_and_output_weights": "tie the input embedding and the output projection",
+    "rotary_base": "RoPE base",
+    "layernorm_epsilon": "RMSNorm epsilon",
+    "init_method_std": "standard deviation of the initial weights",
+    "add_bias_linear": "biases in the linear layers",
+}
 
 
-def _bool(s: str) -> bool:
-    if s.lower() in ("1", "true", "yes", "on"):
-        return True
-    if s.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
+def _default_text(name: str) -> str:
+    if name == "bf16":
+        return "on CUDA only"
+    if name == "resume":
+        return "off; without PATH: <save>/checkpoint.pt"
+    value = _DEFAULTS[name]
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
-_TRAIN_FLAGS: list[tuple[str, type]] = [
-    ("train_iters", int),
-    ("micro_batch_size", int),
-    ("lr", float),
-    ("min_lr", float),
-    ("lr_warmup_iters", int),
-    ("weight_decay", float),
-    ("adam_beta1", float),
-    ("adam_beta2", float),
-    ("clip_grad", float),
-    ("eval_interval", int),
-    ("eval_iters", int),
-    ("log_interval", int),
-    ("save_interval", int),
-    ("seed", int),
-    ("num_pairs", int),
-    ("num_queries", int),
-    ("num_keys", int),
-    ("num_values", int),
-    ("halt_after", int),
-    ("context_parallel", int),
-]
+def _raw(s: str) -> str:
+    return s  # converted by coerce(), which names the flag in its errors
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``longctx train``: one flag per setting, every default None (= not given)."""
+    """The argument parser of ``longctx train``: one flag per setting, every default None (= not given).
+
+    Values stay strings here; `parse_config` converts them with `coerce`, the rule YAML values follow too.
+    """
     p = argparse.ArgumentParser(
         prog="longctx train",
         description="Train a GPT on the embedded long-context recall task (default) or a text file (--data).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=(
+            "The run folder (--save) holds checkpoint.pt, metrics.jsonl (one JSON object per step: step, loss, "
+            "lr, and eval_loss with recall_accuracy or bits_per_byte on evaluation steps) and loss.png. A new "
+            "run refuses a folder that holds another run's checkpoint: continue it with --resume or replace it "
+            "with --overwrite. Ctrl-C (SIGINT) or SIGTERM ends the current step, writes a checkpoint and exits "
+            "with 130 or 143."
+        ),
     )
-    p.add_argument("--config", help="YAML file of settings (Megatron or NeMo names)")
+    p.add_argument("--config", help="YAML file of settings (Megatron or NeMo names); flags override it")
     p.add_argument("--preset", choices=sorted(PRESETS), help="model shape (default: demo)")
-    p.add_argument("--data", help="text file for byte-level language modelling instead of the recall task")
-    g = p.add_argument_group("model (GPTConfig fields, Megatron names)")
-    hints = {f.name: str(f.type) for f in fields(GPTConfig)}
+    p.add_argument("--data", type=_raw, help=f"{_TRAIN_HELP['data']} (default: none, the recall task)")
+    demo = PRESETS["demo"]
+    g = p.add_argument_group("model (GPTConfig fields, Megatron names; defaults: the preset's, shown for demo)")
+    defaults = {f.name: f.default for f in fields(GPTConfig)}
     for name in MODEL_FIELDS:
-        if "bool" in hints[name]:
-            conv: Any = _bool
-        elif "float" in hints[name]:
-            conv = float
-        elif "int" in hints[name]:
-            conv = _none_or(int)
-        else:
-            conv = _none_or(str)
-        g.add_argument("--" + name.replace("_", "-"), dest=name, type=conv, default=None)
+        value = demo.get(name, defaults[name])
+        shown = "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+        g.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=_raw,
+            default=None,
+            metavar=_kind(_MODEL_TYPES[name]).upper(),
+            help=f"{_MODEL_HELP.get(name, 'GPTConfig.' + name)} (default: {shown})",
+        )
     t = p.add_argument_group("training")
-    for name, typ in _TRAIN_FLAGS:
-        t.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None)
-    t.add_argument("--steps", dest="train_iters", type=int, default=None, help="alias of --train-iters")
-    t.add_argument("--batch-size", dest="micro_batch_size", type=int, default=None, help="alias of --micro-batch-size")
-    t.add_argument("--save", default=None, help="checkpoint directory (default runs/recall; 'none' disables)")
+    for name in TRAIN_FIELDS:
+        if name in ("preset", "data", "resume", "overwrite", "quiet"):
+            continue
+        t.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=_raw,
+            default=None,
+            metavar=_kind(_TRAIN_TYPES[name]).upper(),
+            help=f"{_TRAIN_HELP[name]} (default: {_default_text(name)})",
+        )
+    t.add_argument("--steps", dest="train_iters", type=_raw, default=None, help="alias of --train-iters")
+    t.add_argument("--batch-size", dest="micro_batch_size", type=_raw, default=None, help="alias of --micro-batch-size")
     t.add_argument(
-        "--resume", nargs="?", const="auto", default=None, help="resume from <save>/checkpoint.pt, or from PATH"
+        "--resume",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="PATH",
+        help=f"{_TRAIN_HELP['resume']} (default: {_default_text('resume')})",
     )
-    t.add_argument("--cp-method", default=None, help="context-parallel method: " + ", ".join(CP_METHODS))
-    t.add_argument("--cp-layout", default=None, help="context-parallel sequence layout: " + " or ".join(CP_LAYOUTS))
-    t.add_argument("--device", default=None, help="auto, cpu or cuda")
-    t.add_argument("--bf16", type=_bool, default=None, help="bf16 autocast (default: on CUDA)")
-    t.add_argument("--quiet", action="store_true", default=None)
+    t.add_argument("--overwrite", action="store_true", default=None, help=f"{_TRAIN_HELP['overwrite']} (default: off)")
+    t.add_argument("--quiet", action="store_true", default=None, help=f"{_TRAIN_HELP['quiet']} (default: off)")
     return p
 
 
@@ -317,15 +543,19 @@ def parse_config(argv: list[str] | None) -> TrainConfig:
 
     Raises:
         ValueError: unknown YAML keys, or a setting `TrainConfig` or GPTConfig rejects (named).
-        TypeError: a YAML value of the wrong type (named).
+        TypeError: a YAML value or a flag of the wrong type (named, with where it came from).
     """
     args = build_parser().parse_args(argv)
     settings: dict[str, Any] = {}
     if args.config:
         settings.update(load_yaml(args.config))
     for key, val in vars(args).items():
-        if key != "config" and val is not None:
-            settings[key] = val
+        if key in ("config", "preset") or val is None:
+            continue
+        types = _TRAIN_TYPES if key in _TRAIN_TYPES else _MODEL_TYPES
+        settings[key] = coerce(key, types[key], val, "flag") if isinstance(val, str) else val
+    if args.preset is not None:
+        settings["preset"] = args.preset
     train_kw = {k: v for k, v in settings.items() if k in TRAIN_FIELDS}
     model_kw = {k: v for k, v in settings.items() if k in MODEL_FIELDS}
     return TrainConfig(**train_kw, model=model_kw)

@@ -1,13 +1,21 @@
-"""What a training run reports: ``metrics.jsonl`` (one JSON object per step), the progress line, peak memory.
+"""What a training run reports: ``metrics.jsonl`` (one JSON object per step), ``loss.png``, the progress line.
 
-``metrics.jsonl`` rows hold ``step`` (steps done), ``loss`` (training loss of that step) and ``lr``, plus
-``eval_loss`` and ``recall_accuracy`` (recall task) or ``bits_per_byte`` (text) on steps that evaluated. The
-file is appended to, so a resumed run continues the rows of the interrupted one.
+``metrics.jsonl`` in the run folder (``--save``) holds one row per step of one run, in order:
+
+    {"step": 12, "loss": 2.0794, "lr": 0.0024}                                    every step
+    {"step": 250, ..., "eval_loss": 1.21, "recall_accuracy": 0.53}               evaluation steps (recall task)
+    {"step": 250, ..., "eval_loss": 1.70, "bits_per_byte": 2.45}                 evaluation steps (text)
+    {"step": 13, "loss": null, "lr": 0.0024, "skipped": "non-finite loss ..."}   a step skipped (--on-nonfinite skip)
+
+``step`` counts the steps done (1 after the first). A fresh run starts the file; a resumed run first drops the
+rows after its checkpoint's step (steps the interrupted run did after its last checkpoint, which the resumed run
+repeats), so every step appears once. At the end of a run `plot_metrics` draws ``loss.png`` beside it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 from pathlib import Path
@@ -16,20 +24,47 @@ from typing import IO, Any
 
 import torch
 
-__all__ = ["MetricsLog", "Progress", "peak_memory_bytes", "format_bytes", "format_time", "step_line"]
+__all__ = [
+    "MetricsLog",
+    "Progress",
+    "read_metrics",
+    "plot_metrics",
+    "peak_memory_bytes",
+    "format_bytes",
+    "format_time",
+    "step_line",
+]
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` file (a torn last line, from a process killed mid-write, is ignored)."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
 
 class MetricsLog:
-    """Appends one JSON object per step to a ``metrics.jsonl`` file, flushed after every row.
+    """Writes one JSON object per step to a ``metrics.jsonl`` file, flushed after every row.
 
     Args:
         path: the file (its directory is created); None writes nothing, as on ranks other than the first.
+        resume_from: None starts a new file; a step keeps the rows up to that step (a resumed run) and appends.
     """
 
-    def __init__(self, path: str | Path | None) -> None:
+    def __init__(self, path: str | Path | None, resume_from: int | None = None) -> None:
         self._file: IO[str] | None = None
         if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            kept = [] if resume_from is None or not path.exists() else read_metrics(path)
+            kept = [r for r in kept if isinstance(r.get("step"), int) and r["step"] <= (resume_from or 0)]
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(tmp, path)  # the kept rows, or an empty file, never a half-rewritten one
             self._file = open(path, "a")  # noqa: SIM115 (closed by close() or the with-block)
 
     def write(self, record: dict[str, Any]) -> None:
@@ -83,6 +118,47 @@ class Progress:
         """Print ``text`` on lines of its own."""
         if not self.quiet:
             print(("\n" if self.tty else "") + text, flush=True)
+
+
+def plot_metrics(metrics_path: str | Path, png_path: str | Path | None = None) -> tuple[Path | None, str]:
+    """Draw the loss curve of a ``metrics.jsonl`` (training loss per step, held-out loss where evaluated) as a PNG.
+
+    Args:
+        metrics_path: the metrics file.
+        png_path: where to write; default ``loss.png`` beside the metrics file.
+
+    Returns:
+        ``(path written, "")``, or ``(None, why not)`` when matplotlib is missing or there is nothing to draw.
+    """
+    metrics_path = Path(metrics_path)
+    png = Path(png_path) if png_path is not None else metrics_path.with_name("loss.png")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None, "matplotlib is not installed (pip install matplotlib, or longctx[dev]): no loss.png"
+    rows = read_metrics(metrics_path) if metrics_path.exists() else []
+    train = [(r["step"], r["loss"]) for r in rows if isinstance(r.get("loss"), (int, float))]
+    held_out = [(r["step"], r["eval_loss"]) for r in rows if isinstance(r.get("eval_loss"), (int, float))]
+    if not train:
+        return None, "no finite losses in the metrics file: no loss.png"
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*zip(*train), lw=1, label="training loss")
+    if held_out:
+        ax.plot(*zip(*held_out), "o-", label="held-out loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(str(metrics_path.parent.name or metrics_path.parent))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = png.with_name(png.name + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, png)
+    return png, ""
 
 
 def peak_memory_bytes(device: torch.device) -> int:

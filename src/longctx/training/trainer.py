@@ -11,6 +11,18 @@ AdamW with linear warmup and cosine decay to ``min_lr``, gradient clipping, bf16
 on held-out data, a progress line (loss, tokens/s, peak memory), checkpoints written atomically, and
 ``--resume`` that continues to the same losses as an uninterrupted run. Settings: `longctx.training.config`.
 
+What protects the work of a run:
+
+- SIGINT (Ctrl-C) and SIGTERM (how clusters preempt jobs) end the current step, write a checkpoint and exit with
+  130 / 143, saying where the checkpoint is; a second signal abandons the step at once (the last checkpoint
+  written stays intact). Under context parallelism the ranks agree on the step to stop after.
+- The ``--save`` folder belongs to one run: a fresh run refuses a folder holding another run's checkpoint or
+  metrics unless ``--resume`` (continue it) or ``--overwrite`` (delete them first).
+- A non-finite loss or gradient norm stops the run before the optimiser step, naming the step, with a checkpoint
+  of the last finite state (``--on-nonfinite skip`` skips such steps instead); no checkpoint with NaN or
+  infinity is ever written, and checksums catch corrupted checkpoints on load.
+- Under context parallelism every rank checks, before anything else, that all ranks run the same settings.
+
 `Trainer` builds everything in its constructor (device, data, model, optimizer, the attention backend, context
 parallelism, the resumed state); `Trainer.train_step` is one optimiser step; `Trainer.train` is the loop.
 """
@@ -20,7 +32,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +45,7 @@ import torch
 
 from longctx.api import explain
 from longctx.models.gpt import GPT, GPTConfig, lm_loss
-from longctx.training.checkpoint import load_training_state, save_training_state
+from longctx.training.checkpoint import load_training_state, remove_partial_files, save_training_state
 from longctx.training.config import TrainConfig, parse_config
 from longctx.training.data import Batch, ByteText, RecallTask
 from longctx.training.metrics import (
@@ -39,13 +54,66 @@ from longctx.training.metrics import (
     format_bytes,
     format_time,
     peak_memory_bytes,
+    plot_metrics,
     step_line,
 )
 
 if TYPE_CHECKING:
     from longctx.distributed.model import ContextParallel
 
-__all__ = ["Trainer", "TrainResult", "run", "main", "lr_at", "build_optimizer"]
+__all__ = [
+    "Trainer",
+    "TrainResult",
+    "NonFiniteError",
+    "Abandoned",
+    "run",
+    "main",
+    "lr_at",
+    "build_optimizer",
+    "cpu_threads",
+]
+
+RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "loss.png")  # what a run writes in its --save folder
+
+
+class NonFiniteError(RuntimeError):
+    """A step whose loss or gradient norm is NaN or infinite (with ``on_nonfinite="stop"``)."""
+
+
+class Abandoned(BaseException):
+    """A second SIGINT/SIGTERM during a step or a save: the step is abandoned, nothing more is written.
+
+    A BaseException, like KeyboardInterrupt, so that no ``except Exception`` on the way swallows it.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _StopSignals:
+    """While active, SIGINT and SIGTERM set `signum` (the loop stops after the step); a second one raises
+    `Abandoned`. Handlers are installed only in the main thread (Python delivers signals there)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signum is not None:
+            raise Abandoned(signum)
+        self.signum = signum
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
 
 
 @dataclass
@@ -61,7 +129,10 @@ class TrainResult:
     tokens_per_second: float = 0.0
     peak_memory_bytes: int = 0
     backend: str = ""
-    checkpoint: str | None = None
+    checkpoint: str | None = None  # the checkpoint this run wrote last (None if it wrote none)
+    interrupted_by: int | None = None  # the signal (SIGINT/SIGTERM) that stopped the run early
+    last_step: int = 0  # steps done when the run ended
+    skipped_steps: list[int] = dataclasses.field(default_factory=list)  # steps skipped as non-finite
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -71,6 +142,17 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     span = max(1, cfg.train_iters - cfg.lr_warmup_iters)
     frac = min(1.0, (step - cfg.lr_warmup_iters) / span)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def cpu_threads(mcfg: GPTConfig) -> int | None:
+    """The torch thread count for training ``mcfg`` on the CPU: 1 for small models, None (torch's default) else.
+
+    Small models (hidden size below 256) do GEMMs too small for intra-op threads to pay for their
+    synchronisation, and on a machine shared with other jobs the threads wait for each other: docs/performance.md
+    (CPU training threads) has the measurement. The `Trainer` applies it (``torch.set_num_threads``, for the
+    process) unless ``OMP_NUM_THREADS`` is set, which then decides.
+    """
+    return 1 if mcfg.hidden_size < 256 else None
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -101,15 +183,26 @@ class Trainer:
         self.rank = 0
         if cfg.context_parallel > 1:
             self.rank, self.device = _init_context_parallel(cfg.context_parallel)
+            from longctx.distributed.model import check_agreement
+
+            # before any other collective: ranks with different settings would wait on each other forever
+            folder_error = _run_folder_error(cfg) if self.rank == 0 else None
+            check_agreement({**cfg.to_dict(), **cfg.model_config().to_dict()}, folder_error)
             if self.rank != 0:
                 cfg = dataclasses.replace(cfg, quiet=True)
         else:
             self.device = _device(cfg.device)
+            folder_error = _run_folder_error(cfg)
+            if folder_error:
+                raise ValueError(folder_error)
         self.cfg = cfg
         self.use_bf16 = cfg.bf16 if cfg.bf16 is not None else self.device.type == "cuda"
         torch.manual_seed(cfg.seed)  # the model's initial weights
 
         self.task, mcfg = _build_task(cfg)
+        threads = cpu_threads(mcfg) if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ else None
+        if threads is not None:
+            torch.set_num_threads(threads)
         if cfg.model.get("attention_backend") is None:
             mcfg = dataclasses.replace(mcfg, attention_backend=_default_backend(mcfg, self.device, self.use_bf16))
         self.model_config = mcfg
@@ -129,8 +222,15 @@ class Trainer:
 
         self.is_writer = self.rank == 0  # the rank that writes checkpoints and metrics
         self.checkpoint_path = Path(cfg.save) / "checkpoint.pt" if cfg.save else None
+        if self.checkpoint_path is not None and self.is_writer:
+            remove_partial_files(self.checkpoint_path)  # temporary files of a save that was killed
+            if cfg.overwrite:
+                for name in RUN_FILES:
+                    (self.checkpoint_path.parent / name).unlink(missing_ok=True)
         self.start_step = self._resume() if cfg.resume else 0
+        self.saved_step: int | None = self.start_step if cfg.resume and cfg.resume == "auto" else None
         self.tokens_per_step = cfg.micro_batch_size * mcfg.seq_length
+        self.last_step_skipped = False
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -146,18 +246,36 @@ class Trainer:
     # -- one step ------------------------------------------------------------------------------------------
 
     def train_step(self, step: int) -> tuple[float, float]:
-        """One optimiser step on the batch of ``step``; returns ``(training loss, learning rate)``."""
+        """One optimiser step on the batch of ``step``; returns ``(training loss, learning rate)``.
+
+        A loss or gradient norm that is NaN or infinite never reaches the weights: with ``on_nonfinite="stop"``
+        it raises `NonFiniteError` (the weights stay those before the step), with ``"skip"`` the step is
+        skipped (``last_step_skipped``) and its loss returned as it is.
+        """
         cfg = self.cfg
         lr = lr_at(step, cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         batch = self.task.batch(cfg.micro_batch_size, step, cfg.seed, "train").to(self.device)
         loss = self.forward_backward(batch)
-        if cfg.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad)
+        # max_norm=inf measures the norm without clipping; under CP the gradients are already all-reduced, so
+        # every rank sees the same norm and takes the same decision
+        max_norm = cfg.clip_grad if cfg.clip_grad > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        loss_value = loss.item()
+        self.last_step_skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
+        if self.last_step_skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+            if cfg.on_nonfinite == "stop":
+                raise NonFiniteError(
+                    f"step {step + 1}: the loss is {loss_value} and the gradient norm {grad_norm}; the run stopped "
+                    f"before the optimizer step, so the weights are those after step {step}. Lower --lr, check "
+                    "the data, or pass --on-nonfinite skip to skip such steps"
+                )
+            return loss_value, lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.item(), lr
+        return loss_value, lr
 
     def forward_backward(self, batch: Batch) -> torch.Tensor:
         """Loss of ``batch`` and its gradients; returns the loss over the whole batch (detached)."""
@@ -210,18 +328,32 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------------------
 
     def save(self, step: int, extra: dict[str, Any]) -> None:
-        """Checkpoint after ``step`` steps (first rank only; nothing without ``--save``)."""
-        if self.checkpoint_path is None or not self.is_writer:
+        """Checkpoint after ``step`` steps (first rank only; nothing without ``--save``); records `saved_step`.
+
+        Raises:
+            CheckpointError: the state holds NaN or infinity (nothing is written).
+        """
+        if self.checkpoint_path is None:
             return
-        save_training_state(
-            self.checkpoint_path,
-            step=step,
-            model=self.model,
-            optimizer=self.optimizer,
-            model_config=self.model_config.to_dict(),
-            train_config=self.cfg.to_dict(),
-            extra=extra,
-        )
+        if self.is_writer:
+            save_training_state(
+                self.checkpoint_path,
+                step=step,
+                model=self.model,
+                optimizer=self.optimizer,
+                model_config=self.model_config.to_dict(),
+                train_config=self.cfg.to_dict(),
+                extra=extra,
+            )
+        self.saved_step = step
+
+    def checkpoint_note(self) -> str:
+        """Where the last checkpoint of this run is, or that there is none: what a message after a stop promises."""
+        if self.checkpoint_path is None:
+            return "no checkpoint: --save is none"
+        if self.saved_step is None:
+            return f"no checkpoint was written in {self.checkpoint_path.parent}"
+        return f"the checkpoint {self.checkpoint_path} (step {self.saved_step}) is intact; continue with --resume"
 
     def _resume(self) -> int:
         cfg = self.cfg
@@ -247,15 +379,27 @@ class Trainer:
 
         self.model.train()
         losses: list[float] = []
+        skipped: list[int] = []
         last_eval: dict[str, float] = {}
+        interrupted_by: int | None = None
+        done = start
         t0 = time.perf_counter()
-        with MetricsLog(metrics_path) as metrics:
+        with _StopSignals() as signals, MetricsLog(metrics_path, start if cfg.resume else None) as metrics:
             for step in range(start, stop):
-                loss, lr = self.train_step(step)
+                try:
+                    loss, lr = self.train_step(step)
+                except NonFiniteError as e:
+                    self.save(step, {"last_eval": last_eval})  # the last finite state: resumable with skip
+                    raise NonFiniteError(f"{e}. {self.checkpoint_note()}") from None
                 losses.append(loss)
                 done = step + 1
                 elapsed = time.perf_counter() - t0
                 record: dict[str, Any] = {"step": done, "loss": loss, "lr": lr}
+                if self.last_step_skipped:
+                    skipped.append(done)
+                    record["loss"] = loss if math.isfinite(loss) else None
+                    record["skipped"] = "non-finite loss or gradient"
+                    progress.message(f"step {done}: non-finite loss or gradient ({loss}); step skipped")
                 if self._eval_due(done):
                     last_eval = self.evaluate()
                     record.update(last_eval)
@@ -265,12 +409,16 @@ class Trainer:
                 peak = peak_memory_bytes(self.device)
                 text = step_line(loss, lr, tokens_per_second, peak, last_eval, elapsed, eta)
                 progress.update(done, text, force="eval_loss" in record)
-                if self.checkpoint_path and ((cfg.save_interval > 0 and done % cfg.save_interval == 0) or done == stop):
+                interrupted_by = self._agreed_signal(signals.signum)
+                periodic = cfg.save_interval > 0 and done % cfg.save_interval == 0
+                if self.checkpoint_path and (periodic or done == stop or interrupted_by):
                     self.save(done, {"last_eval": last_eval})
-        if self.cp is not None:
-            import torch.distributed as dist
+                if interrupted_by:
+                    break
+            if self.cp is not None:
+                import torch.distributed as dist
 
-            dist.barrier()
+                dist.barrier()
 
         elapsed = time.perf_counter() - t0
         result = TrainResult(
@@ -283,13 +431,31 @@ class Trainer:
             tokens_per_second=self.tokens_per_step * len(losses) / max(elapsed, 1e-9),
             peak_memory_bytes=peak_memory_bytes(self.device),
             backend=self.backend,
-            checkpoint=str(self.checkpoint_path) if self.checkpoint_path else None,
+            checkpoint=str(self.checkpoint_path) if self.checkpoint_path and self.saved_step is not None else None,
+            interrupted_by=interrupted_by,
+            last_step=done,
+            skipped_steps=skipped,
         )
-        if stop < cfg.train_iters:
-            progress.message(f"halted after step {stop} (--halt-after); continue with --resume")
+        if metrics_path is not None:
+            png, why_not = plot_metrics(metrics_path)
+            progress.message(f"loss curve: {png}" if png else f"note: {why_not}")
+        if interrupted_by:
+            pass  # main() says where the checkpoint is, on stderr (even with --quiet)
+        elif stop < cfg.train_iters:
+            progress.message(f"halted after step {stop} (--halt-after); {self.checkpoint_note()}")
         else:
             progress.message(self._summary(result, last_eval, stop))
         return result
+
+    def _agreed_signal(self, signum: int | None) -> int | None:
+        """The stop signal, agreed over the context-parallel ranks (each may have seen it at another step)."""
+        if self.cp is None:
+            return signum
+        import torch.distributed as dist
+
+        flag = torch.tensor([signum or 0], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item()) or None
 
     def _eval_due(self, done: int) -> bool:
         cfg = self.cfg
@@ -356,6 +522,20 @@ def _init_context_parallel(ranks: int) -> tuple[int, torch.device]:
             f"run: torchrun --nproc-per-node {ranks} -m longctx train --context-parallel {ranks} ..."
         )
     return rank, device
+
+
+def _run_folder_error(cfg: TrainConfig) -> str | None:
+    """Why a fresh run may not start in ``cfg.save`` (it holds another run's files), or None."""
+    if not cfg.save or cfg.resume or cfg.overwrite:
+        return None
+    folder = Path(cfg.save)
+    found = [name for name in RUN_FILES[:2] if (folder / name).exists()]
+    if not found:
+        return None
+    return (
+        f"--save {folder} holds another run ({', '.join(found)}); continue it with --resume, start a new run "
+        f"there with --overwrite (deletes {', '.join(RUN_FILES)}), or pass another --save folder"
+    )
 
 
 def _device(name: str) -> torch.device:
@@ -432,17 +612,68 @@ def run(cfg: TrainConfig) -> TrainResult:
     return Trainer(cfg).train()
 
 
+def _report(text: str) -> None:
+    # One write per message: the ranks of a context-parallel run share stderr, and print() writes the text and
+    # its newline separately, which interleaves two ranks' messages on one line.
+    rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    prefix = f"[rank {rank}] " if rank is not None else ""
+    sys.stderr.write(f"{prefix}longctx train: {text}\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``longctx train``; returns the exit status (2 for bad settings or checkpoints)."""
+    """Entry point of ``longctx train``; returns the exit status.
+
+    0 when the run finished (or halted with ``--halt-after``); 2 for bad settings or checkpoints; 1 when a step
+    was non-finite; 128 + the signal (130 for SIGINT, 143 for SIGTERM) when a signal stopped the run, after
+    its checkpoint was written.
+    """
+    trainer: Trainer | None = None
+    previous = _abandon_on_sigterm()  # until the loop installs its own handlers: nothing to save yet
     try:
-        run(parse_config(argv))
+        cfg = parse_config(argv)
+        trainer = Trainer(cfg)
+        result = trainer.train()
     except (ValueError, TypeError) as e:  # includes CheckpointError
-        print(f"longctx train: error: {e}", file=sys.stderr)
+        _report(f"error: {e}")
         return 2
-    except KeyboardInterrupt:
-        print("\nlongctx train: interrupted; the last checkpoint is intact (continue with --resume)", file=sys.stderr)
-        return 130
+    except NonFiniteError as e:
+        _report(f"error: {e}")
+        return 1
+    except (KeyboardInterrupt, Abandoned) as e:
+        signum = e.signum if isinstance(e, Abandoned) else signal.SIGINT
+        note = trainer.checkpoint_note() if trainer is not None else "nothing was written"
+        _report(f"{signal.Signals(signum).name}: stopped before a step could end; {note}")
+        return 128 + signum
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        _close_process_group()
+    if result.interrupted_by:
+        if trainer.is_writer:
+            name = signal.Signals(result.interrupted_by).name
+            _report(f"{name}: stopped after step {result.last_step}; {trainer.checkpoint_note()}")
+        return 128 + result.interrupted_by
     return 0
+
+
+def _abandon_on_sigterm() -> Any:
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum: int, frame: object) -> None:
+        raise Abandoned(signum)
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def _close_process_group() -> None:
+    # A process that exits with its process group still open can abort in the group's destructor.
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
