@@ -115,3 +115,99 @@ def test_flash_attn_func_bad_rank():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="batch, seq, heads, head_dim"):
         longctx.flash_attn_func(q[0], k, v)
+
+
+# -- flags, windows and block masks of attention ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["deterministic", "return_lse"])
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_bool_flags_must_be_bools_like_causal(name, value):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=rf"{name} must be True or False, got .* pass {name}=bool"):
+        longctx.attention(q, k, v, **{name: value})
+    with pytest.raises(TypeError, match=r"causal must be True or False, got 1 \(int\)"):
+        longctx.attention(q, k, v, causal=1)
+
+
+def test_causal_with_a_window_to_the_right_is_an_error_not_a_silent_drop():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"window=\(4, 3\) asks for 3; pass window=\(4, 0\)"):
+        longctx.attention(q, k, v, causal=True, window=(4, 3))
+    for window in [(4, 0), (4, -1), (-1, -1)]:  # right 0 or unbounded: causal caps it at the diagonal
+        longctx.attention(q, k, v, causal=True, window=window)
+
+
+def test_block_mask_must_be_a_block_mask():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"block_mask must be a longctx.BlockMask .*got 'causal'.*pass causal=True"):
+        longctx.attention(q, k, v, block_mask="causal")
+    with pytest.raises(TypeError, match="block_mask must be a longctx.BlockMask"):
+        longctx.explain(q, k, v, block_mask=torch.ones(8, 8, dtype=torch.bool))
+
+
+def test_explain_gives_no_block_mask_reason_without_a_block_mask():
+    q, k, v = qkv()
+    text = str(longctx.explain(q, k, v, causal=True))
+    assert "triton_sparse" in text and "together with block_mask" not in text
+
+
+# -- mask_mods ---------------------------------------------------------------------------------------------------
+
+
+def test_mask_mod_of_the_wrong_shape_is_named():
+    def rows(b, h, q, kv):
+        return (q >= kv).any(1)  # reduced over the keys: (n,) instead of (n, m)
+
+    with pytest.raises(ValueError, match=r"mask_mod 'rows' returned shape \(64,\) .*expected the broadcast shape"):
+        longctx.block_mask(rows, None, None, 64, 64, block_size=16, device="cpu")
+
+
+def test_mask_mod_of_shape_one_is_not_taken_as_all_visible():
+    def one(b, h, q, kv):
+        return torch.tensor([True])
+
+    with pytest.raises(ValueError, match=r"mask_mod 'one' returned shape \(1,\)"):
+        longctx.block_mask(one, None, None, 64, 64, block_size=16, device="cpu")
+
+
+def test_mask_mod_with_python_if_gets_a_hint():
+    def with_if(b, h, q, kv):
+        if q >= kv:
+            return torch.tensor(True)
+        return torch.tensor(False)
+
+    with pytest.raises(TypeError, match=r"mask_mod 'with_if' uses Python control flow.*torch.where"):
+        longctx.block_mask(with_if, None, None, 64, 64, block_size=16, device="cpu")
+
+
+def test_mask_mod_returning_numbers_is_named():
+    with pytest.raises(TypeError, match=r"must return a bool tensor .*got torch.int64"):
+        longctx.block_mask(lambda b, h, q, kv: q - kv, None, None, 64, 64, block_size=16, device="cpu")
+
+
+def test_mask_mods_that_ignore_an_index_still_broadcast():
+    bm = longctx.block_mask(lambda b, h, q, kv: q >= 0, None, None, 64, 64, block_size=16, device="cpu")
+    assert bool(bm.dense_mask().all())  # (n, 1): every key visible to every query
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_block_mask_on_cuda_without_cuda_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"device='cuda'\): CUDA is not available.*device='cpu'"):
+        longctx.block_mask(lambda b, h, q, kv: q >= kv, None, None, 64, 64, device="cuda")
+
+
+# -- token ids in the GPT ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [32, 1000, -1])
+def test_token_ids_outside_the_vocabulary_are_named(bad):
+    from longctx.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig.preset("demo", seq_length=16))
+    tokens = torch.randint(1, 32, (2, 16))
+    tokens[0, 0], tokens[0, 1], tokens[1, 5] = 1, 31, bad
+    with pytest.raises(
+        ValueError, match=rf"must be in \[0, vocab_size=32\), got ids from {min(bad, 1)} to {max(bad, 31)}"
+    ):
+        model(tokens)

@@ -9,7 +9,7 @@ import numbers
 import torch
 
 from longctx.dispatch import AttnInputs, BackendChoice, get_backend, select_backend
-from longctx.masks import Band, normalize_window
+from longctx.masks import Band, BlockMask, normalize_window
 
 __all__ = ["attention", "flash_attn_func", "explain", "follow_autocast"]
 
@@ -86,8 +86,7 @@ def validate(
             f"the number of query heads ({Hq}) must be a positive multiple of the number of key/value "
             f"heads ({Hkv}) for GQA/MQA; valid kv head counts are the divisors of {Hq}"
         )
-    if not isinstance(causal, (bool, torch.SymBool)):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    _check_flag("causal", causal)
     if scale is None:
         scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
     else:
@@ -96,8 +95,28 @@ def validate(
         scale = float(scale)
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
-    band = Band.from_args(Sq, k.shape[2], causal=causal, window=normalize_window(window))
+    left, right = normalize_window(window)
+    if causal and right > 0:
+        raise ValueError(
+            f"causal=True sees no key to the right of the diagonal, but window={tuple(window)!r} asks for {right}; "
+            f"pass window=({left}, 0) for a causal window, or causal=False for a two-sided one"
+        )
+    band = Band.from_args(Sq, k.shape[2], causal=causal, window=(left, right))
     return scale, band
+
+
+def _check_flag(name: str, value: object) -> None:
+    if not isinstance(value, (bool, torch.SymBool)):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__}); pass {name}=bool(...)")
+
+
+def _check_block_mask(block_mask: object) -> None:
+    if block_mask is not None and not isinstance(block_mask, BlockMask):
+        hint = " (for a causal mask pass causal=True)" if isinstance(block_mask, str) and block_mask == "causal" else ""
+        raise TypeError(
+            f"block_mask must be a longctx.BlockMask or None, got {block_mask!r} ({type(block_mask).__name__}); "
+            f"build one with longctx.block_mask(mask_mod, B, H, Sq, Sk){hint}"
+        )
 
 
 def _assume_constant_result(fn):
@@ -135,6 +154,9 @@ def _select_name_for_compile(
 
 def _resolve(q, k, v, causal, window, scale, backend, return_lse, deterministic, block_mask):
     scale, band = validate(q, k, v, causal=causal, window=window, scale=scale)
+    _check_flag("return_lse", return_lse)
+    _check_flag("deterministic", deterministic)
+    _check_block_mask(block_mask)
     if block_mask is not None:
         block_mask.check_compatible(q, k)
     if torch.compiler.is_compiling() and q.numel() > 0 and k.shape[2] > 0:
@@ -206,10 +228,11 @@ def attention(
         ``return_lse``. A row that sees no key gives output 0 and lse -inf, with zero gradients.
 
     Raises:
-        TypeError: non-tensor inputs, unsupported dtypes, mixed dtypes outside autocast, a non-bool causal.
+        TypeError: non-tensor inputs, unsupported dtypes, mixed dtypes outside autocast, a causal, return_lse or
+            deterministic that is not a bool, a block_mask that is not a `longctx.BlockMask`.
         ValueError: wrong ranks or mismatched shapes, Hq not a multiple of Hkv, mixed devices, window
-            values below -1, a non-finite scale, an unknown backend, or a pinned backend that cannot
-            run these inputs.
+            values below -1, causal=True with a window reaching right of the diagonal, a non-finite scale,
+            an unknown backend, or a pinned backend that cannot run these inputs.
     """
     q, k, v, run_ctx = follow_autocast(q, k, v)
     scale, band, choice = _resolve(q, k, v, causal, window, scale, backend, return_lse, deterministic, block_mask)

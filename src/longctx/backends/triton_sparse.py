@@ -41,7 +41,7 @@ class TritonSparseBackend(Backend):
             reasons.append("the Triton interpreter has no bfloat16")
         if not 1 <= inp.head_dim <= 256:
             reasons.append(f"head_dim must be in [1, 256], got {inp.head_dim}")
-        if not inp.band.is_dense:
+        if not inp.band.is_dense and (inp.block_mask or inp.varlen):  # else the first reason says it all
             reasons.append(
                 "causal=/window= together with block_mask: put them into the mask instead "
                 "(e.g. and_masks(mask_mod, causal_mask)) for triton_sparse"

@@ -111,12 +111,7 @@ def _build_general(mask_mod, B, H, sq, sk, bs, device, name) -> BlockMask:
             for r0 in range(0, nq * bs, rows):
                 r1 = min(r0 + rows, nq * bs)
                 qi = torch.arange(r0, r1, device=device)[:, None]
-                m = mask_mod(tb, th, qi.clamp(max=max(sq - 1, 0)), kj_eval)
-                if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
-                    raise TypeError(
-                        f"mask_mod must return a bool tensor, got "
-                        f"{type(m).__name__ if not isinstance(m, torch.Tensor) else m.dtype}"
-                    )
+                m = _call_mask_mod(mask_mod, tb, th, qi.clamp(max=max(sq - 1, 0)), kj_eval)
                 m = m.expand(r1 - r0, skp) & (qi < sq) & kvalid
                 nqc = (r1 - r0) // bs
                 m4 = m.reshape(nqc, bs, nk, bs)
@@ -141,6 +136,39 @@ def _build_general(mask_mod, B, H, sq, sk, bs, device, name) -> BlockMask:
         mask_mod=mask_mod,
         source=name,
     )
+
+
+def _call_mask_mod(
+    mask_mod: Callable, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+) -> torch.Tensor:
+    """``mask_mod(b, h, q_idx, kv_idx)`` for q_idx (n, 1) and kv_idx (1, m), checked: a bool tensor of shape
+    (n, m), (n, 1), (1, m), (1, 1) or () (a rule that ignores an index broadcasts along it)."""
+    name = getattr(mask_mod, "__name__", type(mask_mod).__name__)
+    try:
+        m = mask_mod(b, h, q_idx, kv_idx)
+    except RuntimeError as e:
+        if "Boolean value of Tensor" not in str(e):
+            raise
+        raise TypeError(
+            f"mask_mod {name!r} uses Python control flow (if/and/or/not) on its arguments: {e}. It is called with "
+            f"index tensors (q_idx of shape {tuple(q_idx.shape)}, kv_idx of shape {tuple(kv_idx.shape)}), so write "
+            "the rule with tensor operations: & | ~ instead of and/or/not, torch.where(cond, a, b) instead of if"
+        ) from None
+    if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
+        got = m.dtype if isinstance(m, torch.Tensor) else f"{type(m).__name__} {m!r}"
+        raise TypeError(
+            f"mask_mod {name!r} must return a bool tensor (True where the query sees the key), got {got}; compare "
+            "the indices (e.g. q_idx >= kv_idx) instead of returning numbers"
+        )
+    n, k = q_idx.shape[0], kv_idx.shape[1]
+    if not (m.dim() == 0 or (m.dim() == 2 and m.shape[0] in (1, n) and m.shape[1] in (1, k))):
+        raise ValueError(
+            f"mask_mod {name!r} returned shape {tuple(m.shape)} for q_idx {tuple(q_idx.shape)} and kv_idx "
+            f"{tuple(kv_idx.shape)}; expected the broadcast shape ({n}, {k}) (or (n, 1), (1, m), (1, 1), () for a "
+            "rule that ignores an index): compute it elementwise from q_idx and kv_idx, without reducing or "
+            "indexing them"
+        )
+    return m
 
 
 def block_mask(
@@ -169,7 +197,10 @@ def block_mask(
         a `BlockMask`.
 
     Raises:
-        TypeError/ValueError: a non-callable mask_mod, bad sizes, or a mask_mod returning a non-bool result.
+        TypeError: a non-callable mask_mod, one returning a non-bool result, or one using Python control flow
+            on its tensor arguments (with a hint to use ``&``, ``|``, ``torch.where``).
+        ValueError: bad sizes, a mask_mod result of a shape other than the broadcast of q_idx and kv_idx, or a
+            CUDA device on a machine without CUDA.
     """
     if not callable(mask_mod):
         raise TypeError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool tensor, got {type(mask_mod)}")
@@ -182,6 +213,11 @@ def block_mask(
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"block_mask(..., device={str(device)!r}): CUDA is not available on this machine; pass device='cpu' "
+            "(or leave device=None), and keep q, k, v on the same device"
+        )
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     analytic = getattr(mask_mod, "analytic", None)

@@ -356,6 +356,14 @@ class GPT(nn.Module):
             got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ValueError(f"tokens must be an integer tensor of shape (batch, seq), got {got}")
         B, S = tokens.shape
+        capturing = tokens.is_cuda and torch.cuda.is_current_stream_capturing()
+        if tokens.numel() and not (torch.compiler.is_compiling() or capturing):  # data-dependent: eager mode only
+            lo, hi = (int(x) for x in torch.aminmax(tokens))
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(
+                    f"token ids must be in [0, vocab_size={self.config.vocab_size}), got ids from {lo} to {hi}; "
+                    "tokenize with the model's vocabulary, or set GPTConfig.vocab_size above the largest id"
+                )
         if position_ids is None:
             position_ids = torch.arange(S, device=tokens.device)
         elif position_ids.shape[-1] != S:
