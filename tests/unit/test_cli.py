@@ -75,3 +75,13 @@ def test_bench_subcommands_are_reachable(which, capsys):
         main(["bench", which, "--help"])
     assert exit_.value.code == 0
     assert f"longctx bench {which}" in capsys.readouterr().out
+
+
+def test_train_help_lists_every_flag_with_its_default(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--train-iters", "--resume", "--overwrite", "--on-nonfinite", "--num-layers", "--save"):
+        assert flag in out
+    assert "(default: 1500)" in out and "metrics.jsonl" in out

@@ -148,8 +148,8 @@ def cpu_threads(mcfg: GPTConfig) -> int | None:
     """The torch thread count for training ``mcfg`` on the CPU: 1 for small models, None (torch's default) else.
 
     Small models (hidden size below 256) do GEMMs too small for intra-op threads to pay for their
-    synchronisation, and on a machine shared with other jobs the threads wait for each other: docs/performance.md
-    (CPU training threads) has the measurement. The `Trainer` applies it (``torch.set_num_threads``, for the
+    synchronisation, and on a machine shared with other jobs the threads wait for each other: docs/training.md
+    (CPU threads) has the measurement. The `Trainer` applies it (``torch.set_num_threads``, for the
     process) unless ``OMP_NUM_THREADS`` is set, which then decides.
     """
     return 1 if mcfg.hidden_size < 256 else None
@@ -228,7 +228,10 @@ class Trainer:
                 for name in RUN_FILES:
                     (self.checkpoint_path.parent / name).unlink(missing_ok=True)
         self.start_step = self._resume() if cfg.resume else 0
-        self.saved_step: int | None = self.start_step if cfg.resume and cfg.resume == "auto" else None
+        resumed_here = (
+            cfg.resume and self.checkpoint_path and self._resume_path().resolve() == self.checkpoint_path.resolve()
+        )
+        self.saved_step: int | None = self.start_step if resumed_here else None  # the checkpoint in --save
         self.tokens_per_step = cfg.micro_batch_size * mcfg.seq_length
         self.last_step_skipped = False
 
@@ -355,9 +358,12 @@ class Trainer:
             return f"no checkpoint was written in {self.checkpoint_path.parent}"
         return f"the checkpoint {self.checkpoint_path} (step {self.saved_step}) is intact; continue with --resume"
 
+    def _resume_path(self) -> Path | None:
+        return self.checkpoint_path if self.cfg.resume == "auto" else Path(self.cfg.resume)
+
     def _resume(self) -> int:
         cfg = self.cfg
-        path = self.checkpoint_path if cfg.resume == "auto" else Path(cfg.resume)
+        path = self._resume_path()
         if path is None:
             raise ValueError("--resume without a path needs --save DIR (the checkpoint is DIR/checkpoint.pt)")
         start = load_training_state(path, self.model, self.optimizer, self.model_config.to_dict())
@@ -642,8 +648,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except (KeyboardInterrupt, Abandoned) as e:
         signum = e.signum if isinstance(e, Abandoned) else signal.SIGINT
-        note = trainer.checkpoint_note() if trainer is not None else "nothing was written"
-        _report(f"{signal.Signals(signum).name}: stopped before a step could end; {note}")
+        if trainer is None:
+            _report(f"{signal.Signals(signum).name}: stopped during start-up; nothing was written")
+        else:
+            _report(f"{signal.Signals(signum).name}: stopped before a step could end; {trainer.checkpoint_note()}")
         return 128 + signum
     finally:
         if previous is not None:
