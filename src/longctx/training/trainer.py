@@ -445,11 +445,10 @@ class Trainer:
         if metrics_path is not None:
             png, why_not = plot_metrics(metrics_path)
             progress.message(f"loss curve: {png}" if png else f"note: {why_not}")
-        if interrupted_by:
-            pass  # main() says where the checkpoint is, on stderr (even with --quiet)
-        elif stop < cfg.train_iters:
+        # after a signal, main() says where the checkpoint is, on stderr (even with --quiet)
+        if not interrupted_by and stop < cfg.train_iters:
             progress.message(f"halted after step {stop} (--halt-after); {self.checkpoint_note()}")
-        else:
+        elif not interrupted_by:
             progress.message(self._summary(result, last_eval, stop))
         return result
 
