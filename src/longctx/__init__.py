@@ -23,6 +23,7 @@ _LAZY = {
     "block_mask": "longctx.masks",
     "flash_attn_varlen_func": "longctx.api.varlen",
     "linear_cross_entropy": "longctx.layers.loss",
+    "plan": "longctx.memory.plan",
     "distributed": "longctx.distributed",
 }
 
@@ -47,6 +48,7 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
     "linear_cross_entropy",
+    "plan",
     "backends",
     "Band",
     "BlockMask",

@@ -179,7 +179,8 @@ def linear_cross_entropy(
     counted = y != ignore_index
     if loss_mask is not None:
         counted = counted & (loss_mask.reshape(-1) != 0)
-    if bool(((y < 0) | (y >= weight.shape[0])).logical_and(counted).any()):
+    # (shape-only tensors, as the memory model traces with, have no values to check)
+    if _has_values(y) and bool(((y < 0) | (y >= weight.shape[0])).logical_and(counted).any()):
         bad = y[counted & ((y < 0) | (y >= weight.shape[0]))][0].item()
         raise ValueError(
             f"labels must lie in [0, {weight.shape[0]}) (the vocabulary size) or equal ignore_index={ignore_index}; "
@@ -196,6 +197,12 @@ def linear_cross_entropy(
     chunk = chunk_size or default_chunk_size(N, hidden.shape[-1], weight.shape[0])
     out = _LinearCrossEntropy.apply(h2, weight, bias, y, token_weight, int(chunk), reduction)
     return out.reshape(lead) if reduction == "none" else out
+
+
+def _has_values(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type != "meta" and not is_fake(t)
 
 
 def _check(hidden, weight, labels, bias, reduction, loss_mask, chunk_size) -> None:

@@ -110,7 +110,10 @@ class ActivationOffloader:
     def offload(self, x: torch.Tensor, to_host: bool = True) -> int:
         """Start moving ``x`` to host memory (``to_host``; else keep it as it is); returns its slot."""
         slot = len(self._slots)
-        if x.device.type != "cuda" or not (self.enabled and to_host):
+        if to_host and _shape_only(x):  # the memory model's trace: the device copy goes, a same-shaped one returns
+            self._slots.append({"like": (x.shape, x.dtype, x.device)})
+            return slot
+        if x.device.type != "cuda" or not to_host:
             self._slots.append({"tensor": x})
             return slot
         buf = self._buffer(slot, x)
@@ -144,6 +147,9 @@ class ActivationOffloader:
         """The tensor of ``slot`` on its device, ready for the current stream; prefetches ``slot - 1``."""
         self.prefetch(slot)
         entry = self._slots[slot]
+        if "like" in entry:
+            shape, dtype, device = entry.pop("like")
+            return torch.empty(shape, dtype=dtype, device=device)
         t = entry.pop("tensor")
         if "h2d" in entry:
             current = torch.cuda.current_stream(t.device)
@@ -151,6 +157,12 @@ class ActivationOffloader:
             t.record_stream(current)  # allocated on the side stream, used and freed on this one
         self.prefetch(slot - 1)
         return t
+
+
+def _shape_only(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t) or t.is_meta
 
 
 def _autocast_state(device_type: str) -> dict[str, Any] | None:

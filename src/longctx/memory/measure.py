@@ -5,7 +5,8 @@
 - `peak_live_bytes(fn)`: the largest number of bytes held by live tensors while ``fn`` runs, tracked with a
   TorchDispatchMode (allocations made by each op, freed when the last tensor using the storage dies). Works
   on the CPU, where PyTorch keeps no allocator statistics; on CUDA `torch.cuda.max_memory_allocated` agrees
-  with it up to kernel workspaces.
+  with it up to kernel workspaces. It also counts shape-only tensors (PyTorch's FakeTensorMode), which is how
+  the memory model (`longctx.memory.model`) runs a whole training step at any length without the memory.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -22,7 +24,8 @@ __all__ = ["saved_bytes", "peak_live_bytes", "LiveBytesTracker"]
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return (str(t.device), t.untyped_storage().data_ptr())
+    # the storage object's own address: unique while it lives, for real and for shape-only (fake) tensors alike
+    return (str(t.device), t.untyped_storage()._cdata)
 
 
 def saved_bytes(fn: Callable[[], object]) -> int:
@@ -48,6 +51,13 @@ class LiveBytesTracker(TorchDispatchMode):
         self.peak = 0
         self._refs: dict[tuple[str, int], list] = {}
         self._sizes: dict[tuple[str, int], int] = {}
+        self.segments: dict[str, int] = {}  # label -> peak bytes while that label was current (`mark`)
+        self._label: str | None = None
+
+    def mark(self, label: str) -> None:
+        """Start a segment of the timeline; `segments` keeps the peak of each (a repeated label continues it)."""
+        self._label = label
+        self.segments[label] = max(self.segments.get(label, 0), self.current)
 
     def _release(self, key, ref) -> None:
         refs = self._refs.get(key)
@@ -59,7 +69,7 @@ class LiveBytesTracker(TorchDispatchMode):
             self.current -= self._sizes.pop(key)
 
     def _track(self, t: torch.Tensor, input_keys: set) -> None:
-        if t.is_meta or t.numel() == 0:
+        if t.numel() == 0 or (t.is_meta and not is_fake(t)):
             return
         try:
             key = _storage_key(t)
@@ -73,12 +83,14 @@ class LiveBytesTracker(TorchDispatchMode):
             self._sizes[key] = nbytes
             self.current += nbytes
             self.peak = max(self.peak, self.current)
+            if self._label is not None:
+                self.segments[self._label] = max(self.segments[self._label], self.current)
         self._refs[key].append(weakref.ref(t, lambda r, key=key: self._release(key, r)))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         input_keys = set()
         for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, torch.Tensor) and not t.is_meta:
+            if isinstance(t, torch.Tensor) and (is_fake(t) or not t.is_meta):
                 with contextlib.suppress(RuntimeError):  # tensors without a storage
                     input_keys.add(_storage_key(t))
         out = func(*args, **(kwargs or {}))

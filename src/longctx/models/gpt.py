@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from longctx.layers.attention import CoreAttentionFn, SelfAttention
 from longctx.layers.loss import linear_cross_entropy
@@ -357,7 +358,8 @@ class GPT(nn.Module):
             raise ValueError(f"tokens must be an integer tensor of shape (batch, seq), got {got}")
         B, S = tokens.shape
         capturing = tokens.is_cuda and torch.cuda.is_current_stream_capturing()
-        if tokens.numel() and not (torch.compiler.is_compiling() or capturing):  # data-dependent: eager mode only
+        shape_only = tokens.is_meta or is_fake(tokens)  # the memory model's trace has no values to check
+        if tokens.numel() and not (torch.compiler.is_compiling() or capturing or shape_only):  # eager mode only
             lo, hi = (int(x) for x in torch.aminmax(tokens))
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(

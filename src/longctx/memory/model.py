@@ -1,0 +1,268 @@
+"""The memory model: the bytes a training step of a longctx GPT holds at its peak, counted, not guessed.
+
+`step_memory(config, seq_length=S)` builds the model with shape-only tensors (PyTorch's FakeTensorMode: every op
+runs for its output's shape and dtype, nothing is allocated) and runs one whole forward and backward at the real
+length under bf16 autocast, exactly as `longctx train` does, while `LiveBytesTracker` counts the bytes of every
+tensor alive at each moment. So the recomputation, sequence chunking, offloading, the logits-free loss and the
+float32 residual stream are modelled by the code that runs them, at any S, in a second or two on the CPU.
+
+What the trace cannot run is replaced by a twin with the same memory: the attention kernels (their forward keeps
+q, k, v, out and the float32 log-sum-exp; their backward holds dq, dk, dv, a float32 dQ accumulator and two float32
+rows per query while it runs). To the traced peak it adds the parameters, AdamW's two states, and a fixed allowance
+for what the CUDA libraries allocate on their own (cuBLAS / cuDNN workspaces, allocator rounding), calibrated on the
+H100 (docs/memory.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+
+from longctx.memory.measure import LiveBytesTracker
+from longctx.models.gpt import GPT, GPTConfig
+
+__all__ = ["StepMemory", "step_memory", "CUDA_OVERHEAD_BYTES"]
+
+# What the CUDA libraries and the caching allocator add to the tensors a step holds (cuBLAS and cuDNN workspaces,
+# 512-byte rounding): calibrated against torch.cuda.max_memory_allocated on the H100 (docs/memory.md).
+CUDA_OVERHEAD_BYTES = 256 << 20
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """The predicted peak of one training step, in bytes, with where it goes.
+
+    ``total`` = parameters + optimizer_states + traced (every tensor the forward and backward hold at their peak,
+    the gradients included) + overhead. The itemised parts of ``traced`` are counted from the plan
+    (checkpoints, kept attention outputs, gradients); ``working_set`` is the rest at the peak: one layer's
+    recomputation and backward, the attention kernels' workspace and the loss's chunk.
+    """
+
+    seq_length: int
+    micro_batch_size: int
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    checkpoints: int
+    kept_attention: int
+    working_set: int
+    overhead: int
+    host_offloaded: int  # pinned host memory, not on the GPU
+    traced: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.optimizer_states + self.traced + self.overhead
+
+    def rows(self) -> list[tuple[str, int]]:
+        """(item, bytes) for a table, summing to ``total``."""
+        return [
+            ("parameters (fp32)", self.parameters),
+            ("gradients (fp32)", self.gradients),
+            ("optimizer states (AdamW, fp32)", self.optimizer_states),
+            ("checkpoints (layer inputs kept for recompute)", self.checkpoints),
+            ("kept attention outputs and lse", self.kept_attention),
+            ("working set (one layer's recompute + backward, attention workspace, loss chunk)", self.working_set),
+            ("CUDA libraries and allocator", self.overhead),
+        ]
+
+
+class _FlashTwin(torch.autograd.Function):
+    """The memory of a flash attention call: keeps q, k, v, out and lse; its backward holds dq, dk, dv, a float32
+    dQ accumulator and two float32 rows (Delta, base-2 lse) per query while it runs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, lse = _twin_forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return _twin_backward(dout, q, k, v, out, lse)
+
+
+def _twin_forward(q, k, v, **_):
+    B, Hq, S, _ = q.shape
+    return torch.empty_like(q), q.new_empty((B, Hq, S), dtype=torch.float32)
+
+
+def _twin_backward(dout, q, k, v, out, lse, **_):
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    work = [q.new_empty(q.shape, dtype=torch.float32), lse.new_empty(lse.shape), lse.new_empty(lse.shape)]
+    del work
+    return dq, dk, dv
+
+
+class _TwinLaunchers:
+    forward = staticmethod(_twin_forward)
+    backward = staticmethod(_twin_backward)
+
+
+def _twin_attention(q, k, v):
+    return _FlashTwin.apply(q, k, v)
+
+
+_twin_attention.backend = "twin"  # marks the default (fused) core attention: kept-attention recompute applies
+
+
+# Lengths up to this are traced as they are; longer ones from two traces at shorter lengths (`step_memory`).
+DIRECT_TRACE_TOKENS = 65536
+
+
+@functools.lru_cache(maxsize=256)
+def step_memory(
+    config: GPTConfig,
+    *,
+    seq_length: int,
+    micro_batch_size: int = 1,
+    autocast_dtype: torch.dtype | None = torch.bfloat16,
+    optimizer_bytes_per_parameter: int = 8,
+    overhead: int = CUDA_OVERHEAD_BYTES,
+    exact: bool = False,
+) -> StepMemory:
+    """Predicted peak memory of one training step (forward, backward, AdamW) of ``GPT(config)``.
+
+    Every tensor of a step is either proportional to the tokens (activations, checkpoints, kept attention) or of a
+    fixed size (parameters, a loss chunk's logits, a sequence chunk's MLP intermediates): with the chunk sizes held,
+    the peak is affine in S. So beyond `DIRECT_TRACE_TOKENS` tokens (and unless ``exact``) the step is traced at two
+    shorter lengths with the target's chunk sizes and the line through them is read at S: a trace costs time in
+    proportion to its number of chunks, and this keeps it to seconds at any S (tests check it against a direct trace).
+
+    Args:
+        config: the model and its recompute / chunking / offloading settings.
+        seq_length: tokens per sequence S.
+        micro_batch_size: sequences per step B.
+        autocast_dtype: the autocast dtype of training (bf16), or None for a step in the parameters' dtype.
+        optimizer_bytes_per_parameter: optimizer state bytes per parameter (AdamW in fp32: 8).
+        overhead: the fixed allowance for CUDA libraries and the allocator.
+        exact: trace at S itself, however long.
+
+    Returns:
+        A `StepMemory`.
+    """
+    if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length < 1:
+        raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+    kw = dict(micro_batch_size=micro_batch_size, autocast_dtype=autocast_dtype,
+              optimizer_bytes_per_parameter=optimizer_bytes_per_parameter, overhead=overhead)  # fmt: skip
+    S = seq_length
+    from longctx.layers import loss as loss_module
+
+    # both shorter traces hold whole chunks of the target's sizes (the loss's, the position-wise layers')
+    loss_chunk = loss_module.default_chunk_size(micro_batch_size * S, config.hidden_size, config.vocab_size)
+    s1 = max(DIRECT_TRACE_TOKENS // 2, 4 * (config.sequence_chunk_size or 0), -(-loss_chunk // micro_batch_size))
+    if exact or S <= 2 * s1:
+        return _traced(config, seq_length=S, **kw)[0]
+    with mock.patch.object(loss_module, "default_chunk_size", lambda *a: min(loss_chunk, a[0])):
+        a, seg_a = _traced(config, seq_length=s1, **kw)
+        b, seg_b = _traced(config, seq_length=2 * s1, **kw)
+    if list(seg_a) != list(seg_b):  # the timelines differ in shape: trace the length itself
+        return _traced(config, seq_length=S, **kw)[0]
+    # each segment of the timeline (a layer's forward, the loss, a layer's backward) is affine in S; the peak is
+    # the largest of them at S, whichever segment that is
+    peak = max(round(seg_a[k] + (seg_b[k] - seg_a[k]) * (S - s1) / s1) for k in seg_a)
+    fields = ("gradients", "checkpoints", "kept_attention", "host_offloaded")
+    at = {f: round(getattr(a, f) + (getattr(b, f) - getattr(a, f)) * (S - s1) / s1) for f in fields}
+    fixed = at["gradients"] + at["checkpoints"] + at["kept_attention"]
+    return dataclasses.replace(b, seq_length=S, working_set=max(0, peak - fixed), traced=max(peak, fixed), **at)
+
+
+def _traced(
+    config: GPTConfig,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    autocast_dtype: torch.dtype | None,
+    optimizer_bytes_per_parameter: int,
+    overhead: int,
+) -> tuple[StepMemory, dict[str, int]]:
+    """One trace at ``seq_length``: the `StepMemory` and the peak of each segment of the step's timeline."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import longctx.layers.attention as attention_layer
+
+    tracker = LiveBytesTracker()
+    with FakeTensorMode(), mock.patch.object(attention_layer, "resolve_launchers", lambda *a, **k: _TwinLaunchers):
+        model = GPT(config)
+        model.set_core_attention(_twin_attention)
+        for layer in model.layers:  # set_core_attention keeps the policy; the kept path needs a fused core
+            layer.self_attention.keep_core_attention = config.recompute_skip_core_attention
+        tokens = torch.zeros(micro_batch_size, seq_length, dtype=torch.long)
+        autocast = (
+            torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+        )
+        _mark_segments(model, tracker)
+        with tracker:
+            tracker.mark("embedding")
+            with autocast:
+                loss = model(tokens, labels=tokens)
+            tracker.mark("loss backward")
+            model._trace_phase = "backward"
+            loss.backward()
+            del loss
+        n_params = sum(p.numel() for p in model.parameters())
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        resid_bytes = torch.empty((), dtype=model.embedding.weight.dtype).element_size()
+
+    c = config
+    B, S, h = micro_batch_size, seq_length, c.hidden_size
+    segments = dict(tracker.segments)
+    chunks = model._chunks
+    checkpointed = [ch for ch in chunks if ch.checkpointed]
+    offloaded = [ch for ch in checkpointed if c.cpu_offloading and ch.end <= model._offload_layers]
+    checkpoint_bytes = (len(checkpointed) - len(offloaded)) * B * S * h * resid_bytes
+    kept_layers = sum(ch.end - ch.start for ch in checkpointed) if c.recompute_skip_core_attention else 0
+    half = 2 if autocast_dtype is not None else resid_bytes
+    kept = kept_layers * B * S * c.num_attention_heads * (c.head_dim * half + 4)
+    grads = param_bytes
+    working = max(0, tracker.peak - grads - checkpoint_bytes - kept)
+    return StepMemory(
+        seq_length=S,
+        micro_batch_size=B,
+        parameters=param_bytes,
+        gradients=grads,
+        optimizer_states=n_params * optimizer_bytes_per_parameter,
+        checkpoints=checkpoint_bytes,
+        kept_attention=kept,
+        working_set=working,
+        overhead=overhead,
+        host_offloaded=len(offloaded) * B * S * h * resid_bytes,
+        traced=grads + checkpoint_bytes + kept + working,
+    ), segments
+
+
+def _mark_segments(model: GPT, tracker: LiveBytesTracker) -> None:
+    """Label the trace's timeline: each layer's first forward, the loss, and each layer's backward (from the
+    gradient reaching its output; with recomputation that includes its replayed forward)."""
+    model._trace_phase = "forward"
+
+    def pre(i):
+        def hook(module, args):
+            if model._trace_phase == "forward":
+                tracker.mark(f"forward {i}")
+
+        return hook
+
+    def post(i):
+        def hook(module, args, out):
+            if model._trace_phase == "forward" and out.requires_grad:
+                out.register_hook(lambda g: tracker.mark(f"backward {i}"))
+
+        return hook
+
+    for i, layer in enumerate(model.layers):
+        layer.register_forward_pre_hook(pre(i))
+        layer.register_forward_hook(post(i))
+    model.final_layernorm.register_forward_pre_hook(
+        lambda m, a: tracker.mark("loss") if model._trace_phase == "forward" else None
+    )

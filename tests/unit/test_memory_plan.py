@@ -1,0 +1,118 @@
+"""The memory model (a counted trace of the real step on shape-only tensors) and the planner."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+import longctx
+import longctx.layers.attention as attention_layer
+from longctx.memory import model as memory_model
+from longctx.memory.measure import peak_live_bytes
+from longctx.memory.plan import describe, format_plan, parse_bytes, plan
+from longctx.models.gpt import GPT, GPTConfig
+
+FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+BASE = dict(
+    vocab_size=512, seq_length=256, num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+    ffn_hidden_size=128, attention_backend="tiled",
+)  # fmt: skip
+PLANS = [
+    {},
+    FULL,
+    dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+    dict(FULL, sequence_chunk_size=64),
+    dict(FULL, recompute_skip_core_attention=True),
+    dict(FULL, cpu_offloading=True, cpu_offloading_num_layers=2),
+]
+
+
+@pytest.mark.parametrize("kw", PLANS, ids=lambda kw: describe(GPTConfig(**BASE, **kw)))
+def test_trace_counts_what_the_real_step_holds(kw):
+    """The shape-only trace equals the same step run for real on the CPU (the attention kernels' twin in both)."""
+    cfg = GPTConfig(**BASE, **kw)
+    est = memory_model.step_memory(cfg, seq_length=256, micro_batch_size=2, exact=True)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    model.set_core_attention(memory_model._twin_attention)
+    for layer in model.layers:
+        layer.self_attention.keep_core_attention = cfg.recompute_skip_core_attention
+    x = torch.zeros(2, 256, dtype=torch.long)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x, labels=x)
+        loss.backward()
+
+    # real CPU tensors are not offloaded (there is no other memory): the trace moves them; count them back in
+    with mock.patch.object(attention_layer, "resolve_launchers", lambda *a, **k: memory_model._TwinLaunchers):
+        real = peak_live_bytes(step)
+    if cfg.cpu_offloading:
+        assert est.traced <= real <= est.traced + est.host_offloaded
+    else:
+        assert est.traced == real
+    assert est.parameters == 4 * model.num_parameters() and est.optimizer_states == 8 * model.num_parameters()
+    assert sum(b for _, b in est.rows()) == est.total
+
+
+@pytest.mark.parametrize("kw", [FULL, dict(FULL, sequence_chunk_size=256, recompute_skip_core_attention=True), {}])
+def test_long_lengths_read_off_two_shorter_traces(kw, monkeypatch):
+    """Beyond the direct-trace length the peak is read off the line through two shorter traces: equal to a trace of
+    the length itself."""
+    monkeypatch.setattr(memory_model, "DIRECT_TRACE_TOKENS", 1024)
+    cfg = GPTConfig(**BASE, **kw)
+    memory_model.step_memory.cache_clear()
+    far = memory_model.step_memory(cfg, seq_length=8192)
+    direct = memory_model.step_memory(cfg, seq_length=8192, exact=True)
+    assert far.total == direct.total
+    assert (far.checkpoints, far.kept_attention) == (direct.checkpoints, direct.kept_attention)
+
+
+def test_settings_order_the_memory():
+    m = {k: memory_model.step_memory(GPTConfig(**BASE, **v), seq_length=2048).total for k, v in
+         {"none": {}, "full": FULL, "chunks": dict(FULL, sequence_chunk_size=64),
+          "offload": dict(FULL, cpu_offloading=True)}.items()}  # fmt: skip
+    assert m["none"] > m["full"] > m["offload"]
+    assert m["chunks"] < m["full"]
+
+
+def test_plan_picks_the_cheapest_that_fits():
+    cfg = GPTConfig(**BASE)
+    loose = plan(cfg, seq_length=2048, budget="1GiB")
+    assert loose.config.recompute_granularity is None  # nothing to save: no recompute
+    none = loose.memory.total
+    frugal = memory_model.step_memory(cfg.replace(**FULL, cpu_offloading=True), seq_length=2048).total
+    tight_budget = (none + frugal) // 2
+    tight = plan(cfg, seq_length=2048, budget=tight_budget)
+    assert tight.memory.total <= tight_budget < none
+    assert tight.config.recompute_granularity == "full"
+    assert "recompute" in format_plan(tight) and "total" in format_plan(tight)
+
+
+def test_impossible_plans_say_what_is_needed():
+    cfg = GPTConfig(**BASE)
+    static = 16 * GPT(cfg).num_parameters()
+    with pytest.raises(ValueError, match="parameters, gradients and optimizer states"):
+        plan(cfg, seq_length=512, budget=static // 2)
+    with pytest.raises(ValueError, match=r"needs .* GiB; the longest sequence this budget trains is about"):
+        plan(cfg, seq_length=1 << 22, budget=static + (1 << 20) + memory_model.CUDA_OVERHEAD_BYTES)
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("40GiB", 40 << 30), ("40 GB", 40 << 30), ("512MiB", 512 << 20), ("1.5TiB", int(1.5 * (1 << 40))), (1024, 1024)],
+)
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["forty", "-3GiB", "0", "12 parsecs"])
+def test_parse_bytes_rejects(bad):
+    with pytest.raises(ValueError, match="budget"):
+        parse_bytes(bad)
+
+
+def test_public_name():
+    assert longctx.plan is plan
