@@ -1,4 +1,4 @@
-"""The `longctx` command: info | check | demo-memory | bench | train, and ``--version``.
+"""The `longctx` command: info | check | demo-memory | bench | plan | train, and ``--version``.
 
 Subcommands that live in other modules receive the rest of the command line: each such module has a
 ``main(argv: list[str] | None) -> int``. Those modules load only when their subcommand runs.
@@ -15,11 +15,17 @@ from longctx import __version__
 # name -> (module with main(argv), one-line help)
 _DELEGATED = {
     "train": ("longctx.training.trainer", "train a GPT (embedded long-context recall task, or --data file.txt)"),
+    "plan": ("longctx.memory.plan", "the recompute / offloading plan that fits a memory budget, and its breakdown"),
 }
 _BENCHES = {
     "attention": ("longctx.bench.attention", "TFLOP/s and memory of every attention backend"),
     "recompute": ("longctx.bench.recompute", "memory and step time under activation recomputation"),
     "cp": ("longctx.bench.cp", "context-parallel attention throughput (run under torchrun)"),
+    "memory": ("longctx.bench.memory", "longest trainable S, tokens/s and peak memory against transformers"),
+    "transformers": (
+        "longctx.bench.transformers",
+        "a transformers Llama with longctx (apply) against plain transformers",
+    ),
 }
 
 

@@ -69,7 +69,7 @@ class StepMemory:
             ("optimizer states (AdamW, fp32)", self.optimizer_states),
             ("checkpoints (layer inputs kept for recompute)", self.checkpoints),
             ("kept attention outputs and lse", self.kept_attention),
-            ("working set (one layer's recompute + backward, attention workspace, loss chunk)", self.working_set),
+            ("activations at the peak (layers kept whole, the layer in backward, kernel workspace)", self.working_set),
             ("CUDA libraries and allocator", self.overhead),
         ]
 
@@ -161,7 +161,7 @@ def step_memory(
     # both shorter traces hold whole chunks of the target's sizes (the loss's, the position-wise layers')
     loss_chunk = loss_module.default_chunk_size(micro_batch_size * S, config.hidden_size, config.vocab_size)
     s1 = max(DIRECT_TRACE_TOKENS // 2, 4 * (config.sequence_chunk_size or 0), -(-loss_chunk // micro_batch_size))
-    if exact or S <= 2 * s1:
+    if exact or 2 * s1 >= S:
         return _traced(config, seq_length=S, **kw)[0]
     with mock.patch.object(loss_module, "default_chunk_size", lambda *a: min(loss_chunk, a[0])):
         a, seg_a = _traced(config, seq_length=s1, **kw)

@@ -248,3 +248,35 @@ def format_plan(p: Plan) -> str:
         f"predicted recompute cost: {p.recompute_seconds:.3f} s per step added to a step without recomputation"
     )
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``longctx plan --preset llama-350m --seq-length 131072 --budget 40GiB``: print the plan (``--json FILE`` also
+    writes its settings, the input of ``longctx bench memory --plans`` and of a config file)."""
+    import argparse
+    import json
+    import sys
+
+    from longctx.models.gpt import PRESETS
+
+    ap = argparse.ArgumentParser(prog="longctx plan", description=main.__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="llama-350m", choices=sorted(PRESETS), help="the model shape")
+    ap.add_argument("--seq-length", type=int, required=True, help="tokens per sequence")
+    ap.add_argument("--budget", required=True, help="GPU memory for a training step, e.g. 40GiB")
+    ap.add_argument("--micro-batch-size", type=int, default=1, help="sequences per step (default 1)")
+    ap.add_argument("--json", default=None, help="also write {S: {settings, predicted_bytes}} to this file")
+    args = ap.parse_args(argv)
+    try:
+        p = plan(GPTConfig.preset(args.preset), seq_length=args.seq_length, budget=args.budget,
+                 micro_batch_size=args.micro_batch_size)  # fmt: skip
+    except (ValueError, TypeError) as e:
+        print(f"longctx plan: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(p))
+    if args.json:
+        out = {
+            str(args.seq_length): {"budget": args.budget, "settings": p.settings(), "predicted_bytes": p.memory.total}
+        }
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
