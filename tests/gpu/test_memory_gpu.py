@@ -38,7 +38,10 @@ def test_offloading_gradients_bitwise_and_device_memory_freed():
     loss, got, kept_off = _step(_cfg(**FULL, cpu_offloading=True))
     assert torch.equal(loss, ref_loss)
     for n in ref:
-        assert torch.equal(got[n], ref[n]), n
+        if n == "embedding.weight":  # CUDA's embedding backward adds rows with atomics: not repeatable run to run
+            torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7)
+        else:
+            assert torch.equal(got[n], ref[n]), n
     # the four layer inputs (fp32 residual, 4096 x 512) left the device after the forward
     assert kept_plain - kept_off >= 0.9 * 4 * 4096 * 512 * 4, (kept_plain, kept_off)
 
