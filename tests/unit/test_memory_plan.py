@@ -116,3 +116,21 @@ def test_parse_bytes_rejects(bad):
 
 def test_public_name():
     assert longctx.plan is plan
+
+
+def test_train_memory_budget_applies_the_plan():
+    """`longctx train --memory-budget` trains with the plan's settings for its batch and length."""
+    from longctx.training.config import parse_config
+    from longctx.training.trainer import Trainer
+
+    demo = GPTConfig.preset("demo")
+    none = memory_model.step_memory(demo, seq_length=demo.seq_length, micro_batch_size=32).total
+    full = demo.replace(**FULL, cpu_offloading=True, sequence_chunk_size=32)
+    frugal = memory_model.step_memory(full, seq_length=demo.seq_length, micro_batch_size=32).total
+    budget = (none + frugal) // 2
+    cfg = parse_config(["--train-iters", "1", "--save", "none", "--eval-iters", "0", "--quiet",
+                        "--memory-budget", f"{budget}"])  # fmt: skip
+    trainer = Trainer(cfg)
+    assert trainer.model_config.recompute_granularity == "full"
+    with pytest.raises(ValueError, match="memory_budget"):
+        parse_config(["--memory-budget", "lots"])

@@ -91,6 +91,9 @@ class TrainConfig:
     device: str = "auto"  # auto: cuda if available
     bf16: bool | None = None  # autocast to bfloat16; default: on CUDA only
     quiet: bool = False
+    # GPU memory for a training step ("40GiB"): the recompute / chunking / offloading settings come from
+    # longctx.plan for this budget instead of the model settings
+    memory_budget: str | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -98,6 +101,10 @@ class TrainConfig:
                 object.__setattr__(self, f.name, coerce(f.name, str(f.type), getattr(self, f.name)))
         if isinstance(self.save, str) and self.save.lower() == "none":
             object.__setattr__(self, "save", None)
+        if self.memory_budget is not None:
+            from longctx.memory.plan import parse_bytes
+
+            parse_bytes(self.memory_budget, "memory_budget")  # a clear error now, not after the model is built
         if not isinstance(self.model, dict):
             raise TypeError(f"model must be a dict of GPTConfig fields, got {type(self.model).__name__}")
         unknown = [k for k in self.model if k not in MODEL_FIELDS]
@@ -431,6 +438,7 @@ _TRAIN_HELP: dict[str, str] = {
     "bf16": "bf16 autocast",
     "data": "text file for byte-level language modelling instead of the recall task",
     "quiet": "print nothing but errors",
+    "memory_budget": "GPU memory for a step, e.g. 40GiB: longctx plan chooses the recompute / offloading settings",
 }
 
 

@@ -205,6 +205,15 @@ class Trainer:
             torch.set_num_threads(threads)
         if cfg.model.get("attention_backend") is None:
             mcfg = dataclasses.replace(mcfg, attention_backend=_default_backend(mcfg, self.device, self.use_bf16))
+        if cfg.memory_budget is not None:  # the plan's memory settings replace the configured ones
+            from longctx.memory.plan import plan
+
+            chosen = plan(mcfg, seq_length=mcfg.seq_length, budget=cfg.memory_budget,
+                          micro_batch_size=cfg.micro_batch_size)  # fmt: skip
+            mcfg = chosen.config
+            if not cfg.quiet:
+                print(f"memory plan for {cfg.memory_budget}: {chosen.describe()} "
+                      f"(predicted peak {chosen.memory.total / 2**30:.2f} GiB)", flush=True)  # fmt: skip
         self.model_config = mcfg
         self.model = GPT(mcfg).to(self.device)
         self.optimizer = build_optimizer(self.model, cfg, self.device)
