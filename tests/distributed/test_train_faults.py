@@ -65,7 +65,9 @@ def test_ranks_that_cannot_train_together_each_exit_with_their_own_message(tmp_p
         line = re.search(rf"^\[rank {rank}\] longctx train: error: .*$", output, re.MULTILINE)
         assert line is not None and message in line.group(0), output[-3000:]
         assert line.group(0).count("longctx train:") == 1
-    assert output.count("exitcode  : 2") == 2, output[-3000:]  # a clean exit on both ranks, no SIGABRT (-6)
+    # a clean exit 2 (torchrun may stop the other rank with SIGTERM once the first has exited: after its message,
+    # so both messages above are always there), never an abort
+    assert "exitcode  : 2" in output, output[-3000:]
     assert "Signals.SIGABRT" not in output and "exitcode  : -6" not in output
 
 
