@@ -233,8 +233,8 @@ def test_forward_recomputed_in_the_backward_thread():
 
 def test_autotune_cache_is_per_kernel_variant():
     """2K and 4K causal share a length bucket, but 2K runs pointer loads and 4K TMA with the pipelined QK^T
-    (and a different backward): a config tuned at 2K must not be reused at 4K (the H100 benchmark run 11 hit
-    'out of resource: shared memory' there before the variants joined the autotune key)."""
+    (and a different backward): a config tuned at 2K must not be reused at 4K (it runs out of shared memory
+    there unless the variants are part of the autotune key)."""
     import longctx
 
     for S in (2048, 4096):
@@ -265,8 +265,8 @@ def test_torch_compile_fullgraph():
 
 
 def test_public_api_fullgraph():
-    """A model calling longctx.attention compiles without a graph break (failed in device run 1, when
-    dispatch's dataclasses were not traceable; passed (xpassed) in run 4)."""
+    """A model calling longctx.attention compiles without a graph break (dispatch's dataclasses must stay
+    traceable)."""
     import longctx
 
     q, k, v, _ = _inputs(1, 4, 2, 256, 256, 64, torch.bfloat16)
