@@ -39,6 +39,7 @@ from longctx.launchers.runtime import (
     _shared_layout,
     _tma_ok,
     _ws_capable,
+    out_like,
     warn_ws_fallback,
 )
 from longctx.masks import Band
@@ -247,7 +248,7 @@ def _forward_impl(
     _check(q, k, v)
     B, Hq, Sq, D = q.shape  # q (B, Hq, Sq, D)
     Hkv, Sk = k.shape[1], k.shape[2]  # k, v (B, Hkv, Sk, D)
-    out = torch.empty_like(q)  # same memory layout as q: (B, S, H, D) inputs give (B, S, H, D) outputs
+    out = out_like(q)  # (B, S, H, D) inputs, dense or packed views, give contiguous (B, S, H, D) outputs
     lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse

@@ -83,6 +83,16 @@ def _set_tma_allocator() -> None:
     set_allocator(_tma_scratch)
 
 
+def out_like(q: torch.Tensor) -> torch.Tensor:
+    """An output for q (B, H, S, D): q's memory layout when q is dense; for a non-dense q, (B, S, H, D)-contiguous
+    when q's seq stride exceeds its head stride (views of flash-attn's packed qkv), else (B, H, S, D)-contiguous.
+    So a (B, S, H, D) caller gets a contiguous (B, S, H, D) output without a copy."""
+    if q.is_contiguous() or q.transpose(1, 2).is_contiguous() or q.stride(2) <= q.stride(1):
+        return torch.empty_like(q)  # dense inputs keep their layout; others fall back to (B, H, S, D)
+    B, H, S, D = q.shape
+    return torch.empty((B, S, H, D), device=q.device, dtype=q.dtype).transpose(1, 2)  # (B, H, S, D) view
+
+
 def _tma_ok(t: torch.Tensor, D: int, bd: int, in_interpreter: bool | None = None) -> bool:
     """Whether rows of t (B, H, S, D) can be loaded through TMA descriptors: unit stride on D, 16-byte aligned
     rows, HEAD_DIM == BLOCK_D; a CUDA tensor, or under the interpreter when ``in_interpreter`` allows it (default:

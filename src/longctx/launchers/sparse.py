@@ -296,7 +296,7 @@ def _forward_impl(q, k, v, scale: float, mt: tuple, meta: list) -> tuple[torch.T
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     mask_bs = meta[0]
-    out = torch.empty_like(q)
+    out = runtime.out_like(q)  # (B, S, H, D) inputs give contiguous (B, S, H, D) outputs
     lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
