@@ -117,6 +117,21 @@ def test_flash_attn_func_bad_rank():
         longctx.flash_attn_func(q[0], k, v)
 
 
+def test_flash_attn_func_unsupported_arguments():
+    q, k, v = (t.transpose(1, 2) for t in qkv())
+    f = longctx.flash_attn_func
+    with pytest.raises(ValueError, match=r"dropout_p=0.1 is not supported.*pass dropout_p=0.0"):
+        f(q, k, v, 0.1)
+    with pytest.raises(ValueError, match=r"softcap=50.0 is not supported.*pass softcap=0.0"):
+        f(q, k, v, 0.0, None, True, (-1, -1), 50.0)
+    with pytest.raises(ValueError, match=r"alibi_slopes is not supported \(got a Tensor\).*pass alibi_slopes=None"):
+        f(q, k, v, alibi_slopes=torch.zeros(4))
+    with pytest.raises(ValueError, match=r"kv must be a tensor of shape \(batch, seqlen_k, 2, heads_k, head_dim\)"):
+        longctx.flash_attn_kvpacked_func(q, k)
+    with pytest.raises(ValueError, match=r"qkv must be a tensor of shape \(batch, seqlen, 3, heads, head_dim\)"):
+        longctx.flash_attn_qkvpacked_func(q)
+
+
 # -- flags, windows and block masks of attention ------------------------------------------------------------
 
 

@@ -172,8 +172,65 @@ def test_flash_attn_func_layout_and_views():
     torch.testing.assert_close(lse, ref_lse)
     out.sum().backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape
-    with pytest.raises(NotImplementedError, match="dropout"):
+    with pytest.raises(ValueError, match="dropout"):
         longctx.flash_attn_func(q, k, v, dropout_p=0.1)
+
+
+def test_flash_attn_func_signature_and_positional_binding():
+    """flash-attn >= 2.6's positional order: softcap after window_size, then alibi_slopes, deterministic,
+    return_attn_probs."""
+    import inspect
+
+    params = list(inspect.signature(longctx.flash_attn_func).parameters)
+    assert params[:11] == [
+        "q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes",
+        "deterministic", "return_attn_probs",
+    ]  # fmt: skip
+    q, k, v = (torch.randn(2, 11, 2, 8, dtype=torch.float64) for _ in range(3))
+    pos = longctx.flash_attn_func(q, k, v, 0.0, None, True, (-1, -1), 0.0, None, False, True)
+    kw = longctx.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    torch.testing.assert_close(pos[0], kw[0])
+    torch.testing.assert_close(pos[1], kw[1])
+    out = longctx.flash_attn_func(q, k, v, 0.0, None, True, (-1, -1), 0.0)
+    torch.testing.assert_close(out, kw[0])
+
+
+@pytest.mark.parametrize("backend", ["tiled", "math"])
+def test_flash_attn_func_output_is_contiguous(backend):
+    B, S, H, D = 2, 13, 3, 8
+    q, k, v = (torch.randn(B, S, H, D, dtype=torch.float64) for _ in range(3))
+    out = longctx.flash_attn_func(q, k, v, causal=True, backend=backend)
+    assert out.shape == (B, S, H, D) and out.is_contiguous()
+    assert out.view(B, S, H * D).shape == (B, S, H * D)
+
+
+def _fwd_bwd(fn, tensors):
+    g = torch.Generator().manual_seed(9)
+    ts = [t.detach().clone().requires_grad_() for t in tensors]
+    out = fn(*ts)
+    (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum().backward()
+    return out, [t.grad for t in ts]
+
+
+@pytest.mark.parametrize("backend", ["tiled", "math"])
+def test_flash_attn_packed_forms_match_unpacked(backend):
+    """qkv (B, S, 3, H, D) and kv (B, Sk, 2, Hkv, D) are read as views; gradients reach the packed tensor."""
+    B, S, Sk, H, Hkv, D = 2, 13, 17, 4, 2, 8
+    g = torch.Generator().manual_seed(1)
+    kw = dict(causal=True, backend=backend)
+    qkv = torch.randn(B, S, 3, H, D, generator=g, dtype=torch.float64)
+    out_p, (g_qkv,) = _fwd_bwd(lambda t: longctx.flash_attn_qkvpacked_func(t, 0.0, None, True, backend=backend), [qkv])
+    out_u, g_u = _fwd_bwd(lambda a, b, c: longctx.flash_attn_func(a, b, c, **kw), qkv.unbind(2))
+    assert out_p.is_contiguous()
+    torch.testing.assert_close(out_p, out_u, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g_qkv, torch.stack(g_u, 2), rtol=1e-12, atol=1e-12)
+    q = torch.randn(B, S, H, D, generator=g, dtype=torch.float64)
+    kv = torch.randn(B, Sk, 2, Hkv, D, generator=g, dtype=torch.float64)
+    out_p, (g_q, g_kv) = _fwd_bwd(lambda a, b: longctx.flash_attn_kvpacked_func(a, b, **kw), [q, kv])
+    out_u, g_u = _fwd_bwd(lambda a, b, c: longctx.flash_attn_func(a, b, c, **kw), [q, *kv.unbind(2)])
+    torch.testing.assert_close(out_p, out_u, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g_q, g_u[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g_kv, torch.stack(g_u[1:], 2), rtol=1e-12, atol=1e-12)
 
 
 def test_default_scale_is_inverse_sqrt_d():

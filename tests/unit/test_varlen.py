@@ -38,6 +38,7 @@ CASES = {
     "longer_than_tile": ([90, 3, 41], [90, 3, 41]),
     "many_tiny": ([1, 2, 3, 1, 1, 4, 2, 2, 1, 3, 5, 1, 2, 1, 1, 3], [1, 2, 3, 1, 1, 4, 2, 2, 1, 3, 5, 1, 2, 1, 1, 3]),
     "sq_ne_sk": ([1, 40, 70, 5, 0, 33], [3, 20, 70, 9, 4, 1]),
+    "zero_key_docs": ([4, 7, 3, 9, 2], [0, 11, 0, 5, 0]),
 }
 
 
@@ -142,8 +143,14 @@ def test_varlen_bad_inputs():
         f(q, k, k, cu[None], cu, 6, 6)
     with pytest.raises(ValueError, match="3 dimensions"):
         f(q[None], k, k, cu, cu, 6, 6)
-    with pytest.raises(NotImplementedError, match="dropout"):
+    with pytest.raises(ValueError, match="dropout_p=0.1 is not supported.*pass dropout_p=0.0"):
         f(q, k, k, cu, cu, 6, 6, dropout_p=0.1)
+    with pytest.raises(ValueError, match="softcap=30.0 is not supported.*pass softcap=0.0"):
+        f(q, k, k, cu, cu, 6, 6, 0.0, None, False, (-1, -1), 30.0)
+    with pytest.raises(ValueError, match="alibi_slopes is not supported.*pass alibi_slopes=None"):
+        f(q, k, k, cu, cu, 6, 6, alibi_slopes=torch.zeros(2))
+    with pytest.raises(ValueError, match="block_table.*not supported.*pass block_table=None"):
+        f(q, k, k, cu, cu, 6, 6, block_table=torch.zeros(2, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="multiple"):
         f(torch.randn(10, 3, 8), k, k, cu, cu, 6, 6)
     if torch.cuda.is_available():
@@ -178,3 +185,89 @@ def test_varlen_reads_cu_seqlens_once_per_tensor(monkeypatch):
     cu[1] = 11  # now decreasing: caught although the tensor was validated before
     with pytest.raises(ValueError, match="non-decreasing"):
         f(q, q, q, cu, cu, 11, 11)
+
+
+@pytest.mark.parametrize("backend", ["tiled", "math"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_zero_length_documents(backend, causal):
+    """Documents with no keys (a repeated entry in cu_seqlens_k), first, inside and last: their queries give
+    output 0, lse -inf and zero gradients; the other documents are unaffected."""
+    lq, lk = [3, 6, 4, 5], [0, 8, 0, 0]
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(sum(lq), 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(sum(lk), 2, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(sum(lk), 2, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    out, lse, _ = longctx.flash_attn_varlen_func(
+        q, k, v, _cu(lq), _cu(lk), 6, 8, causal=causal, return_attn_probs=True, backend=backend, block_size=4
+    )
+    (out * torch.randn(out.shape, generator=g, dtype=torch.float64)).sum().backward()
+    empty = torch.cat([torch.arange(0, 3), torch.arange(9, 18)])  # the queries of documents 0, 2 and 3
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    assert bool((lse[:, empty] == float("-inf")).all())
+    assert torch.equal(q.grad[empty], torch.zeros_like(q.grad[empty]))
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    ref, ref_lse = _reference(q.detach(), k.detach(), v.detach(), lq, lk, causal, (-1, -1), 8**-0.5)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse[:, 3:9], ref_lse[:, 3:9])
+
+
+def _packed_grads(fn, tensors):
+    g = torch.Generator().manual_seed(11)
+    ts = [t.detach().clone().requires_grad_() for t in tensors]
+    out = fn(*ts)
+    (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum().backward()
+    return out, [t.grad for t in ts]
+
+
+@pytest.mark.parametrize("backend", ["tiled", "math"])
+def test_varlen_packed_forms_match_unpacked(backend):
+    lq, lk = [5, 17, 9], [7, 17, 3]
+    g = torch.Generator().manual_seed(2)
+    kw = dict(causal=True, backend=backend, block_size=8)
+    # qkv (total, 3, H, D): q, k, v are views sharing cu_seqlens
+    qkv = torch.randn(sum(lq), 3, 4, 8, generator=g, dtype=torch.float64)
+    cu = _cu(lq)
+    out_p, (g_qkv,) = _packed_grads(
+        lambda t: longctx.flash_attn_varlen_qkvpacked_func(t, cu, 17, 0.0, None, True, backend=backend, block_size=8),
+        [qkv],
+    )
+    out_u, g_u = _packed_grads(
+        lambda a, b, c: longctx.flash_attn_varlen_func(a, b, c, cu, cu, 17, 17, **kw), qkv.unbind(1)
+    )
+    torch.testing.assert_close(out_p, out_u, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g_qkv, torch.stack(g_u, 1), rtol=1e-12, atol=1e-12)
+    # kv (total_k, 2, Hkv, D) with GQA and Lq != Lk
+    q = torch.randn(sum(lq), 4, 8, generator=g, dtype=torch.float64)
+    kv = torch.randn(sum(lk), 2, 2, 8, generator=g, dtype=torch.float64)
+    cq, ck = _cu(lq), _cu(lk)
+    out_p, (g_q, g_kv) = _packed_grads(
+        lambda a, b: longctx.flash_attn_varlen_kvpacked_func(a, b, cq, ck, 17, 17, **kw), [q, kv]
+    )
+    out_u, g_u = _packed_grads(
+        lambda a, b, c: longctx.flash_attn_varlen_func(a, b, c, cq, ck, 17, 17, **kw), [q, *kv.unbind(1)]
+    )
+    torch.testing.assert_close(out_p, out_u, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g_q, g_u[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g_kv, torch.stack(g_u[1:], 1), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"qkv must be a tensor of shape \(total, 3, heads, head_dim\)"):
+        longctx.flash_attn_varlen_qkvpacked_func(q, cu, 17)
+
+
+def test_varlen_signature_is_flash_attns():
+    """Positional order as in flash-attn >= 2.6: softcap after window_size, block_table last."""
+    import inspect
+
+    params = list(inspect.signature(longctx.flash_attn_varlen_func).parameters)
+    assert params[:16] == [
+        "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p",
+        "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic", "return_attn_probs",
+        "block_table",
+    ]  # fmt: skip
+    lq = [5, 9]
+    q = torch.randn(14, 2, 8, dtype=torch.float64)
+    cu = _cu(lq)
+    pos = longctx.flash_attn_varlen_func(q, q, q, cu, cu, 9, 9, 0.0, None, True, (-1, -1), 0.0, None, False, True, None)
+    kw = longctx.flash_attn_varlen_func(q, q, q, cu, cu, 9, 9, causal=True, return_attn_probs=True)
+    torch.testing.assert_close(pos[0], kw[0])
+    torch.testing.assert_close(pos[1], kw[1])
+    assert pos[0].is_contiguous()

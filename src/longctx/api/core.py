@@ -11,7 +11,14 @@ import torch
 from longctx.dispatch import AttnInputs, BackendChoice, get_backend, select_backend
 from longctx.masks import Band, BlockMask, normalize_window
 
-__all__ = ["attention", "flash_attn_func", "explain", "follow_autocast"]
+__all__ = [
+    "attention",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "explain",
+    "follow_autocast",
+]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -271,6 +278,34 @@ def explain(
     return _resolve(q, k, v, causal, window, scale, backend, return_lse, deterministic, block_mask)[2]
 
 
+def unsupported_flash_args(
+    fn: str,
+    dropout_p: float,
+    softcap: float,
+    alibi_slopes: object,
+    block_table: object = None,
+) -> None:
+    """Reject flash-attn arguments that longctx's kernels do not implement (ValueError naming the argument)."""
+    if dropout_p != 0.0:
+        raise ValueError(
+            f"{fn}: dropout_p={dropout_p} is not supported (longctx's kernels have no attention dropout); "
+            "pass dropout_p=0.0"
+        )
+    if softcap != 0.0:
+        raise ValueError(
+            f"{fn}: softcap={softcap} is not supported (no logit softcapping in longctx's kernels); pass softcap=0.0"
+        )
+    if alibi_slopes is not None:
+        raise ValueError(
+            f"{fn}: alibi_slopes is not supported (got a {type(alibi_slopes).__name__}); pass alibi_slopes=None"
+        )
+    if block_table is not None:
+        raise ValueError(
+            f"{fn}: block_table (a paged KV cache) is not supported (got a {type(block_table).__name__}); "
+            "pass block_table=None with contiguous packed k and v"
+        )
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -279,19 +314,21 @@ def flash_attn_func(
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
     *,
     backend: str = "auto",
 ):
-    """Drop-in for flash-attn's ``flash_attn_func``: (batch, seq, heads, head_dim) layout.
+    """Drop-in for flash-attn's ``flash_attn_func`` (v2.6+ signature): (batch, seq, heads, head_dim) layout.
 
     Args:
         q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D). Transposed as views, never copied.
-        dropout_p: must be 0.0 (attention dropout is not implemented yet).
+        dropout_p: must be 0.0 (attention dropout is not implemented).
         softmax_scale: default 1/sqrt(D).
         causal, window_size: as in flash-attn (bottom-right causal; -1 unbounded).
+        softcap: must be 0.0 (logit softcapping is not implemented).
         alibi_slopes: not supported; must be None.
         deterministic: deterministic backward.
         return_attn_probs: also return ``(softmax_lse, None)``: lse (B, Hq, Sq) float32 as flash-attn does;
@@ -300,15 +337,12 @@ def flash_attn_func(
     Inside ``torch.autocast`` on q's device, q, k and v are cast to the autocast dtype first (as `attention`).
 
     Returns:
-        out (B, Sq, Hq, D), or ``(out, softmax_lse, None)`` with ``return_attn_probs``.
+        out (B, Sq, Hq, D), contiguous, or ``(out, softmax_lse, None)`` with ``return_attn_probs``.
+
+    Raises:
+        ValueError: dropout_p != 0, softcap != 0 or alibi_slopes given; the errors of `attention`.
     """
-    if dropout_p != 0.0:
-        raise NotImplementedError(
-            f"longctx.flash_attn_func: dropout_p={dropout_p} is not supported yet (attention dropout is "
-            "not implemented in longctx's kernels); pass dropout_p=0.0"
-        )
-    if alibi_slopes is not None:
-        raise NotImplementedError("longctx.flash_attn_func: alibi_slopes is not supported; pass None")
+    unsupported_flash_args("longctx.flash_attn_func", dropout_p, softcap, alibi_slopes)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.dim() != 4:
             raise ValueError(
@@ -329,7 +363,67 @@ def flash_attn_func(
         return_lse=return_attn_probs,
         deterministic=deterministic,
     )
-    if return_attn_probs:
-        out, lse = res
-        return out.transpose(1, 2), lse, None
-    return res.transpose(1, 2)
+    out, lse = res if return_attn_probs else (res, None)
+    out = out.transpose(1, 2)  # (B, Sq, Hq, D); the Triton launchers write this layout directly
+    if not out.is_contiguous():
+        out = out.contiguous()  # backends that write (B, H, S, D) (reference, SDPA): one copy
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    backend: str = "auto",
+):
+    """flash-attn's ``flash_attn_kvpacked_func``: `flash_attn_func` with kv (B, Sk, 2, Hkv, D) packed.
+
+    k and v are views of ``kv[:, :, 0]`` and ``kv[:, :, 1]`` (no copies); gradients flow to kv.
+    """
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError(
+            f"kv must be a tensor of shape (batch, seqlen_k, 2, heads_k, head_dim), got "
+            f"{tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__}"
+        )
+    k, v = kv.unbind(2)  # (B, Sk, Hkv, D) views
+    return flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, backend=backend,
+    )  # fmt: skip
+
+
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    backend: str = "auto",
+):
+    """flash-attn's ``flash_attn_qkvpacked_func``: `flash_attn_func` with qkv (B, S, 3, H, D) packed.
+
+    q, k and v are views of ``qkv[:, :, i]`` (no copies); gradients flow to qkv.
+    """
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(
+            f"qkv must be a tensor of shape (batch, seqlen, 3, heads, head_dim), got "
+            f"{tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__}"
+        )
+    q, k, v = qkv.unbind(2)  # (B, S, H, D) views
+    return flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, backend=backend,
+    )  # fmt: skip

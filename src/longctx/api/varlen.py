@@ -26,12 +26,17 @@ from collections import OrderedDict
 
 import torch
 
-from longctx.api.core import follow_autocast
+from longctx.api.core import follow_autocast, unsupported_flash_args
 from longctx.dispatch import AttnInputs, get_backend, select_backend
 from longctx.masks import Band, BlockMask, DocBand, normalize_window
 from longctx.masks.build import _build_analytic
 
-__all__ = ["flash_attn_varlen_func", "varlen_block_mask"]
+__all__ = [
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "varlen_block_mask",
+]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CACHE: OrderedDict = OrderedDict()
@@ -144,21 +149,23 @@ def flash_attn_varlen_func(
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
     *,
     backend: str = "auto",
     block_size: int = 128,
 ):
-    """Drop-in for flash-attn's ``flash_attn_varlen_func``: attention over packed documents.
+    """Drop-in for flash-attn's ``flash_attn_varlen_func`` (v2.6+ signature): attention over packed documents.
 
     Args:
         q: (total_q, Hq, D) queries of all documents, concatenated.
         k, v: (total_k, Hkv, D); Hq a multiple of Hkv (GQA: query head h reads kv head h // (Hq // Hkv)).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), on q's device: 0, then cumulative document lengths.
         max_seqlen_q, max_seqlen_k: ints, at least the longest document (as in flash-attn).
-        dropout_p: must be 0.0. alibi_slopes: must be None.
+        dropout_p: must be 0.0. softcap: must be 0.0. alibi_slopes, block_table: must be None.
         softmax_scale: default 1/sqrt(D).
         causal: bottom-right within each document (query i of a document with Lq queries and Lk keys sees
             local keys j <= i + Lk - Lq; with Lq > Lk the first rows see nothing and give 0).
@@ -178,16 +185,13 @@ def flash_attn_varlen_func(
         TypeError/ValueError: bad tensors (mixed dtypes outside autocast), or cu_seqlens that are not int32, not
             on q's device, not starting at 0, decreasing, not ending at the number of tokens, or a max_seqlen below
             the longest document.
-        NotImplementedError: dropout_p != 0 or alibi_slopes.
+        ValueError: dropout_p != 0, softcap != 0, alibi_slopes or block_table given.
+
+    A document with no keys (a repeated entry in cu_seqlens_k) gives output 0, lse -inf and zero gradients for
+    its queries, as in flash-attn.
     """
+    unsupported_flash_args("flash_attn_varlen_func", dropout_p, softcap, alibi_slopes, block_table)
     q, k, v, run_ctx = follow_autocast(q, k, v)
-    if dropout_p != 0.0:
-        raise NotImplementedError(
-            f"flash_attn_varlen_func: dropout_p={dropout_p} is not supported (no attention dropout in longctx's "
-            "kernels); pass dropout_p=0.0"
-        )
-    if alibi_slopes is not None:
-        raise NotImplementedError("flash_attn_varlen_func: alibi_slopes is not supported; pass None")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -257,3 +261,70 @@ def flash_attn_varlen_func(
     if return_attn_probs:
         return out, lse[0].float() if lse.dtype != torch.float64 else lse[0], None
     return out
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    backend: str = "auto",
+    block_size: int = 128,
+):
+    """flash-attn's ``flash_attn_varlen_kvpacked_func``: `flash_attn_varlen_func` with kv (total_k, 2, Hkv, D).
+
+    k and v are views of ``kv[:, 0]`` and ``kv[:, 1]`` (no copies); gradients flow to kv.
+    """
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
+        raise ValueError(
+            f"kv must be a tensor of shape (total_k, 2, heads_k, head_dim), got "
+            f"{tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__}"
+        )
+    k, v = kv.unbind(1)  # (total_k, Hkv, D) views
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs, backend=backend, block_size=block_size,
+    )  # fmt: skip
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    backend: str = "auto",
+    block_size: int = 128,
+):
+    """flash-attn's ``flash_attn_varlen_qkvpacked_func``: `flash_attn_varlen_func` with qkv (total, 3, H, D).
+
+    q, k and v are views of ``qkv[:, i]`` (no copies) sharing ``cu_seqlens``; gradients flow to qkv.
+    """
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(
+            f"qkv must be a tensor of shape (total, 3, heads, head_dim), got "
+            f"{tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__}"
+        )
+    q, k, v = qkv.unbind(1)  # (total, H, D) views
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal, window_size,
+        softcap, alibi_slopes, deterministic, return_attn_probs, backend=backend, block_size=block_size,
+    )  # fmt: skip
