@@ -141,3 +141,40 @@ def test_sparse_kernels_in_interpreter():
 
 def test_sparse_kernels_with_descriptor_loads_in_interpreter():
     assert _run(TMA_SCRIPT, {"LONGCTX_TUNING": "sparse_tma_in_interpreter=1"}).count("ok") == 3
+
+
+VARLEN_SCRIPT = textwrap.dedent(
+    r"""
+    import torch
+    import longctx
+
+    # documents 0 and 2 have no keys (repeated entries in cu_seqlens_k): output 0, lse -inf, zero gradients
+    for dt in (torch.float32, torch.float16):
+        for causal in (False, True):
+            g = torch.Generator().manual_seed(1)
+            cq = torch.tensor([0, 5, 41, 44, 80], dtype=torch.int32)
+            ck = torch.tensor([0, 0, 33, 33, 70], dtype=torch.int32)
+            q = torch.randn(80, 2, 16, generator=g).to(dt).requires_grad_()
+            k, v = (torch.randn(70, 1, 16, generator=g).to(dt).requires_grad_() for _ in range(2))
+            out, lse, _ = longctx.flash_attn_varlen_func(
+                q, k, v, cq, ck, 37, 37, causal=causal, return_attn_probs=True, backend="triton_sparse", block_size=16
+            )
+            (out.float() * torch.randn(out.shape, generator=g)).sum().backward()
+            empty = torch.cat([torch.arange(0, 5), torch.arange(41, 44)])
+            assert (out[empty] == 0).all() and (lse[:, empty] == float("-inf")).all(), (dt, causal)
+            assert (q.grad[empty] == 0).all() and all(torch.isfinite(t.grad).all() for t in (q, k, v)), (dt, causal)
+            print("ok zero-length", dt, causal, flush=True)
+    # views of a packed qkv: the launcher writes a contiguous (B, S, H, D) output
+    qkv = torch.randn(1, 24, 3, 2, 16)
+    out = longctx.flash_attn_varlen_qkvpacked_func(qkv[0], torch.tensor([0, 24], dtype=torch.int32), 24,
+                                                    causal=True, backend="triton_sparse", block_size=16)
+    ref = longctx.flash_attn_varlen_qkvpacked_func(qkv[0].double(), torch.tensor([0, 24], dtype=torch.int32), 24,
+                                                    causal=True, backend="math")
+    assert out.is_contiguous() and (out.double() - ref).abs().max() < 1e-5
+    print("ok packed", flush=True)
+    """
+)
+
+
+def test_varlen_zero_length_documents_and_packed_views_in_interpreter():
+    assert _run(VARLEN_SCRIPT).count("ok") == 5
