@@ -12,13 +12,14 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import tempfile
 import traceback
 import zlib
 from functools import cache
 
 import pytest
 import torch
+
+from tests.distributed.spawn import spawn_world
 
 pytestmark = pytest.mark.distributed
 
@@ -413,28 +414,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
 @cache
 def run_world(world: int) -> dict[str, list[str]]:
     """Spawn ``world`` gloo processes once, run every case; returns {case: [result of each rank]}."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world, store_path, tmp)) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=WORLD_TIMEOUT_S)
-        for p in procs:
-            p.join(timeout=max(1.0, (deadline - datetime.datetime.now()).total_seconds()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for r in hung:
-            procs[r].kill()
-            procs[r].join()
-        per_rank = []
-        for r in range(world):
-            try:
-                with open(os.path.join(tmp, f"rank{r}.json")) as f:
-                    per_rank.append(json.load(f))
-            except FileNotFoundError:
-                per_rank.append({})
+    per_rank, hung = spawn_world(_worker, world, WORLD_TIMEOUT_S)
     out = {}
     for name in case_names(world):
         out[name] = [

@@ -12,12 +12,13 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import tempfile
 import traceback
 from functools import cache
 
 import pytest
 import torch
+
+from tests.distributed.spawn import spawn_world
 
 pytest.importorskip("transformers")
 
@@ -142,28 +143,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
 
 @cache
 def run_world() -> dict[str, list[str]]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, WORLD, store_path, tmp)) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=WORLD_TIMEOUT_S)
-        for p in procs:
-            p.join(timeout=max(1.0, (deadline - datetime.datetime.now()).total_seconds()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for r in hung:
-            procs[r].kill()
-            procs[r].join()
-        per_rank = []
-        for r in range(WORLD):
-            try:
-                with open(os.path.join(tmp, f"rank{r}.json")) as f:
-                    per_rank.append(json.load(f))
-            except FileNotFoundError:
-                per_rank.append({})
+    per_rank, hung = spawn_world(_worker, WORLD, WORLD_TIMEOUT_S)
     return {n: [pr.get(n, f"did not run (hung ranks {hung})") for pr in per_rank] for n in CASES}
 
 
