@@ -341,7 +341,7 @@ def _shared(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, desc_dqa, BL
             ds_ready, ds_free, dq_smem)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["Sq", "Sk", "lo", "hi", "stride_lse"])
 def attn_bwd_ws_kernel(
     desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, DK, DV, DQA, desc_dqa,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,

@@ -336,7 +336,7 @@ def _shared(desc_q, desc_k, desc_v, STAGES: gl.constexpr, V_STAGES: gl.constexpr
     return q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["Sq", "Sk", "lo", "hi"])
 def attn_fwd_ws_kernel(
     desc_q, desc_k, desc_v, O, LSE,
     stride_ob, stride_oh, stride_om, stride_od,

@@ -43,6 +43,14 @@ CTA_ROWS = gl.constexpr(128)  # rows (forward) / keys (backward) of one CTA
 BIG = gl.constexpr(1 << 30)  # an unbounded side of a MASK_KIND 3 interval (`block_sparse.BIG`)
 
 
+# Lengths, window bounds and the mask tables' strides change with every sequence length and document packing:
+# runtime integers, never specialised (Triton would compile another kernel whenever one became a multiple of 16).
+_RUNTIME_INTS = [
+    "Sq", "Sk", "lo", "hi", "n_items", "n_tiles", "stride_nb", "stride_nh", "stride_ib", "stride_ih",
+    "stride_tb", "stride_th", "stride_tq", "kv_global", "q_global",
+]
+
+
 @gluon.jit
 def _list_ptrs(NUM, IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq, off_b, off_h,
                blk):
@@ -405,7 +413,7 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_rea
         n += 1
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=_RUNTIME_INTS + ["stride_iq"])
 def sparse_fwd_ws_kernel(
     desc_q, desc_k, desc_v, desc_o, LSE,
     KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
@@ -646,7 +654,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_sme
     bws.tma.store_wait(0)  # the last copy out of shared memory is done before the CTA ends
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=_RUNTIME_INTS + ["stride_lse", "stride_ik"])
 def sparse_bwd_ws_kernel(
     desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, DK, DV, DQA, desc_dqa, desc_dk, desc_dv,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,

@@ -145,7 +145,7 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Sq", "Sk", "lo", "hi", "SEQ_BUCKET"])
 def bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, DELTA, DK, DV, DQA,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -261,7 +261,7 @@ def _dq_inner(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Sq", "Sk", "lo", "hi", "SEQ_BUCKET"])
 def bwd_dq_kernel(
     Q, K, V, DO, LSE2, DELTA, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,

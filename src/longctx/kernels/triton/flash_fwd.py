@@ -185,7 +185,7 @@ def _softmax_pv(acc, l_i, m_i, qk, qk_scale, desc_v, off_b, off_kvh, start_n, BL
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Sq", "Sk", "lo", "hi", "SEQ_BUCKET"])
 def attn_fwd_kernel(
     Q, K, V, O, LSE, DESC_K, DESC_V,
     stride_qb, stride_qh, stride_qm, stride_qd,

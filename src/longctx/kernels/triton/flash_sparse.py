@@ -40,6 +40,14 @@ import triton.language as tl
 # (kernel signatures stay compact: one line per group of related arguments)
 
 
+# Lengths, window bounds and the mask tables' strides change with every sequence length and document packing:
+# runtime integers, never specialised (Triton would compile another kernel whenever one became a multiple of 16).
+_RUNTIME_INTS = [
+    "Sq", "Sk", "lo", "hi", "SEQ_BUCKET", "stride_nb", "stride_nh", "stride_ib", "stride_ih", "stride_tb",
+    "stride_th", "stride_tq", "kv_global", "q_global",
+]
+
+
 @triton.jit
 def _visible(qi, kj, qd, kd, qp, kp, qb, kb, TILE_IDS_bh, stride_tq, TILES, Sk, lo, hi, kv_global, q_global,
              MASK_KIND: tl.constexpr, HAS_DOC: tl.constexpr, HAS_GLOBAL: tl.constexpr, MASK_BS: tl.constexpr):
@@ -138,7 +146,7 @@ def _fwd_blocks(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS + ["stride_iq"])
 def sparse_fwd_kernel(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -270,7 +278,7 @@ def _dq_blocks(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS + ["stride_iq"])
 def sparse_bwd_dq_kernel(
     Q, K, V, DO, LSE2, DELTA, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -387,7 +395,7 @@ def _dkdv_blocks(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS + ["stride_ik"])
 def sparse_bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qm, stride_qd,
