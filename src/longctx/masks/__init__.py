@@ -7,6 +7,8 @@
   an analytic rule (`DocBand`) the kernels evaluate in registers.
 - `block_mask`: the `BlockMask` structure (per block: empty, full or partial; the lists the kernels walk).
 - `build`: `block_mask(mask_mod, B, H, Sq, Sk)`, the builder.
+- `catalogue`: the named masks of long-context training (`make_mask`, `mask_names`, `MaskCase`), each with its
+  mask_mod, block mask, dense definition and kept area; shared by `longctx bench suite` and the tests.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from longctx.masks.band import Band, TileKind, normalize_window
 from longctx.masks.block_mask import BlockMask
 from longctx.masks.build import block_mask
+from longctx.masks.catalogue import CATALOGUE, MaskCase, doc_lengths, make_mask, mask_names
 from longctx.masks.mask_mods import (
     DocBand,
     MaskMod,
@@ -43,4 +46,9 @@ __all__ = [
     "document_mask",
     "prefix_lm_mask",
     "local_global_mask",
+    "CATALOGUE",
+    "MaskCase",
+    "doc_lengths",
+    "make_mask",
+    "mask_names",
 ]
