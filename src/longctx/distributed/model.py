@@ -41,6 +41,7 @@ __all__ = [
     "allreduce_gradients",
     "broadcast_parameters",
     "check_agreement",
+    "AGREEMENT_TIMEOUT_S",
 ]
 
 
@@ -69,29 +70,56 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
     return dist.get_rank(), dist.get_world_size(), dev
 
 
-def check_agreement(settings: dict[str, Any], local_error: str | None = None, group=None) -> None:
+AGREEMENT_TIMEOUT_S = 300.0  # how long a rank waits for the others at start-up before it gives up
+
+
+def check_agreement(
+    settings: dict[str, Any], local_error: str | None = None, group=None, *, timeout: float | None = None
+) -> None:
     """Check, before any other collective, that every rank runs the same settings and can start.
 
-    One ``all_gather_object`` of ``(settings, local_error)``: every rank learns the others' settings and errors
-    and raises the same verdict, so a mismatch (say ``num_layers`` or ``seed``) is an error on every rank
-    instead of a collective that waits forever for a tensor of another shape.
+    One ``all_gather_object`` of ``(settings, local_error)`` on a gloo group with a timeout: every rank learns the
+    others' settings and errors and raises the same verdict, so a mismatch (say ``num_layers`` or ``seed``) is an
+    error on every rank instead of a collective that waits forever for a tensor of another shape, and a rank that
+    never arrives (it failed before, or runs another command) is an error on the others after ``timeout``.
 
     Args:
         settings: what must be equal on every rank (the model configuration, the training settings, the seed).
-        local_error: why this rank cannot start (e.g. the first rank's run folder check), or None.
+        local_error: why this rank cannot start (e.g. a world size that does not fit, the first rank's run
+            folder check), or None.
         group: the process group (default: the world).
+        timeout: seconds to wait for the other ranks (default ``AGREEMENT_TIMEOUT_S``).
 
     Raises:
         ValueError: on every rank, naming the differing settings with their values per rank, or the error of
-            the rank that cannot start.
+            the rank that cannot start; on the ranks that arrived, the ranks that did not within ``timeout``.
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         if local_error:
             raise ValueError(local_error)
         return
+    import datetime
+
+    timeout = AGREEMENT_TIMEOUT_S if timeout is None else float(timeout)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (settings, local_error), group=group)
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    try:
+        # a gloo group of its own: its timeout bounds the wait, whatever the world's backend and timeout are
+        check_group = dist.new_group(
+            ranks=ranks,
+            backend="gloo",
+            timeout=datetime.timedelta(seconds=timeout),
+            use_local_synchronization=ranks is not None,  # a subgroup: only its members take part
+        )
+        dist.all_gather_object(gathered, (settings, local_error), group=check_group)
+        dist.destroy_process_group(check_group)
+    except RuntimeError as e:
+        raise ValueError(
+            f"the start-up check of the {world} ranks did not complete within {timeout:g} s ({str(e)[:200]}): a "
+            "rank failed before it (see its error) or was started with another command; start every rank with "
+            "the same command line"
+        ) from e
     errors = [(r, err) for r, (_, err) in enumerate(gathered) if err]
     if errors:
         r, err = errors[0]
@@ -107,7 +135,7 @@ def check_agreement(settings: dict[str, Any], local_error: str | None = None, gr
                 )
     if diffs:
         raise ValueError(
-            f"the {world} context-parallel ranks were started with different settings ({'; '.join(diffs)}); "
+            f"the {world} ranks were started with different settings ({'; '.join(diffs)}); "
             "every rank must run the same command line, config file and seed"
         )
 

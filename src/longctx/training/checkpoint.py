@@ -17,6 +17,14 @@ NaN or infinity.
 
 `save_training_state` and `load_training_state` are what the trainer calls: the model, the optimizer, the RNG
 states and the step in one file, and on loading a check that the checkpoint was written for the same model.
+
+Under a DeviceMesh (data or context parallelism) the trainer writes sharded checkpoints instead
+(`save_sharded_state`, `torch.distributed.checkpoint`): a folder ``<save>/checkpoint/`` holding one complete
+checkpoint ``step-00000012/`` (every rank's shards, DCP's ``.metadata``, and ``longctx.pt``: the step, the RNG
+states, both configurations and the other data, with its checksums). Every rank writes into ``step-N.tmp/``; once
+all have finished, the first rank writes ``longctx.pt``, renames the folder to ``step-N`` (atomic) and only then
+deletes the previous one, so a crash at any point leaves the previous complete checkpoint. `load_sharded_state`
+reads the newest complete one on any number of ranks (DCP reshards), a single process included.
 """
 
 from __future__ import annotations
@@ -43,6 +51,11 @@ __all__ = [
     "checksums",
     "non_finite_tensors",
     "remove_partial_files",
+    "save_sharded_state",
+    "load_sharded_state",
+    "latest_sharded",
+    "remove_partial_dirs",
+    "read_sharded_meta",
 ]
 
 FORMAT = "longctx-checkpoint"
@@ -285,3 +298,197 @@ def load_training_state(
         raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model: {e}") from e
     restore_rng(state["rng"])
     return int(state["step"])
+
+
+# -- sharded checkpoints (torch.distributed.checkpoint) -----------------------------------------------------
+
+SHARDED_META = "longctx.pt"
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _barrier() -> None:
+    dist = _dist()
+    if dist is not None and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank (every rank gets the same answer)."""
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _local_tensors(state: Any) -> Any:
+    """The state with every DTensor replaced by this rank's shard (for finiteness checks)."""
+    if isinstance(state, dict):
+        return {k: _local_tensors(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return [_local_tensors(v) for v in state]
+    return state.to_local() if hasattr(state, "to_local") else state
+
+
+def remove_partial_dirs(directory: str | Path) -> list[Path]:
+    """Delete the ``step-N.tmp`` folders of sharded saves that did not complete; returns them."""
+    import shutil
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    stale = sorted(p for p in directory.glob("step-*.tmp") if p.is_dir())
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
+
+
+def latest_sharded(path: str | Path) -> Path | None:
+    """The newest complete sharded checkpoint at ``path``: the folder itself if it is one, else its newest
+    ``step-N`` folder (``.tmp`` folders are incomplete and ignored); None if there is none."""
+    path = Path(path)
+    if (path / ".metadata").is_file() and (path / SHARDED_META).is_file():
+        return path
+    if not path.is_dir():
+        return None
+    done = [
+        p for p in path.glob("step-*")
+        if p.is_dir() and not p.name.endswith(".tmp") and (p / ".metadata").is_file() and (p / SHARDED_META).is_file()
+    ]  # fmt: skip
+    return max(done, key=lambda p: p.name) if done else None
+
+
+def read_sharded_meta(path: str | Path) -> dict[str, Any]:
+    """The ``longctx.pt`` of the newest complete sharded checkpoint at ``path`` (step, configs, extra), verified.
+
+    Raises:
+        CheckpointError: no complete sharded checkpoint at ``path``, or a corrupt or foreign ``longctx.pt``.
+    """
+    found = latest_sharded(path)
+    if found is None:
+        raise CheckpointError(
+            f"no complete sharded checkpoint at {str(path)!r} (a folder holding step-N/ folders, or one of them); "
+            "train without --resume first, or pass the right path"
+        )
+    meta_path = found / SHARDED_META
+    try:
+        data = torch.load(meta_path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{str(meta_path)!r} is corrupt ({type(e).__name__}); restore a good copy") from e
+    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
+        raise CheckpointError(f"{str(meta_path)!r} is not a longctx checkpoint of format version {VERSION}")
+    _verify(meta_path, data)
+    data["path"] = str(found)
+    return data
+
+
+def save_sharded_state(
+    directory: str | Path,
+    *,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_config: dict[str, Any],
+    train_config: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Checkpoint a (sharded) training run after ``step`` steps with `torch.distributed.checkpoint`; every rank
+    calls it. Returns the complete ``<directory>/step-N`` folder.
+
+    The shards go to ``step-N.tmp/``; the first rank then writes ``longctx.pt`` (step, RNG states, both configs,
+    ``extra``, checksums), renames the folder to ``step-N`` and deletes the older ones, so the previous checkpoint
+    stays whole until the new one is complete.
+
+    Raises:
+        CheckpointError: on every rank, when any rank's shard of the model or optimizer state holds NaN or
+            infinity (nothing is written).
+    """
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    directory = Path(directory)
+    dist = _dist()
+    first = dist is None or dist.get_rank() == 0
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    bad = non_finite_tensors({"model": _local_tensors(model_sd), "optimizer": _local_tensors(optim_sd)})
+    if _any_rank(bool(bad)):
+        where = ", ".join(bad[:5]) if bad else "another rank's shard"
+        raise CheckpointError(
+            f"refusing to write checkpoint {str(directory)!r} at step {step}: NaN or infinity in {where}; the "
+            "previous checkpoint is kept"
+        )
+    final = directory / f"step-{step:08d}"
+    tmp = directory / f"step-{step:08d}.tmp"
+    if first:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
+    _barrier()  # every rank's shards are on disk
+    if first:
+        meta = {
+            "step": step,
+            "rng": capture_rng(),
+            "model_config": model_config,
+            "train_config": train_config,
+            "extra": extra or {},
+        }
+        save_checkpoint(tmp / SHARDED_META, meta)
+        if final.exists():  # the same step saved again: put the old copy aside until the new one is in place
+            aside = directory / f"step-{step:08d}.old.tmp"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
+        os.replace(tmp, final)  # atomic: the folder is complete or absent under this name
+        _fsync_dir(directory)
+        for old in directory.glob("step-*"):
+            if old != final and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load_sharded_state(
+    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_config: dict[str, Any]
+) -> int:
+    """Restore a run saved by `save_sharded_state` into ``model`` and ``optimizer`` on any number of ranks
+    (plain or FSDP2 model, a single process included); returns the step to start at.
+
+    Args:
+        path: a folder of ``step-N`` checkpoints (the newest complete one is read) or one of them.
+        model, optimizer: built (and sharded) as for a fresh run; their state is replaced.
+        model_config: the current ``GPTConfig.to_dict()``; it must match the saved one except for `HOW_FIELDS`.
+
+    Raises:
+        CheckpointError: no complete checkpoint, a corrupt ``longctx.pt``, another model configuration (the
+            differing fields are named), or shards that do not fit ``model``/``optimizer``.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    meta = read_sharded_meta(path)
+    saved = {k: v for k, v in meta["model_config"].items() if k not in HOW_FIELDS}
+    diff = config_diff(saved, {k: v for k, v in model_config.items() if k not in HOW_FIELDS})
+    if diff:
+        raise CheckpointError(
+            f"checkpoint {meta['path']!r} was written for another model configuration ({'; '.join(diff)}); "
+            "pass the same model settings, or start a new run in another --save directory"
+        )
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    try:
+        dcp.load(state, checkpoint_id=meta["path"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {meta['path']!r} does not fit this model: {str(e)[:500]}") from e
+    restore_rng(meta["rng"])
+    return int(meta["step"])

@@ -84,7 +84,9 @@ class TrainConfig:
     overwrite: bool = False  # start afresh in a --save folder that holds another run's files
     halt_after: int | None = None  # stop (saving a checkpoint) after this many steps, as an interruption would
     seed: int = 1234
-    # context parallelism (run under torchrun with --nproc-per-node = context_parallel; see longctx.distributed)
+    # data x context parallelism on a DeviceMesh (run under torchrun with data_parallel * context_parallel
+    # processes; see longctx.distributed.mesh)
+    data_parallel: int = 1
     context_parallel: int = 1
     cp_method: str = "ring"
     cp_layout: str = "zigzag"
@@ -160,6 +162,7 @@ class TrainConfig:
 _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "train_iters": (1, False),
     "micro_batch_size": (1, False),
+    "data_parallel": (1, False),
     "context_parallel": (1, False),
     "log_interval": (1, False),
     "halt_after": (1, False),
@@ -413,7 +416,7 @@ _TRAIN_HELP: dict[str, str] = {
     "num_keys": "recall task: size of the key vocabulary",
     "num_values": "recall task: size of the value vocabulary (chance accuracy is 1/num_values)",
     "train_iters": "optimiser steps of the whole run (alias --steps)",
-    "micro_batch_size": "sequences per step (alias --batch-size)",
+    "micro_batch_size": "sequences per step and data-parallel rank (alias --batch-size)",
     "lr": "peak learning rate, after warmup (scientific notation accepted: 3e-3)",
     "min_lr": "learning rate at the end of the cosine decay",
     "lr_warmup_iters": "steps of linear warmup",
@@ -431,7 +434,9 @@ _TRAIN_HELP: dict[str, str] = {
     "overwrite": "start a new run in a --save folder that holds another run's checkpoint, deleting its files",
     "halt_after": "stop after this many steps with a checkpoint, as an interruption would",
     "seed": "seed of the initial weights, the data and dropout",
-    "context_parallel": "ranks sharing each sequence (run under torchrun --nproc-per-node N)",
+    "data_parallel": "ranks reading different sequences, parameters sharded over them by FSDP2 (torchrun: "
+    "data_parallel * context_parallel processes)",
+    "context_parallel": "ranks sharing each sequence (torchrun: data_parallel * context_parallel processes)",
     "cp_method": "context-parallel method: " + ", ".join(CP_METHODS),
     "cp_layout": "context-parallel sequence layout: " + " or ".join(CP_LAYOUTS),
     "device": "auto (cuda if available), cpu, cuda or cuda:N",

@@ -6,6 +6,7 @@
     longctx train --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
     longctx train --save runs/x --resume            # continue from runs/x/checkpoint.pt
     torchrun --nproc-per-node 2 -m longctx train --context-parallel 2
+    torchrun --nproc-per-node 8 -m longctx train --data-parallel 4 --context-parallel 2
 
 AdamW with linear warmup and cosine decay to ``min_lr``, gradient clipping, bf16 autocast on CUDA, evaluation
 on held-out data, a progress line (loss, tokens/s, peak memory), checkpoints written atomically, and
@@ -21,7 +22,9 @@ What protects the work of a run:
 - A non-finite loss or gradient norm stops the run before the optimiser step, naming the step, with a checkpoint
   of the last finite state (``--on-nonfinite skip`` skips such steps instead); no checkpoint with NaN or
   infinity is ever written, and checksums catch corrupted checkpoints on load.
-- Under context parallelism every rank checks, before anything else, that all ranks run the same settings.
+- Under a mesh (data and/or context parallelism) every rank checks, before anything else, that all ranks run the
+  same settings and that the world holds data_parallel x context_parallel ranks; checkpoints are sharded
+  (`torch.distributed.checkpoint`) and resume on another number of ranks.
 
 `Trainer` builds everything in its constructor (device, data, model, optimizer, the attention backend, context
 parallelism, the resumed state); `Trainer.train_step` is one optimiser step; `Trainer.train` is the loop.
@@ -33,6 +36,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -45,7 +49,15 @@ import torch
 
 from longctx.api import explain
 from longctx.models.gpt import GPT, GPTConfig, lm_loss
-from longctx.training.checkpoint import load_training_state, remove_partial_files, save_training_state
+from longctx.training.checkpoint import (
+    CheckpointError,
+    load_sharded_state,
+    load_training_state,
+    remove_partial_dirs,
+    remove_partial_files,
+    save_sharded_state,
+    save_training_state,
+)
 from longctx.training.config import TrainConfig, parse_config
 from longctx.training.data import Batch, ByteText, RecallTask
 from longctx.training.metrics import (
@@ -74,6 +86,7 @@ __all__ = [
 ]
 
 RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "loss.png")  # what a run writes in its --save folder
+SHARDED_DIR = "checkpoint"  # the folder of sharded checkpoints (step-N/) a run under a mesh writes in --save
 
 
 class NonFiniteError(RuntimeError):
@@ -155,39 +168,44 @@ def cpu_threads(mcfg: GPTConfig) -> int | None:
     return 1 if mcfg.hidden_size < 256 else None
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on norms and biases); fused on CUDA."""
+def build_optimizer(
+    model: torch.nn.Module, cfg: TrainConfig, device: torch.device, fused: bool | None = None
+) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on norms and biases); fused on CUDA unless ``fused=False``
+    (FSDP2's sharded parameters take the foreach implementation)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), fused=device.type == "cuda")
+    fused = device.type == "cuda" if fused is None else fused
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused)
 
 
 class Trainer:
     """A training run: everything built from a `TrainConfig`, then `train`.
 
-    Under context parallelism (``cfg.context_parallel > 1``, launched by torchrun) every rank builds the same
-    model and reads the same full batches; each computes its shard of every sequence (`longctx.distributed`),
-    and only the first rank writes checkpoints, metrics and the progress line.
+    Under a mesh (``data_parallel * context_parallel > 1``, or a torchrun world of several processes) the ranks
+    form a 2D DeviceMesh ("dp", "cp") (`longctx.distributed.mesh`): every rank builds the same model, FSDP2
+    shards it over "dp", each dp rank reads its ``micro_batch_size`` sequences of the global batch of the step
+    and each rank of a cp group computes its shard of them; the loss is the token-weighted mean over the
+    global batch. Checkpoints are sharded (``<save>/checkpoint/step-N``, written by every rank); only the first
+    rank writes metrics and the progress line.
 
     Args:
         cfg: the run's settings.
 
     Raises:
-        ValueError: a device that is not available, a world size other than ``cfg.context_parallel``, an
-            attention backend that cannot run the model, or data that does not fit the model.
+        ValueError: a device that is not available, a world size other than ``data_parallel *
+            context_parallel``, ranks started with different settings (on every rank), an attention backend
+            that cannot run the model, or data that does not fit the model.
         CheckpointError: ``cfg.resume`` names a checkpoint that is missing, corrupt or of another model.
     """
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.rank = 0
-        if cfg.context_parallel > 1:
-            self.rank, self.device = _init_context_parallel(cfg.context_parallel)
-            from longctx.distributed.model import check_agreement
-
-            # before any other collective: ranks with different settings would wait on each other forever
-            folder_error = _run_folder_error(cfg) if self.rank == 0 else None
-            check_agreement({**cfg.to_dict(), **cfg.model_config().to_dict()}, folder_error)
+        self.mesh: Any = None
+        self.distributed = cfg.data_parallel * cfg.context_parallel > 1 or _world_size() > 1
+        if self.distributed:
+            self.rank, self.device, self.mesh = _init_mesh(cfg)
             if self.rank != 0:
                 cfg = dataclasses.replace(cfg, quiet=True)
         else:
@@ -216,32 +234,49 @@ class Trainer:
                       f"(predicted peak {chosen.memory.total / 2**30:.2f} GiB)", flush=True)  # fmt: skip
         self.model_config = mcfg
         self.model = GPT(mcfg).to(self.device)
-        self.optimizer = build_optimizer(self.model, cfg, self.device)
         self.backend = _chosen_backend(self.model, self.device, self.compute_dtype)
         self.cp: ContextParallel | None = None
-        if cfg.context_parallel > 1:
+        self.dp_strategy: str | None = None  # "fsdp2" or "allreduce" under a mesh
+        if self.distributed:
+            from longctx.distributed.mesh import apply_fsdp, cp_group
             from longctx.distributed.model import setup_context_parallel
 
-            self.cp = setup_context_parallel(self.model, method=cfg.cp_method, layout=cfg.cp_layout)
-            self.cp.check_seq_len(mcfg.seq_length)
-            self.backend = (
-                f"context-parallel {cfg.cp_method}/{cfg.cp_layout} over {cfg.context_parallel} ranks "
-                f"({self.cp.backend})"
-            )
+            if cfg.context_parallel > 1:  # every rank holds the same initial weights: the seed is agreed
+                self.cp = setup_context_parallel(
+                    self.model, group=cp_group(self.mesh), method=cfg.cp_method, layout=cfg.cp_layout,
+                    broadcast=False,
+                )  # fmt: skip
+                self.cp.check_seq_len(mcfg.seq_length)
+                self.backend = (
+                    f"context-parallel {cfg.cp_method}/{cfg.cp_layout} over {cfg.context_parallel} ranks "
+                    f"({self.cp.backend})"
+                )
+            self.dp_strategy = apply_fsdp(self.model, self.mesh)
+            self.backend += f" | data-parallel {cfg.data_parallel} ({self.dp_strategy})"
+        self.optimizer = build_optimizer(self.model, cfg, self.device, fused=False if self.distributed else None)
 
-        self.is_writer = self.rank == 0  # the rank that writes checkpoints and metrics
-        self.checkpoint_path = Path(cfg.save) / "checkpoint.pt" if cfg.save else None
-        if self.checkpoint_path is not None and self.is_writer:
-            remove_partial_files(self.checkpoint_path)  # temporary files of a save that was killed
+        self.is_writer = self.rank == 0  # the rank that writes metrics (and the single-process checkpoint)
+        self.checkpoint_path: Path | None = None
+        if cfg.save:
+            self.checkpoint_path = Path(cfg.save) / (SHARDED_DIR if self.distributed else "checkpoint.pt")
+        if cfg.save and self.is_writer:
+            folder = Path(cfg.save)
+            remove_partial_files(folder / "checkpoint.pt")  # temporary files of a save that was killed
+            remove_partial_dirs(folder / SHARDED_DIR)
             if cfg.overwrite:
                 for name in RUN_FILES:
-                    (self.checkpoint_path.parent / name).unlink(missing_ok=True)
+                    (folder / name).unlink(missing_ok=True)
+                shutil.rmtree(folder / SHARDED_DIR, ignore_errors=True)
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()  # the run folder is clean before any rank reads or writes it
         self.start_step = self._resume() if cfg.resume else 0
         resumed_here = (
             cfg.resume and self.checkpoint_path and self._resume_path().resolve() == self.checkpoint_path.resolve()
         )
         self.saved_step: int | None = self.start_step if resumed_here else None  # the checkpoint in --save
-        self.tokens_per_step = cfg.micro_batch_size * mcfg.seq_length
+        self.tokens_per_step = cfg.micro_batch_size * cfg.data_parallel * mcfg.seq_length  # the global batch
         self.last_step_skipped = False
 
     @property
@@ -268,12 +303,13 @@ class Trainer:
         lr = lr_at(step, cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        batch = self.task.batch(cfg.micro_batch_size, step, cfg.seed, "train").to(self.device)
+        batch = self.task.batch(cfg.micro_batch_size * cfg.data_parallel, step, cfg.seed, "train").to(self.device)
         loss = self.forward_backward(batch)
-        # max_norm=inf measures the norm without clipping; under CP the gradients are already all-reduced, so
-        # every rank sees the same norm and takes the same decision
+        # max_norm=inf measures the norm without clipping; under a mesh the gradients are already reduced (and
+        # the norm of sharded ones is reduced over the shards), so every rank takes the same decision
         max_norm = cfg.clip_grad if cfg.clip_grad > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         loss_value = loss.item()
         self.last_step_skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
         if self.last_step_skipped:
@@ -290,22 +326,37 @@ class Trainer:
         return loss_value, lr
 
     def forward_backward(self, batch: Batch) -> torch.Tensor:
-        """Loss of ``batch`` and its gradients; returns the loss over the whole batch (detached)."""
-        if self.cp is None:
+        """Loss of the global ``batch`` and its gradients; returns the loss over the whole batch (detached)."""
+        if not self.distributed:
             with self.autocast():  # the loss without the (B, S, V) logits: longctx.linear_cross_entropy
                 loss = self.model(batch.inputs, labels=batch.labels, loss_mask=batch.loss_mask)
             loss.backward()
             return loss.detach()
-        # Context parallelism: this rank's shard of every sequence, at its global positions. The loss this rank
-        # differentiates is its part of the global mean; the one it reports is the global mean itself.
-        inputs, labels, mask, pos = self.cp.shard_batch(batch.inputs, batch.labels, batch.loss_mask)
+        from longctx.distributed.mesh import reduce_gradients, share_of_mean
+
+        # This dp rank's sequences; under CP this rank's shard of each, at its global positions. The loss this
+        # rank differentiates is its part of the token mean over the global batch; the one it reports is that
+        # mean itself.
+        inputs, labels, mask, pos = self._local_batch(batch.inputs, batch.labels, batch.loss_mask)
         with self.autocast():
             local_sum = self.model(inputs, position_ids=pos, labels=labels, loss_mask=mask, reduction="sum")
         count = labels.numel() if mask is None else mask.sum()
-        loss, loss_report = self.cp.share_of_mean(local_sum, count)
+        loss, loss_report = share_of_mean(local_sum, count)
         loss.backward()
-        self.cp.allreduce_gradients(self.model)
+        reduce_gradients(self.model, self.mesh, self.dp_strategy)
         return loss_report.detach()
+
+    def _local_batch(
+        self, inputs: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """This rank's part of a global (B, S) batch: its dp rank's rows, then its cp shard of them (with the
+        (S/P,) global positions; None without CP)."""
+        from longctx.distributed.mesh import batch_rows
+
+        inputs, labels, mask = (batch_rows(t, self.mesh) for t in (inputs, labels, mask))
+        if self.cp is None:
+            return inputs, labels, mask, None
+        return self.cp.shard_batch(inputs, labels, mask)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -315,20 +366,22 @@ class Trainer:
         model.eval()
         total_loss, total_tokens, correct = 0.0, 0.0, 0.0
         for i in range(cfg.eval_iters):
-            b = self.task.batch(cfg.micro_batch_size, i, cfg.seed, "eval").to(self.device)
+            b = self.task.batch(cfg.micro_batch_size * cfg.data_parallel, i, cfg.seed, "eval").to(self.device)
             mask = b.loss_mask if b.loss_mask is not None else torch.ones_like(b.labels, dtype=torch.bool)
-            if self.cp is not None:
-                inputs, labels, mask, pos = self.cp.shard_batch(b.inputs, b.labels, mask)
-                with self.autocast():
-                    logits = model(inputs, position_ids=pos)
-                loss_sum, count, hits = self.cp.eval_stats(logits, labels, mask)
-                total_loss, total_tokens, correct = total_loss + loss_sum, total_tokens + count, correct + hits
-                continue
+            inputs, labels, pos = b.inputs, b.labels, None
+            if self.distributed:
+                inputs, labels, mask, pos = self._local_batch(inputs, labels, mask)
             with self.autocast():
-                logits = model(b.inputs)
-            total_loss += float(lm_loss(logits, b.labels, mask, reduction="sum"))
+                logits = model(inputs, position_ids=pos)
+            total_loss += float(lm_loss(logits, labels, mask, reduction="sum"))
             total_tokens += float(mask.sum())
-            correct += float(((logits.argmax(-1) == b.labels) & mask).sum())
+            correct += float(((logits.argmax(-1) == labels) & mask).sum())
+        if self.distributed:  # the sums over every rank's tokens
+            import torch.distributed as dist
+
+            stats = torch.tensor([total_loss, total_tokens, correct], dtype=torch.float64, device=self.device)
+            dist.all_reduce(stats)
+            total_loss, total_tokens, correct = stats.tolist()
         model.train(was_training)
         out = {"eval_loss": total_loss / max(total_tokens, 1.0)}
         if isinstance(self.task, RecallTask):
@@ -340,14 +393,25 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------------------
 
     def save(self, step: int, extra: dict[str, Any]) -> None:
-        """Checkpoint after ``step`` steps (first rank only; nothing without ``--save``); records `saved_step`.
+        """Checkpoint after ``step`` steps (nothing without ``--save``); records `saved_step`. Single process:
+        ``checkpoint.pt``; under a mesh every rank writes its shards of ``checkpoint/step-N``.
 
         Raises:
             CheckpointError: the state holds NaN or infinity (nothing is written).
         """
         if self.checkpoint_path is None:
             return
-        if self.is_writer:
+        if self.distributed:
+            save_sharded_state(
+                self.checkpoint_path,
+                step=step,
+                model=self.model,
+                optimizer=self.optimizer,
+                model_config=self.model_config.to_dict(),
+                train_config=self.cfg.to_dict(),
+                extra=extra,
+            )
+        elif self.is_writer:
             save_training_state(
                 self.checkpoint_path,
                 step=step,
@@ -375,7 +439,16 @@ class Trainer:
         path = self._resume_path()
         if path is None:
             raise ValueError("--resume without a path needs --save DIR (the checkpoint is DIR/checkpoint.pt)")
-        start = load_training_state(path, self.model, self.optimizer, self.model_config.to_dict())
+        if path.is_dir():  # a sharded checkpoint, written on any number of ranks
+            start = load_sharded_state(path, self.model, self.optimizer, self.model_config.to_dict())
+        elif self.distributed:
+            raise CheckpointError(
+                f"--resume {path}: a single-file checkpoint resumes in a single process only; under "
+                f"--data-parallel/--context-parallel pass a sharded checkpoint folder ({SHARDED_DIR}/ of a run's "
+                "--save folder), or continue this run in one process"
+            )
+        else:
+            start = load_training_state(path, self.model, self.optimizer, self.model_config.to_dict())
         if start > cfg.train_iters:
             raise ValueError(f"checkpoint is at step {start}, beyond --train-iters {cfg.train_iters}")
         return start
@@ -430,7 +503,7 @@ class Trainer:
                     self.save(done, {"last_eval": last_eval})
                 if interrupted_by:
                     break
-            if self.cp is not None:
+            if self.distributed:
                 import torch.distributed as dist
 
                 dist.barrier()
@@ -462,8 +535,8 @@ class Trainer:
         return result
 
     def _agreed_signal(self, signum: int | None) -> int | None:
-        """The stop signal, agreed over the context-parallel ranks (each may have seen it at another step)."""
-        if self.cp is None:
+        """The stop signal, agreed over every rank of the mesh (each may have seen it at another step)."""
+        if not self.distributed:
             return signum
         import torch.distributed as dist
 
@@ -525,17 +598,55 @@ class Trainer:
 # -- building blocks of the constructor ----------------------------------------------------------------------
 
 
-def _init_context_parallel(ranks: int) -> tuple[int, torch.device]:
-    """This process's rank and device under torchrun; ValueError unless the world size is ``ranks``."""
+def _init_mesh(cfg: TrainConfig) -> tuple[int, torch.device, Any]:
+    """This process's rank, its device and the ("dp", "cp") DeviceMesh under torchrun.
+
+    Every rank first checks with the others (`check_agreement`, through `init_mesh`) that they run the same
+    settings and that the world holds data_parallel x context_parallel ranks, and learns why any rank cannot
+    start (a sequence length or head count the context-parallel size cannot split, the first rank's run folder),
+    so each such case is the same ValueError on every rank instead of a hang.
+    """
+    from longctx.distributed.mesh import ParallelDims, init_mesh
     from longctx.distributed.model import init_distributed
 
     rank, world, device = init_distributed()
-    if world != ranks:
-        raise ValueError(
-            f"--context-parallel {ranks} needs as many processes, got world size {world}; "
-            f"run: torchrun --nproc-per-node {ranks} -m longctx train --context-parallel {ranks} ..."
+    dims = ParallelDims(cfg.data_parallel, cfg.context_parallel)
+    errors = [dims.world_error(world), _model_error(cfg), _run_folder_error(cfg) if rank == 0 else None]
+    settings = {**cfg.to_dict(), **cfg.model_config().to_dict()}
+    local_error = next((e for e in errors if e), None)
+    mesh = init_mesh(cfg.data_parallel, cfg.context_parallel, settings=settings, local_error=local_error)
+    return rank, device, mesh
+
+
+def _world_size() -> int:
+    """The number of processes: torch.distributed's world if initialised, else torchrun's WORLD_SIZE (or 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _model_error(cfg: TrainConfig) -> str | None:
+    """Why the model cannot run at this context-parallel size (sequence length, heads, dropout), or None."""
+    if cfg.context_parallel == 1:
+        return None
+    from longctx.distributed.sharding import check_divisible
+    from longctx.distributed.ulysses import kv_replication
+
+    mcfg = cfg.model_config()
+    try:
+        check_divisible(mcfg.seq_length, cfg.context_parallel, cfg.cp_layout, what="context-parallel sequence length")
+        if cfg.cp_method == "ulysses":
+            kv_replication(mcfg.num_attention_heads, mcfg.kv_heads, cfg.context_parallel)
+    except ValueError as e:
+        return str(e)
+    if mcfg.attention_dropout > 0:
+        return (
+            f"context parallelism needs attention_dropout == 0, got {mcfg.attention_dropout}: the dropout path is a "
+            "dense local attention that cannot see the keys of the other ranks; pass --attention-dropout 0"
         )
-    return rank, device
+    return None
 
 
 def _run_folder_error(cfg: TrainConfig) -> str | None:
@@ -543,12 +654,12 @@ def _run_folder_error(cfg: TrainConfig) -> str | None:
     if not cfg.save or cfg.resume or cfg.overwrite:
         return None
     folder = Path(cfg.save)
-    found = [name for name in RUN_FILES[:2] if (folder / name).exists()]
+    found = [name for name in (*RUN_FILES[:2], SHARDED_DIR) if (folder / name).exists()]
     if not found:
         return None
     return (
         f"--save {folder} holds another run ({', '.join(found)}); continue it with --resume, start a new run "
-        f"there with --overwrite (deletes {', '.join(RUN_FILES)}), or pass another --save folder"
+        f"there with --overwrite (deletes {', '.join((*RUN_FILES, SHARDED_DIR))}), or pass another --save folder"
     )
 
 

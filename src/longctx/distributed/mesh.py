@@ -1,0 +1,266 @@
+"""Data parallelism x context parallelism on a 2D DeviceMesh (what ``longctx train --data-parallel N
+--context-parallel P`` builds), and the same pieces for a training loop of one's own.
+
+    mesh = init_mesh(data_parallel=2, context_parallel=4)          # torchrun --nproc-per-node 8; dims ("dp", "cp")
+    cp = setup_context_parallel(model, group=cp_group(mesh))       # each cp group splits one sequence
+    apply_fsdp(model, mesh)                                        # FSDP2 over "dp": layers, embeddings, root
+    rows = batch_rows(global_batch.inputs, mesh)                   # this dp rank's sequences
+    inputs, labels, mask, pos = cp.shard_batch(rows, ...)          # this cp rank's tokens of them
+    local_sum = model(inputs, position_ids=pos, labels=labels, loss_mask=mask, reduction="sum")
+    loss, loss_value = share_of_mean(local_sum, mask.sum())        # over every rank: token-weighted mean
+    loss.backward()                                                # FSDP2 sums the gradients over "dp"
+    reduce_gradients(model, mesh)                                  # ... and this sums them over "cp"
+    optimizer.step()
+
+Ranks are laid out dp-major: rank = dp_rank * P + cp_rank, so the ranks of one context-parallel group are
+neighbours (one node, the fast links) and the data-parallel groups stride across nodes.
+
+The loss of a step is the mean over every counted token of the global batch (dp * micro batch sequences), not a
+mean of per-rank means: each rank differentiates (sum of its token losses) / (count over all ranks), and the sum
+of the ranks' gradients is the single-process gradient of the whole batch. FSDP2 is set to sum (not average) in
+its reduce-scatter for that reason.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from longctx.distributed.model import check_agreement, init_distributed
+
+__all__ = [
+    "ParallelDims",
+    "MESH_DIMS",
+    "init_mesh",
+    "dp_rank",
+    "dp_group",
+    "cp_group",
+    "batch_rows",
+    "apply_fsdp",
+    "fsdp_available",
+    "share_of_mean",
+    "reduce_gradients",
+]
+
+MESH_DIMS = ("dp", "cp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How many ranks share the data (``data_parallel``) and each sequence (``context_parallel``).
+
+    Raises:
+        TypeError: a size that is not an int.
+        ValueError: a size below 1.
+    """
+
+    data_parallel: int = 1
+    context_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("data_parallel", "context_parallel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int >= 1, got {value!r} ({type(value).__name__})")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}; 1 means no {name.replace('_', ' ')}ism")
+
+    @property
+    def world_size(self) -> int:
+        """The number of processes the mesh needs: data_parallel * context_parallel."""
+        return self.data_parallel * self.context_parallel
+
+    def world_error(self, world_size: int) -> str | None:
+        """Why a world of ``world_size`` processes cannot hold this mesh, or None."""
+        if world_size == self.world_size:
+            return None
+        dp, cp = self.data_parallel, self.context_parallel
+        return (
+            f"--data-parallel {dp} x --context-parallel {cp} needs {self.world_size} processes, got world size "
+            f"{world_size}; start {self.world_size} processes (torchrun --nnodes N --nproc-per-node M with N * M = "
+            f"{self.world_size}) or choose sizes whose product is {world_size}"
+        )
+
+    def check_world(self, world_size: int) -> None:
+        """Raise ValueError unless ``world_size == data_parallel * context_parallel``."""
+        error = self.world_error(world_size)
+        if error:
+            raise ValueError(error)
+
+    def rank_coords(self, rank: int) -> tuple[int, int]:
+        """``(dp_rank, cp_rank)`` of a global rank in the dp-major layout."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        return divmod(rank, self.context_parallel)
+
+
+def init_mesh(
+    data_parallel: int = 1,
+    context_parallel: int = 1,
+    *,
+    device_type: str | None = None,
+    timeout: float | None = None,
+    settings: dict[str, Any] | None = None,
+    local_error: str | None = None,
+):
+    """The 2D DeviceMesh ``(data_parallel, context_parallel)`` with dims named ``("dp", "cp")``.
+
+    Initialises torch.distributed from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT; NCCL on GPUs, gloo on the CPU) unless it is initialised already; a single process without them
+    gets a one-rank gloo group. Before the mesh is built, every rank checks with the others (one collective with
+    a timeout, `check_agreement`) that they asked for the same sizes and that the world holds them, so a wrong
+    size is the same error on every rank instead of a hang.
+
+    Args:
+        data_parallel: ranks that see different sequences (parameters sharded over them by `apply_fsdp`).
+        context_parallel: ranks that split each sequence.
+        device_type: "cuda" or "cpu"; default: the device `init_distributed` chose.
+        timeout: seconds the agreement waits for the other ranks (default: `check_agreement`'s).
+        settings: more that must be equal on every rank (the model and training configuration), checked in the
+            same collective.
+        local_error: why this rank cannot start, or None; raised on every rank.
+
+    Raises:
+        TypeError, ValueError: sizes that are not ints >= 1; on every rank, a product that is not the world size,
+            settings that differ between ranks, or a rank's ``local_error``.
+    """
+    dims = ParallelDims(data_parallel, context_parallel)
+    if not dist.is_initialized() and "RANK" not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    _, world, device = init_distributed()
+    check_agreement(
+        {**(settings or {}), "data_parallel": data_parallel, "context_parallel": context_parallel},
+        dims.world_error(world) or local_error,
+        timeout=timeout,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type or device.type, (data_parallel, context_parallel), mesh_dim_names=MESH_DIMS)
+
+
+def _check_mesh(mesh: Any) -> None:
+    names = getattr(mesh, "mesh_dim_names", None)
+    if names is None or tuple(names) != MESH_DIMS:
+        raise TypeError(f"mesh must be the DeviceMesh of init_mesh (dims {MESH_DIMS}), got {mesh!r}")
+
+
+def dp_rank(mesh: Any) -> int:
+    """This process's index along "dp" (which part of the global batch it reads)."""
+    _check_mesh(mesh)
+    return mesh.get_local_rank("dp")
+
+
+def dp_group(mesh: Any):
+    """The process group of this rank's data-parallel peers (same cp rank, other sequences)."""
+    _check_mesh(mesh)
+    return mesh.get_group("dp")
+
+
+def cp_group(mesh: Any):
+    """The process group of this rank's context-parallel peers (the ranks splitting the same sequences)."""
+    _check_mesh(mesh)
+    return mesh.get_group("cp")
+
+
+def batch_rows(x: torch.Tensor | None, mesh: Any) -> torch.Tensor | None:
+    """This dp rank's rows of a global batch ``x`` (B, ...): rows ``[r * B/dp, (r + 1) * B/dp)`` (None passes).
+
+    Raises:
+        ValueError: B not divisible by the dp size.
+    """
+    if x is None:
+        return None
+    _check_mesh(mesh)
+    n, r = mesh.size(0), mesh.get_local_rank("dp")
+    if x.shape[0] % n:
+        raise ValueError(
+            f"the global batch has {x.shape[0]} sequences, not divisible by data_parallel={n}; "
+            f"pass a multiple of {n} sequences (micro_batch_size sequences per dp rank)"
+        )
+    per = x.shape[0] // n
+    return x[r * per : (r + 1) * per]
+
+
+def fsdp_available() -> bool:
+    """Whether FSDP2 (`torch.distributed.fsdp.fully_shard`) can be imported (torch >= 2.6)."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def apply_fsdp(model: torch.nn.Module, mesh: Any) -> str:
+    """Shard ``model`` over the "dp" dim: FSDP2 on each decoder layer, the embedding and the root; returns
+    ``"fsdp2"``, or ``"allreduce"`` where FSDP2 is not importable (parameters replicated, gradients summed by
+    `reduce_gradients` over every rank).
+
+    Each rank must hold the same initial parameters (the same seed, or `broadcast_parameters` first). A tied
+    embedding (``share_embeddings_and_output_weights``) stays in the root unit, because the output projection
+    reads it after the embedding's own forward. Gradients are summed over "dp" (divide factor 1): the loss of
+    every rank is already its share of the global mean (`share_of_mean`).
+    """
+    _check_mesh(mesh)
+    if not fsdp_available():
+        return "allreduce"
+    from torch.distributed.fsdp import fully_shard
+
+    dp_mesh = mesh["dp"]
+    units: list[torch.nn.Module] = list(getattr(model, "layers", []))
+    tied = getattr(getattr(model, "config", None), "share_embeddings_and_output_weights", True)
+    if hasattr(model, "embedding") and not tied:
+        units.insert(0, model.embedding)
+    for unit in units:
+        fully_shard(unit, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    for module in [*units, model]:
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+    return "fsdp2"
+
+
+def share_of_mean(
+    local_sum: torch.Tensor, local_count: torch.Tensor | float, group=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, loss_value)`` from this rank's summed token loss and its number of counted tokens.
+
+    ``loss`` = local_sum / (count over every rank of ``group``, default the world): differentiable, and the sum
+    over ranks of these shares is the token-weighted mean of the global batch. ``loss_value`` is that mean
+    (detached, float32), the same on every rank.
+    """
+    count = torch.as_tensor(local_count, dtype=torch.float64, device=local_sum.device).detach()
+    stats = torch.stack([local_sum.detach().to(torch.float64), count])
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(stats, group=group)
+    total_sum, total_count = stats[0], stats[1].clamp_min(1.0)
+    loss = local_sum / total_count.to(local_sum.dtype)
+    return loss, (total_sum / total_count).to(torch.float32)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def reduce_gradients(model: torch.nn.Module, mesh: Any, strategy: str = "fsdp2") -> None:
+    """Complete the gradient sum after ``loss.backward()``: over "cp" for FSDP2 (which summed over "dp"), over
+    every rank for the ``"allreduce"`` strategy of `apply_fsdp`."""
+    _check_mesh(mesh)
+    group = mesh.get_group("cp") if strategy == "fsdp2" else None
+    size = mesh.size(1) if strategy == "fsdp2" else mesh.size()
+    if size == 1:
+        return
+    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for gs in by_dtype.values():  # one flat buffer per dtype: one all-reduce instead of one per parameter
+        flat = torch.cat([g.reshape(-1) for g in gs])
+        dist.all_reduce(flat, group=group)
+        off = 0
+        for g in gs:
+            g.copy_(flat[off : off + g.numel()].view_as(g))
+            off += g.numel()
