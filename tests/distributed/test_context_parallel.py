@@ -440,13 +440,16 @@ def test_cp_gloo(world: int, name: str) -> None:
 
 @pytest.mark.parametrize("method", ["ring", "allgather", "ulysses"])
 def test_cp_attention_without_torch_distributed(method: str) -> None:
-    """A world of one (torch.distributed not initialised): cp_attention is plain attention."""
+    """torch.distributed not initialised: cp_attention raises unless group=SINGLE_PROCESS, a world of one where
+    it is plain attention."""
     import longctx
-    from longctx.distributed import cp_attention, shard, unshard
+    from longctx.distributed import SINGLE_PROCESS, cp_attention, shard, unshard
 
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 4, 20, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    out = cp_attention(q, k, v, causal=True, method=method, backend="tiled")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        cp_attention(q, k, v, causal=True, method=method, backend="tiled")
+    out = cp_attention(q, k, v, causal=True, method=method, backend="tiled", group=SINGLE_PROCESS)
     ref = longctx.attention(q, k, v, causal=True, backend="math")
     assert torch.allclose(out, ref, atol=1e-12)
     (dq,) = torch.autograd.grad(out.sum(), q)

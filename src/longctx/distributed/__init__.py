@@ -5,14 +5,25 @@
     out_loc = cp_attention(q_loc, k_loc, v_loc, causal=True, method="ring")       # this rank's output
     out = unshard(out_loc, dim=2)                                                  # (B, H, S, D)
 
-Methods: "ring" (K/V around a ring, overlapped with compute), "allgather" (Llama 3) and "ulysses" (all-to-all to
-heads). Layouts: "zigzag" (balanced causal work) and "contiguous". Works with gloo on CPU (tiled launchers)
-and NCCL on GPU (Triton launchers). Model wiring for `longctx train --context-parallel N`: `longctx.distributed.model`.
+Methods: "ring" (K/V around a ring, overlapped with compute), "allgather" (Llama 3), "ulysses" (all-to-all to
+heads) and "ulysses_ring" (all-to-all inside groups of ``ulysses_size`` ranks, a ring across them: USP, Transformer
+Engine's a2a+p2p). Layouts: "zigzag" (balanced causal work) and "contiguous". ``cu_seqlens=`` makes the sequence
+packed documents (causal / window inside each). Works with gloo on CPU (tiled launchers) and NCCL on GPU (Triton
+launchers). torch.distributed must be initialised; ``group=SINGLE_PROCESS`` runs one process as a group of one.
+
+Packed documents balanced by work (the dispatcher):
+
+    plan = dispatch_plan(cu_seqlens, causal=True)                   # same on every rank; plan.balance() ~ 1
+    q_loc, k_loc, v_loc = (plan.dispatch(t) for t in (q, k, v))     # (total, H, D) -> (total / P, H, D)
+    out = plan.undispatch(plan.attention(q_loc, k_loc, v_loc, method="ring"))   # (total, H, D)
+
+Model wiring for `longctx train --context-parallel N`: `longctx.distributed.model`. Details: docs/context-parallel.md.
 """
 
 from __future__ import annotations
 
 from longctx.distributed.attention import METHODS, cp_attention
+from longctx.distributed.dispatch import DispatchPlan, dispatch_plan
 from longctx.distributed.model import (
     ContextParallel,
     allreduce_gradients,
@@ -22,12 +33,16 @@ from longctx.distributed.model import (
     setup_context_parallel,
     shard_batch,
 )
-from longctx.distributed.sharding import LAYOUTS, local_positions, shard, unshard
+from longctx.distributed.sharding import LAYOUTS, SINGLE_PROCESS, ChunkLayout, local_positions, shard, unshard
 
 __all__ = [
     "shard",
     "unshard",
     "cp_attention",
+    "dispatch_plan",
+    "DispatchPlan",
+    "SINGLE_PROCESS",
+    "ChunkLayout",
     "local_positions",
     "METHODS",
     "LAYOUTS",

@@ -8,38 +8,31 @@ smaller than the queries, which is why this is cheap.
 backward: the full K/V are gathered again (not saved: saving them would make the memory of every layer
 grow with the whole sequence), each chunk's backward adds into full-length float32 dK/dV, and a
 reduce-scatter returns to every rank the sum for the keys it owns.
+
+With packed documents (`blocks.Documents`) each local chunk is cut at document boundaries and every piece attends
+only the keys of its document within its band (`blocks.gather_calls`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from longctx.distributed.blocks import Call, Mask, gather_calls
 from longctx.distributed.comm import GroupInfo, gather_seq, reduce_scatter_seq
 from longctx.distributed.sharding import local_chunks
 from longctx.launchers.select import Launchers
-from longctx.masks import Band, TileKind
 
 __all__ = ["AllGatherAttention"]
 
 
-def _calls(band: Band, seq_total: int, info: GroupInfo, layout: str) -> list[tuple[int, int, int, int, Band]]:
-    """(q0, q1, k0, k1, band) per local query chunk; k0/k1 index the full (gathered) sequence."""
-    calls = []
-    for ls, n, g in local_chunks(seq_total, info.rank, info.world, layout):
-        b = band.shifted(g)  # queries at g, keys at 0
-        k0, k1 = b.key_range(0, n, seq_total)
-        if k1 <= k0:
-            continue
-        b = b.shifted(-k0)  # keys now start at k0
-        if b.tile_kind(0, n, 0, k1 - k0) is TileKind.FULL:
-            b = Band()
-        calls.append((ls, ls + n, k0, k1, b))
-    return calls
+def _calls(band: Mask, seq_total: int, info: GroupInfo, layout) -> list[Call]:
+    """One call per local query chunk (per document piece); k0/k1 index the full (gathered) sequence."""
+    return gather_calls(band, local_chunks(seq_total, info.rank, info.world, layout), seq_total)
 
 
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, info: GroupInfo, layout: str, band: Band, scale: float, launchers: Launchers):
+    def forward(ctx, q, k, v, info: GroupInfo, layout, band: Mask, scale: float, launchers: Launchers):
         B, Hq, S_loc, D = q.shape
         seq_total = S_loc * info.world
         k_full = gather_seq(k, 2, info, layout)  # (B, Hkv, S, D)
@@ -47,7 +40,7 @@ class AllGatherAttention(torch.autograd.Function):
         out = torch.zeros_like(q)
         lse_dt = torch.float64 if q.dtype == torch.float64 else torch.float32
         lse = torch.full((B, Hq, S_loc), float("-inf"), device=q.device, dtype=lse_dt)
-        for q0, q1, k0, k1, b in _calls(band, seq_total, info, layout):
+        for q0, q1, k0, k1, b in ((c.q0, c.q1, c.k0, c.k1, c.band) for c in _calls(band, seq_total, info, layout)):
             o, l = launchers.forward(q[:, :, q0:q1], k_full[:, :, k0:k1], v_full[:, :, k0:k1], scale=scale, band=b)
             out[:, :, q0:q1] = o
             lse[:, :, q0:q1] = l
@@ -68,7 +61,7 @@ class AllGatherAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, device=q.device, dtype=adt)
         dk_full = torch.zeros(k_full.shape, device=q.device, dtype=adt)
         dv_full = torch.zeros_like(dk_full)
-        for q0, q1, k0, k1, b in _calls(band, seq_total, info, layout):
+        for q0, q1, k0, k1, b in ((c.q0, c.q1, c.k0, c.k1, c.band) for c in _calls(band, seq_total, info, layout)):
             dq_b, dk_b, dv_b = launchers.backward(
                 do[:, :, q0:q1],
                 q[:, :, q0:q1],

@@ -5,17 +5,35 @@ Attention between a local query chunk at global position ``qs`` and a key chunk 
 attention call with the global band shifted by ``qs - ks`` (`Band.shifted`). `plan_calls` classifies every
 (query chunk, key chunk) pair with `Band.tile_kind`, drops the pairs the mask removes entirely and fuses pairs
 that need no mask into as few launcher calls as possible (under zigzag causal a remote step is one call).
+
+Packed documents (`Documents`): the mask is "same document, and the band in document-local positions". Every
+chunk is cut at the document boundaries into pieces that lie in one document; a query piece meets only the key
+pieces of its own document, each pair an ordinary band call (document offsets cancel: both sides of a pair are
+in one document, so ``j - i`` is the same in global and in document positions). The calls are cached: every
+layer and both passes reuse them.
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from longctx.masks import Band, TileKind
 
-__all__ = ["Call", "plan_calls", "merge_into", "merge_partial", "accumulate", "Cover"]
+__all__ = [
+    "Call",
+    "Documents",
+    "plan_calls",
+    "gather_calls",
+    "doc_token_areas",
+    "merge_into",
+    "merge_partial",
+    "accumulate",
+    "Cover",
+]
 
 Chunk = tuple[int, int, int]  # (local_start, length, global_start)
 
@@ -31,8 +49,38 @@ class Call:
     band: Band
 
 
-def plan_calls(band: Band, q_chunks: list[Chunk], k_chunks: list[Chunk]) -> list[Call]:
+@dataclass(frozen=True)
+class Documents:
+    """Packed documents: key j is visible to query i iff both lie in one document and ``band`` (lo <= j - i <= hi)
+    holds. ``cu``: 0, then the cumulative document lengths (flash-attn's cu_seqlens), ending at the total."""
+
+    cu: tuple[int, ...]
+    band: Band
+
+    def doc_of(self, pos: int) -> int:
+        """The document holding global position ``pos`` (zero-length documents hold nothing)."""
+        return bisect.bisect_right(self.cu, pos) - 1
+
+    def pieces(self, chunks: list[Chunk]) -> list[tuple[int, int, int, int]]:
+        """The chunks cut at document boundaries: ``(local_start, length, global_start, doc)``, in local order."""
+        out = []
+        for ls, n, g in chunks:
+            pos = g
+            while pos < g + n:
+                d = self.doc_of(pos)
+                end = min(g + n, self.cu[d + 1])
+                out.append((ls + pos - g, end - pos, pos, d))
+                pos = end
+        return out
+
+
+Mask = Band | Documents
+
+
+def plan_calls(band: Mask, q_chunks: list[Chunk], k_chunks: list[Chunk]) -> list[Call]:
     """The launcher calls that compute attention of the local queries against one rank's K/V chunks."""
+    if isinstance(band, Documents):
+        return list(_doc_calls(band, tuple(q_chunks), tuple(k_chunks)))
     nq, nk = len(q_chunks), len(k_chunks)
     kinds = [[band.shifted(qg - kg).tile_kind(0, qn, 0, kn) for (_, kn, kg) in k_chunks] for (_, qn, qg) in q_chunks]
     q_all = (q_chunks[0][0], q_chunks[-1][0] + q_chunks[-1][1])
@@ -60,6 +108,63 @@ def plan_calls(band: Band, q_chunks: list[Chunk], k_chunks: list[Chunk]) -> list
                 b = dense if kinds[i][j] is TileKind.FULL else band.shifted(qg - kg)
                 calls.append(Call(ql, ql + qn, kl, kl + kn, b))
     return calls
+
+
+@functools.lru_cache(maxsize=4096)
+def _doc_calls(docs: Documents, q_chunks: tuple[Chunk, ...], k_chunks: tuple[Chunk, ...]) -> tuple[Call, ...]:
+    by_doc: dict[int, list[tuple[int, int, int]]] = {}
+    for kl, kn, kg, d in docs.pieces(list(k_chunks)):
+        by_doc.setdefault(d, []).append((kl, kn, kg))
+    dense, calls = Band(), []
+    for ql, qn, qg, d in docs.pieces(list(q_chunks)):
+        for kl, kn, kg in by_doc.get(d, ()):
+            b = docs.band.shifted(qg - kg)
+            kind = b.tile_kind(0, qn, 0, kn)
+            if kind is not TileKind.EMPTY:
+                calls.append(Call(ql, ql + qn, kl, kl + kn, dense if kind is TileKind.FULL else b))
+    return tuple(calls)
+
+
+@functools.lru_cache(maxsize=1024)
+def _gather_calls(mask: Mask, q_chunks: tuple[Chunk, ...], seq_total: int) -> tuple[Call, ...]:
+    if isinstance(mask, Documents):
+        band = mask.band
+        pieces = [(ql, qn, qg, mask.cu[d], mask.cu[d + 1]) for ql, qn, qg, d in mask.pieces(list(q_chunks))]
+    else:
+        band = mask
+        pieces = [(ql, qn, qg, 0, seq_total) for ql, qn, qg in q_chunks]
+    calls = []
+    for ql, qn, qg, lo, hi in pieces:
+        b = band.shifted(qg)  # queries at qg, keys at 0
+        k0, k1 = b.key_range(0, qn, seq_total)
+        k0, k1 = max(k0, lo), min(k1, hi)
+        if k1 <= k0:
+            continue
+        b = b.shifted(-k0)  # keys now start at k0
+        if b.tile_kind(0, qn, 0, k1 - k0) is TileKind.FULL:
+            b = Band()
+        calls.append(Call(ql, ql + qn, k0, k1, b))
+    return tuple(calls)
+
+
+def gather_calls(mask: Mask, q_chunks: list[Chunk], seq_total: int) -> list[Call]:
+    """The launcher calls of the local query chunks against the whole (gathered) K/V; k0/k1 index the whole
+    sequence. One call per chunk (per document piece with `Documents`), over the keys its mask can reach; the
+    calls' query rows are disjoint."""
+    return list(_gather_calls(mask, tuple(q_chunks), seq_total))
+
+
+def doc_token_areas(cu: list[int] | tuple[int, ...], band: Band) -> torch.Tensor:
+    """Per token of the packed sequence, how many keys it sees (same document, ``band`` in document positions):
+    int64 (total,). The row sums of the mask, in O(total)."""
+    cu_t = torch.tensor(list(cu), dtype=torch.int64)
+    lengths = cu_t[1:] - cu_t[:-1]
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    pos = torch.arange(int(cu_t[-1])) - cu_t[:-1][doc]  # document-local position
+    length = lengths[doc]
+    hi = length - 1 if band.hi is None else torch.minimum(length - 1, pos + band.hi)
+    lo = torch.zeros_like(pos) if band.lo is None else (pos + band.lo).clamp_min(0)
+    return (hi - lo + 1).clamp_min(0)
 
 
 def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from longctx.distributed.sharding import global_to_rank_major, reorder_to_global
+from longctx.distributed.sharding import SINGLE_PROCESS, global_to_rank_major, reorder_to_global
 
 __all__ = [
     "GroupInfo",
     "group_info",
+    "cp_group_info",
+    "sub_group",
     "comm_device",
     "cpu_group",
     "RingComm",
@@ -24,10 +26,15 @@ __all__ = [
 
 @dataclass(frozen=True)
 class GroupInfo:
+    """Rank and size in a context-parallel group. ``members``: a sub-group of ``group`` without a process group of
+    its own (the ranks of ``group`` it holds, in order; ``rank`` and ``world`` count within it), used by the
+    hybrid Ulysses x ring method; its ring exchanges and all-to-alls run on ``group``."""
+
     group: object
     rank: int
     world: int
     backend: str
+    members: tuple[int, ...] | None = None
 
     @property
     def is_nccl(self) -> bool:
@@ -36,11 +43,35 @@ class GroupInfo:
 
 def group_info(group=None) -> GroupInfo:
     """Rank, size and backend of ``group`` (default: the world). A world of one without torch.distributed."""
+    if group is SINGLE_PROCESS:
+        return GroupInfo(None, 0, 1, "none")
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise RuntimeError("a process group was given but torch.distributed is not initialized")
         return GroupInfo(None, 0, 1, "none")
     return GroupInfo(group, dist.get_rank(group), dist.get_world_size(group), str(dist.get_backend(group)))
+
+
+def cp_group_info(group, where: str) -> GroupInfo:
+    """`group_info` for a context-parallel entry point: ``group=None`` needs torch.distributed initialised.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised and ``group`` is not `SINGLE_PROCESS` (each process
+            would otherwise attend over its shard alone, or over the whole sequence, without a word).
+    """
+    if group is not SINGLE_PROCESS and (not dist.is_available() or not dist.is_initialized()):
+        raise RuntimeError(
+            f"{where} needs torch.distributed: call torch.distributed.init_process_group(...) first (torchrun sets "
+            "the rendezvous variables), or pass group=longctx.distributed.SINGLE_PROCESS to run this process alone "
+            "as a context-parallel group of one"
+        )
+    return group_info(group)
+
+
+def sub_group(info: GroupInfo, members: tuple[int, ...]) -> GroupInfo:
+    """The sub-group of ``info``'s group made of ``members`` (ranks of the group; this rank among them)."""
+    assert info.members is None and info.rank in members, (info, members)
+    return GroupInfo(info.group, members.index(info.rank), len(members), info.backend, tuple(members))
 
 
 def comm_device(info: GroupInfo, hint: object = None) -> torch.device:
@@ -86,6 +117,8 @@ def cpu_group(info: GroupInfo, *, reuse_gloo: bool = True):
 
 
 def _global_rank(info: GroupInfo, r: int) -> int:
+    if info.members is not None:
+        r = info.members[r]
     if info.group is None or info.group is dist.group.WORLD:
         return r
     return dist.get_global_rank(info.group, r)
@@ -128,8 +161,9 @@ class RingComm:
             r.wait()
 
 
-def gather_seq(x: torch.Tensor, dim: int, info: GroupInfo, layout: str) -> torch.Tensor:
+def gather_seq(x: torch.Tensor, dim: int, info: GroupInfo, layout) -> torch.Tensor:
     """All-gather the local sequence parts of ``x`` and return the full sequence in global order."""
+    assert info.members is None, "gather_seq runs on a whole group"
     if info.world == 1:
         return x
     x = x.contiguous()
@@ -143,8 +177,9 @@ def gather_seq(x: torch.Tensor, dim: int, info: GroupInfo, layout: str) -> torch
     return reorder_to_global(parts, dim, layout)
 
 
-def reduce_scatter_seq(x_full: torch.Tensor, dim: int, info: GroupInfo, layout: str) -> torch.Tensor:
+def reduce_scatter_seq(x_full: torch.Tensor, dim: int, info: GroupInfo, layout) -> torch.Tensor:
     """Sum a full-sequence tensor over the group and return this rank's local part of the sum."""
+    assert info.members is None, "reduce_scatter_seq runs on a whole group"
     if info.world == 1:
         return x_full
     stacked = global_to_rank_major(x_full, dim, info.world, layout).contiguous()  # (P, ..., S/P, ...)
@@ -163,5 +198,14 @@ def all_to_all(x: torch.Tensor, info: GroupInfo) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=info.group)
+    if info.members is None:
+        dist.all_to_all_single(out, x, group=info.group)
+        return out
+    # a sub-group: one all-to-all over the whole group, exchanging blocks only between members
+    world = dist.get_world_size(info.group)
+    splits = [0] * world
+    for m in info.members:
+        splits[m] = 1
+    rows, out_rows = x.reshape(info.world, -1), out.reshape(info.world, -1)  # (members, numel / members)
+    dist.all_to_all_single(out_rows, rows, splits, splits, group=info.group)
     return out

@@ -230,7 +230,7 @@ def share_of_mean(
 
     ``loss`` = local_sum / (count over every rank of ``group``, default the world): differentiable, and the sum
     over ranks of these shares is the token-weighted mean of the global batch. ``loss_value`` is that mean
-    (detached, float32), the same on every rank.
+    (detached; float32, float64 for a float64 loss), the same on every rank.
     """
     count = torch.as_tensor(local_count, dtype=torch.float64, device=local_sum.device).detach()
     stats = torch.stack([local_sum.detach().to(torch.float64), count])
@@ -238,7 +238,8 @@ def share_of_mean(
         dist.all_reduce(stats, group=group)
     total_sum, total_count = stats[0], stats[1].clamp_min(1.0)
     loss = local_sum / total_count.to(local_sum.dtype)
-    return loss, (total_sum / total_count).to(torch.float32)
+    value_dtype = torch.float64 if local_sum.dtype == torch.float64 else torch.float32
+    return loss, (total_sum / total_count).to(value_dtype)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,10 @@ dK/dV of a block are accumulated by every rank that saw it, travelling around a 
 the K/V: at step t rank r adds its share for the K/V of rank r - t to the partial sum received from r - 1 and
 passes it on, so after P steps the sums arrive back at their owners.
 
+``band`` may be `blocks.Documents` (packed documents) and ``layout`` a `sharding.ChunkLayout` (the dispatcher's):
+the planned calls then skip every (query, key) chunk pair without a visible entry, while the K/V still travel
+the whole ring.
+
 Memory and passes: the receive buffers are a fixed set per call, rotated (K/V: two pairs; dK/dV: two float32
 accumulators and one receive pair), never one new allocation per step: a block handed to NCCL on its own
 stream and freed while the host runs ahead cannot be reused by the caching allocator until the GPU catches up,
@@ -24,13 +28,14 @@ partial result of a range is copied in (`blocks.Cover`): no zero fill, no add of
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from longctx.distributed.blocks import Call, Cover, accumulate, merge_partial, plan_calls
+from longctx.distributed.blocks import Call, Cover, Mask, accumulate, merge_partial, plan_calls
 from longctx.distributed.comm import GroupInfo, RingComm
 from longctx.distributed.sharding import local_chunks
 from longctx.launchers.select import Launchers
-from longctx.masks import Band
 
 __all__ = ["RingAttention"]
 
@@ -39,7 +44,8 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _step_calls(band: Band, seq_total: int, rank: int, src: int, world: int, layout: str) -> list[Call]:
+@functools.lru_cache(maxsize=4096)  # every layer, and the backward, plan the same steps
+def _step_calls(band: Mask, seq_total: int, rank: int, src: int, world: int, layout) -> list[Call]:
     return plan_calls(band, local_chunks(seq_total, rank, world, layout), local_chunks(seq_total, src, world, layout))
 
 
@@ -51,7 +57,7 @@ def _fill_gaps(cover: Cover, *pairs: tuple[torch.Tensor, float]) -> None:
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, info: GroupInfo, layout: str, band: Band, scale: float, launchers: Launchers):
+    def forward(ctx, q, k, v, info: GroupInfo, layout, band: Mask, scale: float, launchers: Launchers):
         B, Hq, S_loc, D = q.shape
         P, r = info.world, info.rank
         seq_total = S_loc * P

@@ -12,19 +12,65 @@ has the same amount of work (Megatron's "load-balanced" CP, ring-flash-attention
 A rank's local tensor is its chunks concatenated in the order above (zigzag: chunk r, then chunk 2P-1-r).
 `local_chunks` gives ``(local_start, length, global_start)`` for each of them; every other module works from
 that list, so it is the single definition of the layouts.
+
+Beside the two names, a layout may be a `ChunkLayout`: an explicit list of runs per rank (every rank the same
+number of tokens). The dispatcher (`longctx.distributed.dispatch`) and the hybrid Ulysses x ring method build
+them; every function here that takes a layout accepts one.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["LAYOUTS", "shard", "unshard", "local_chunks", "chunks_per_rank", "check_divisible", "local_positions"]
+__all__ = [
+    "LAYOUTS",
+    "SINGLE_PROCESS",
+    "ChunkLayout",
+    "shard",
+    "unshard",
+    "local_chunks",
+    "chunks_per_rank",
+    "check_divisible",
+    "local_positions",
+]
 
 LAYOUTS = ("zigzag", "contiguous")
 
+Chunk = tuple[int, int, int]  # (local_start, length, global_start)
 
-def chunks_per_rank(layout: str) -> int:
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """An explicit layout: ``chunks[r]`` lists the runs ``(local_start, length, global_start)`` rank r holds, in
+    local order (local starts 0, n0, n0 + n1, ...). Every rank holds ``total / world`` tokens."""
+
+    total: int
+    chunks: tuple[tuple[Chunk, ...], ...]
+
+    def __post_init__(self) -> None:
+        n = self.total // max(1, self.world)
+        for r, runs in enumerate(self.chunks):
+            pos = 0
+            for ls, ln, _g in runs:
+                assert ls == pos and ln > 0, (r, runs)
+                pos += ln
+            assert pos == n and n * self.world == self.total, (r, pos, n, self.total)
+
+    @property
+    def world(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def local_len(self) -> int:
+        return self.total // self.world
+
+
+def chunks_per_rank(layout: str | ChunkLayout) -> int:
+    if isinstance(layout, ChunkLayout):
+        return 1
     if layout == "zigzag":
         return 2
     if layout == "contiguous":
@@ -32,8 +78,15 @@ def chunks_per_rank(layout: str) -> int:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
-def check_divisible(seq_len: int, world: int, layout: str, *, what: str = "sequence length") -> None:
+def check_divisible(seq_len: int, world: int, layout: str | ChunkLayout, *, what: str = "sequence length") -> None:
     """Raise ValueError unless ``seq_len`` splits into the layout's chunks (2P for zigzag, P for contiguous)."""
+    if isinstance(layout, ChunkLayout):
+        if seq_len != layout.total or world != layout.world:
+            raise ValueError(
+                f"{what} {seq_len} over {world} ranks does not match the layout ({layout.total} tokens over "
+                f"{layout.world} ranks); build the layout (or dispatch plan) for this sequence and group"
+            )
+        return
     n = chunks_per_rank(layout) * world
     if seq_len % n != 0:
         fix = "pad the sequence" + (
@@ -45,9 +98,11 @@ def check_divisible(seq_len: int, world: int, layout: str, *, what: str = "seque
         )
 
 
-def local_chunks(seq_total: int, rank: int, world: int, layout: str) -> list[tuple[int, int, int]]:
+def local_chunks(seq_total: int, rank: int, world: int, layout: str | ChunkLayout) -> list[tuple[int, int, int]]:
     """``[(local_start, length, global_start), ...]`` of the chunks rank ``rank`` holds, in local order."""
     check_divisible(seq_total, world, layout)
+    if isinstance(layout, ChunkLayout):
+        return list(layout.chunks[rank])
     if layout == "contiguous":
         c = seq_total // world
         return [(0, c, rank * c)]
@@ -55,13 +110,29 @@ def local_chunks(seq_total: int, rank: int, world: int, layout: str) -> list[tup
     return [(0, c, rank * c), (c, c, (2 * world - 1 - rank) * c)]
 
 
-def local_positions(seq_total: int, rank: int, world: int, layout: str, device=None) -> torch.Tensor:
+def local_positions(seq_total: int, rank: int, world: int, layout: str | ChunkLayout, device=None) -> torch.Tensor:
     """Global positions (int64, shape (S/P,)) of the tokens rank ``rank`` holds: the position ids for RoPE."""
     parts = [torch.arange(g, g + n, device=device) for _, n, g in local_chunks(seq_total, rank, world, layout)]
     return torch.cat(parts)
 
 
+class _SingleProcess:
+    """The type of `SINGLE_PROCESS`."""
+
+    def __repr__(self) -> str:
+        return "longctx.distributed.SINGLE_PROCESS"
+
+
+SINGLE_PROCESS = _SingleProcess()
+"""``group=SINGLE_PROCESS``: a context-parallel group of this process alone (world 1), whether or not
+torch.distributed is initialised. Without it, the context-parallel entry points require an initialised
+torch.distributed (``group=None`` means the world), so a script that forgot ``init_process_group`` raises instead
+of computing the whole sequence on every process."""
+
+
 def _group_info(group) -> tuple[int, int]:
+    if group is SINGLE_PROCESS:
+        return 0, 1
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise RuntimeError("torch.distributed is not initialized but a process group was given")
@@ -75,7 +146,7 @@ def _dim(x: torch.Tensor, dim: int) -> int:
     return dim % x.dim()
 
 
-def shard(x: torch.Tensor, dim: int, group=None, layout: str = "zigzag") -> torch.Tensor:
+def shard(x: torch.Tensor, dim: int, group=None, layout: str | ChunkLayout = "zigzag") -> torch.Tensor:
     """This rank's part of a full-sequence tensor (a copy; no communication).
 
     Args:
@@ -97,7 +168,7 @@ def shard(x: torch.Tensor, dim: int, group=None, layout: str = "zigzag") -> torc
     return torch.cat([x.narrow(dim, g, n) for _, n, g in chunks], dim=dim)
 
 
-def reorder_to_global(parts: list[torch.Tensor], dim: int, layout: str) -> torch.Tensor:
+def reorder_to_global(parts: list[torch.Tensor], dim: int, layout: str | ChunkLayout) -> torch.Tensor:
     """Concatenate per-rank local tensors (index = rank) into the full sequence in global order."""
     world = len(parts)
     n_local = parts[0].shape[dim]
@@ -110,7 +181,7 @@ def reorder_to_global(parts: list[torch.Tensor], dim: int, layout: str) -> torch
     return torch.cat([p for _, p in pieces], dim=dim)
 
 
-def global_to_rank_major(x: torch.Tensor, dim: int, world: int, layout: str) -> torch.Tensor:
+def global_to_rank_major(x: torch.Tensor, dim: int, world: int, layout: str | ChunkLayout) -> torch.Tensor:
     """The inverse of `reorder_to_global`: (P, ...) stacking of every rank's local part (for reduce-scatter)."""
     seq_total = x.shape[dim]
     return torch.stack(
@@ -121,7 +192,7 @@ def global_to_rank_major(x: torch.Tensor, dim: int, world: int, layout: str) -> 
     )
 
 
-def unshard(x_local: torch.Tensor, dim: int, group=None, layout: str = "zigzag") -> torch.Tensor:
+def unshard(x_local: torch.Tensor, dim: int, group=None, layout: str | ChunkLayout = "zigzag") -> torch.Tensor:
     """Gather the local parts of every rank back into the full sequence along ``dim`` (an all-gather).
 
     Every rank must call it with tensors of the same shape and dtype. Not differentiable.

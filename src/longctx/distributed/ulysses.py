@@ -8,18 +8,22 @@ Rank p gets query heads [p Hq/P, (p+1) Hq/P) and kv heads [p Hkv/P, (p+1) Hkv/P)
 When Hkv < P and P % Hkv == 0 (e.g. MQA), the kv heads are replicated P/Hkv times first (each rank then
 receives exactly the kv head its query heads read); the gradients of the copies are summed in float32 before
 they are rounded to the input dtype (summing bf16 copies would round twice: up to 2x the single-GPU error).
+
+With packed documents (`blocks.Documents`) the attention over the whole sequence is one launcher call per
+document (its band inside it), each writing its own rows. `SeqToHead` / `HeadToSeq` are the two all-to-alls as
+autograd functions, for methods that compose them with another (the hybrid Ulysses x ring).
 """
 
 from __future__ import annotations
 
 import torch
 
+from longctx.distributed.blocks import Documents, Mask, gather_calls
 from longctx.distributed.comm import GroupInfo, all_to_all
 from longctx.distributed.sharding import global_to_rank_major, reorder_to_global
 from longctx.launchers.select import Launchers
-from longctx.masks import Band
 
-__all__ = ["UlyssesAttention", "seq_to_head", "head_to_seq", "kv_replication"]
+__all__ = ["UlyssesAttention", "SeqToHead", "HeadToSeq", "seq_to_head", "head_to_seq", "kv_replication"]
 
 
 def seq_to_head(x: torch.Tensor, info: GroupInfo, layout: str) -> torch.Tensor:
@@ -40,35 +44,101 @@ def head_to_seq(y: torch.Tensor, info: GroupInfo, layout: str) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(B, P * Hp, S // P, D)
 
 
-def kv_replication(hq: int, hkv: int, world: int) -> int:
+class SeqToHead(torch.autograd.Function):
+    """`seq_to_head`, differentiable (its backward is `head_to_seq`)."""
+
+    @staticmethod
+    def forward(ctx, x, info: GroupInfo, layout):
+        ctx.info, ctx.layout = info, layout
+        return seq_to_head(x, info, layout)
+
+    @staticmethod
+    def backward(ctx, g):
+        return head_to_seq(g.contiguous(), ctx.info, ctx.layout), None, None
+
+
+class HeadToSeq(torch.autograd.Function):
+    """`head_to_seq`, differentiable (its backward is `seq_to_head`)."""
+
+    @staticmethod
+    def forward(ctx, y, info: GroupInfo, layout):
+        ctx.info, ctx.layout = info, layout
+        return head_to_seq(y, info, layout)
+
+    @staticmethod
+    def backward(ctx, g):
+        return seq_to_head(g.contiguous(), ctx.info, ctx.layout), None, None
+
+
+def _doc_forward(q, k, v, docs: Documents, scale: float, launchers: Launchers):
+    """(out, lse) of packed documents over the whole sequence: one call per document piece."""
+    B, H, S, D = q.shape
+    out = torch.zeros_like(q)
+    lse = torch.full(
+        (B, H, S), float("-inf"), device=q.device, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32
+    )
+    for c in gather_calls(docs, [(0, S, 0)], S):
+        o, l = launchers.forward(
+            q[:, :, c.q0 : c.q1], k[:, :, c.k0 : c.k1], v[:, :, c.k0 : c.k1], scale=scale, band=c.band
+        )
+        out[:, :, c.q0 : c.q1] = o
+        lse[:, :, c.q0 : c.q1] = l
+    return out, lse
+
+
+def _doc_backward(do, q, k, v, out, lse, docs: Documents, scale: float, launchers: Launchers):
+    S = q.shape[2]
+    adt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, device=q.device, dtype=adt)
+    dk = torch.zeros(k.shape, device=q.device, dtype=adt)
+    dv = torch.zeros(v.shape, device=q.device, dtype=adt)
+    for c in gather_calls(docs, [(0, S, 0)], S):
+        qs, ks = slice(c.q0, c.q1), slice(c.k0, c.k1)
+        dq_b, dk_b, dv_b = launchers.backward(
+            do[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs], lse[:, :, qs], scale=scale, band=c.band
+        )
+        dq[:, :, qs] += dq_b
+        dk[:, :, ks] += dk_b
+        dv[:, :, ks] += dv_b
+    return dq, dk, dv
+
+
+def kv_replication(hq: int, hkv: int, world: int, method: str = "ulysses", what: str = "context-parallel size") -> int:
     """How many times each kv head is repeated for Ulysses (1 when Hkv % P == 0); raises ValueError if impossible."""
     if hq % world != 0:
         raise ValueError(
-            f"method='ulysses' needs the number of query heads ({hq}) divisible by the context-parallel size "
-            f"({world}); use method='ring' or 'allgather', or a group size that divides {hq}"
+            f"method={method!r} needs the number of query heads ({hq}) divisible by the {what} ({world}); use "
+            f"method='ring' or 'allgather'"
+            + (
+                ", or a ulysses_size that divides it"
+                if method == "ulysses_ring"
+                else f", or a group size that divides {hq}"
+            )
         )
     if hkv % world == 0:
         return 1
     if world % hkv == 0:
         return world // hkv
     raise ValueError(
-        f"method='ulysses' needs the number of kv heads ({hkv}) divisible by the context-parallel size ({world}) "
+        f"method={method!r} needs the number of kv heads ({hkv}) divisible by the {what} ({world}) "
         f"(or dividing it, for kv replication); use method='ring' or 'allgather'"
+        + (", or a ulysses_size that divides it" if method == "ulysses_ring" else "")
     )
 
 
 class UlyssesAttention(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, q, k, v, info: GroupInfo, layout: str, band: Band, scale: float, launchers: Launchers, rep: int = 1
-    ):
+    def forward(ctx, q, k, v, info: GroupInfo, layout, band: Mask, scale: float, launchers: Launchers, rep: int = 1):
         if rep > 1:  # Hkv < P: every rank must receive the kv head its query heads read
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         q_h = seq_to_head(q, info, layout)  # (B, Hq/P, S, D)
         k_h = seq_to_head(k, info, layout)  # (B, Hkv/P, S, D)
         v_h = seq_to_head(v, info, layout)
-        out_h, lse_h = launchers.forward(q_h, k_h, v_h, scale=scale, band=band)
+        if isinstance(band, Documents):
+            out_h, lse_h = _doc_forward(q_h, k_h, v_h, band, scale, launchers)
+        else:
+            out_h, lse_h = launchers.forward(q_h, k_h, v_h, scale=scale, band=band)
         ctx.save_for_backward(q_h, k_h, v_h, out_h, lse_h)
         ctx.info, ctx.layout, ctx.band, ctx.scale, ctx.launchers = info, layout, band, scale, launchers
         ctx.rep = rep
@@ -79,7 +149,10 @@ class UlyssesAttention(torch.autograd.Function):
         q_h, k_h, v_h, out_h, lse_h = ctx.saved_tensors
         info, layout = ctx.info, ctx.layout
         do_h = seq_to_head(do, info, layout)
-        dq_h, dk_h, dv_h = ctx.launchers.backward(do_h, q_h, k_h, v_h, out_h, lse_h, scale=ctx.scale, band=ctx.band)
+        if isinstance(ctx.band, Documents):
+            dq_h, dk_h, dv_h = _doc_backward(do_h, q_h, k_h, v_h, out_h, lse_h, ctx.band, ctx.scale, ctx.launchers)
+        else:
+            dq_h, dk_h, dv_h = ctx.launchers.backward(do_h, q_h, k_h, v_h, out_h, lse_h, scale=ctx.scale, band=ctx.band)
         dq = head_to_seq(dq_h.to(q_h.dtype), info, layout)
         rep = ctx.rep
         if rep == 1:
