@@ -90,8 +90,8 @@ def _sample_cu(total: int, seed: int, cap: int) -> list[int]:
 @pytest.mark.parametrize("mask", ["causal", "causal_window", "full"])
 def test_balance_on_a_realistic_mix(world: int, mask: str) -> None:
     """Long-tailed document lengths up to a quarter of the sequence (LongCA-bench's cap), 8K tokens per rank:
-    the dispatcher's max/mean area stays within 1.25 (it is ~1.00-1.02; a contiguous split of the same tokens
-    is reported beside it and is far worse on causal masks)."""
+    the dispatcher's max/mean area stays within 1.05 (these seeds give at most 1.006, where a contiguous split of
+    the same tokens gives up to 3.0)."""
     total = 8192 * world
     kw = dict(causal=mask != "full", window=(1023, 0) if mask == "causal_window" else None)
     for seed in range(3):
@@ -104,7 +104,7 @@ def test_balance_on_a_realistic_mix(world: int, mask: str) -> None:
         contiguous = tok.reshape(world, -1).sum(1)
         naive = float(contiguous.max() / contiguous.float().mean())
         assert sum(areas) == int(tok.sum())
-        assert balance <= 1.25, (balance, naive, areas)
+        assert balance <= 1.05, (balance, naive, areas)
         assert balance <= naive + 1e-9, (balance, naive)
 
 
