@@ -1,4 +1,4 @@
-"""The `longctx` command: info | check | demo-memory | bench | plan | train, and ``--version``.
+"""The `longctx` command: info | check | demo-memory | bench | plan | train | warmup, and ``--version``.
 
 Subcommands that live in other modules receive the rest of the command line: each such module has a
 ``main(argv: list[str] | None) -> int``. Those modules load only when their subcommand runs.
@@ -16,9 +16,14 @@ from longctx import __version__
 _DELEGATED = {
     "train": ("longctx.training.trainer", "train a GPT (embedded long-context recall task, or --data file.txt)"),
     "plan": ("longctx.memory.plan", "the recompute / offloading plan that fits a memory budget, and its breakdown"),
+    "warmup": (
+        "longctx.warmup",
+        "compile the attention kernels a model needs ahead of training (no first-call stalls)",
+    ),
 }
 _BENCHES = {
-    "attention": ("longctx.bench.attention", "TFLOP/s and memory of every attention backend"),
+    "suite": ("longctx.bench.suite", "the Long-Context Attention Benchmark: every mask, provider, length; --cp"),
+    "attention": ("longctx.bench.attention", "dense attention at FlashAttention's benchmark shapes (D 64-256)"),
     "recompute": ("longctx.bench.recompute", "memory and step time under activation recomputation"),
     "cp": ("longctx.bench.cp", "context-parallel attention throughput (run under torchrun)"),
     "memory": ("longctx.bench.memory", "longest trainable S, tokens/s and peak memory against transformers"),

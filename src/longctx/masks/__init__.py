@@ -16,7 +16,7 @@ from __future__ import annotations
 from longctx.masks.band import Band, TileKind, normalize_window
 from longctx.masks.block_mask import BlockMask
 from longctx.masks.build import block_mask
-from longctx.masks.catalogue import CATALOGUE, MaskCase, doc_lengths, make_mask, mask_names
+from longctx.masks.catalogue import CATALOGUE, SEEDED_MASKS, MaskCase, doc_lengths, make_mask, mask_names
 from longctx.masks.mask_mods import (
     DocBand,
     MaskMod,
@@ -47,6 +47,7 @@ __all__ = [
     "prefix_lm_mask",
     "local_global_mask",
     "CATALOGUE",
+    "SEEDED_MASKS",
     "MaskCase",
     "doc_lengths",
     "make_mask",

@@ -51,7 +51,7 @@ from longctx.masks.mask_mods import (
 __all__ = [
     "MaskCase",
     "CATALOGUE",
-    "SEEDED",
+    "SEEDED_MASKS",
     "mask_names",
     "make_mask",
     "doc_lengths",
@@ -664,7 +664,7 @@ CATALOGUE: dict[str, tuple[Callable[..., MaskCase], dict]] = {
 }
 
 # Masks drawn at random documents: benchmarked over several seeds.
-SEEDED = frozenset(
+SEEDED_MASKS = frozenset(
     {"document", "causal_document", "share_question", "causal_blockwise", "prefix_lm_document", "block_causal_document"}
 )
 

@@ -1,0 +1,208 @@
+"""The command line of ``longctx bench suite``: options, the run folder, the header facts (see the package doc)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+import torch
+
+from longctx.bench import result_stem
+from longctx.bench.suite.case import DTYPES
+from longctx.bench.suite.kernel import SuiteConfig, run_build_timing, run_kernel
+from longctx.bench.suite.providers import provider_names
+from longctx.bench.suite.report import write_report
+from longctx.masks import mask_names
+
+GPU_SEQS = [4096, 16384, 65536]
+GPU_PROVIDERS = provider_names()
+QUICK_SEQS = [256]
+QUICK_PROVIDERS = ["longctx_auto", "tiled", "math", "flex"]
+QUICK_MASK_PARAMS = {"window": 64, "block": 64, "global_tokens": 16, "block_size": 32}
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def _names(all_names: list[str], what: str):
+    def parse(s: str) -> list[str]:
+        got = [x.strip() for x in s.split(",") if x.strip()]
+        if got == ["all"]:
+            return list(all_names)
+        bad = [x for x in got if x not in all_names]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {what} {bad}; expected 'all' or some of {','.join(all_names)}")
+        return got
+
+    return parse
+
+
+def _heads(s: str) -> tuple[int, int]:
+    try:
+        hq, hkv = (int(x) for x in s.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--heads takes Hq/Hkv, e.g. 64/8 or 16/16; got {s!r}") from None
+    if hq < 1 or hkv < 1 or hq % hkv:
+        raise argparse.ArgumentTypeError(f"--heads {s}: Hq and Hkv must be >= 1 with Hq a multiple of Hkv")
+    return hq, hkv
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="longctx bench suite",
+        description="The Long-Context Attention Benchmark: every mask, provider and length (kernel mode), or "
+        "context-parallel methods (--cp, under torchrun).",
+    )
+    ap.add_argument("--quick", action="store_true", help="a small CPU run of the same code (CI)")
+    ap.add_argument("--out", default=None, help="the run folder (default benchmarks/results/suite_<gpu>[x<P>_cp])")
+    ap.add_argument("--s", type=_ints, default=None, help="sequence lengths (default 4096,16384,65536)")
+    ap.add_argument("--masks", type=_names(mask_names(), "masks"), default=None, help="catalogue names or 'all'")
+    ap.add_argument("--providers", type=_names(provider_names(), "providers"), default=None, help="names or 'all'")
+    ap.add_argument("--seeds", type=_ints, default=None, help="seeds of the document masks (default 0,1,2)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=_heads, default=None, help="Hq/Hkv (default 64/8; LongCA's other setting: 16/16)")
+    ap.add_argument("--d", type=int, default=None, help="head dim (default 128)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 (fp32 with --quick)")
+    ap.add_argument("--window", type=int, default=None, help="sliding windows (default 1024)")
+    ap.add_argument("--block", type=int, default=None, help="block of block_causal_document (default 512)")
+    ap.add_argument("--global-tokens", type=int, default=None, help="global tokens of global_sliding_window (128)")
+    ap.add_argument("--warmup", type=int, default=None, help="do_bench warm-up ms (default 10)")
+    ap.add_argument("--rep", type=int, default=None, help="do_bench ms of repetitions (default 40)")
+    ap.add_argument("--no-bwd", action="store_true", help="forward only")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no case after this many seconds")
+    ap.add_argument("--provider-budget-s", type=float, default=None, help="stop running a provider after this long")
+    ap.add_argument("--no-build-timing", action="store_true", help="skip the mask build timings")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default cuda; cpu with --quick)")
+    ap.add_argument("--cp", action="store_true", help="context-parallel mode (run under torchrun)")
+    ap.add_argument("--tokens-per-gpu", type=_ints, default=[8192], help="--cp: tokens per GPU (weak scaling)")
+    ap.add_argument("--cp-methods", default="ring,allgather,ulysses", help="--cp: methods (longctx.bench.suite.cp)")
+    ap.add_argument("--cp-iters", type=int, default=5, help="--cp: timed calls per point (after 2 untimed)")
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> SuiteConfig:
+    """Defaults: LongCA's kernel settings on CUDA; tiny fp32 shapes with --quick."""
+    quick = args.quick
+    device = args.device or ("cpu" if quick else "cuda")
+    hq, hkv = args.heads or ((4, 2) if quick else (64, 8))
+    params = dict(QUICK_MASK_PARAMS) if quick else {}
+    for k in ("window", "block", "global_tokens"):
+        if getattr(args, k) is not None:
+            params[k] = getattr(args, k)
+    return SuiteConfig(
+        seqs=args.s or (QUICK_SEQS if quick else GPU_SEQS),
+        masks=args.masks or mask_names(),
+        providers=args.providers or (QUICK_PROVIDERS if quick else GPU_PROVIDERS),
+        seeds=args.seeds or ([0] if quick else [0, 1, 2]),
+        B=args.batch,
+        Hq=hq,
+        Hkv=hkv,
+        D=args.d or (32 if quick else 128),
+        dtype=args.dtype or ("fp32" if quick else "bf16"),
+        device=device,
+        mask_params=params,
+        warmup=args.warmup if args.warmup is not None else (1 if quick else 10),
+        rep=args.rep if args.rep is not None else (2 if quick else 40),
+        bwd=not args.no_bwd,
+        budget_s=args.budget_s,
+        provider_budget_s=args.provider_budget_s,
+        build_timing=not args.no_build_timing,
+    )
+
+
+def meta_for(cfg: SuiteConfig, argv: list[str], world: int = 1) -> dict:
+    """The header facts: device name, versions, the exact command and the run's settings."""
+    from longctx import __version__
+
+    cuda = cfg.device.startswith("cuda")
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = None
+    return {
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+        "world": world,
+        "command": "longctx bench suite " + shlex.join(argv),
+        "longctx": __version__,
+        "torch": torch.__version__,
+        "triton": tv,
+        "cuda": torch.version.cuda if cuda else None,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "B": cfg.B,
+        "Hq": cfg.Hq,
+        "Hkv": cfg.Hkv,
+        "D": cfg.D,
+        "dtype": cfg.dtype,
+        "seqs": cfg.seqs,
+        "seeds": cfg.seeds,
+        "mask_params": cfg.mask_params,
+        "timer": "triton.testing.do_bench medians" if cuda else "perf_counter medians",
+    }
+
+
+def default_out(meta: dict, cp: bool) -> str:
+    gpu = meta["gpu"] + (f"x{meta['world']}" if cp else "")
+    return result_stem(os.path.join("benchmarks", "results"), "suite", gpu, "_cp" if cp else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    cfg = config_from_args(args)
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        print(
+            "longctx bench suite: no CUDA device here; run it on a GPU, or pass --quick (or --device cpu) for the "
+            "CPU version",
+            file=sys.stderr,
+        )
+        return 1
+    if args.cp:
+        return _main_cp(args, cfg, argv)
+    meta = meta_for(cfg, argv)
+    out = args.out or default_out(meta, cp=False)
+    print(f"longctx bench suite: {meta['gpu']}, torch {meta['torch']}, writing {out}", file=sys.stderr, flush=True)
+    rows = run_kernel(cfg, on_row=lambda rows: write_report(out, rows, meta) if len(rows) % 25 == 0 else None)
+    build = run_build_timing(cfg, cfg.providers) if cfg.build_timing else []
+    paths = write_report(out, rows, meta, build)
+    print(f"wrote {paths['md']}, {paths['csv']}, {paths['json']}" + "".join(f", {p}" for p in paths["png"]))
+    return 0
+
+
+def _main_cp(args: argparse.Namespace, cfg: SuiteConfig, argv: list[str]) -> int:
+    import torch.distributed as dist
+
+    from longctx.bench.suite.cp import run_cp
+    from longctx.distributed import init_distributed
+
+    init_distributed("nccl" if cfg.device.startswith("cuda") else "gloo")
+    if not dist.is_initialized():
+        print("longctx bench suite --cp: under torchrun: torchrun --nproc-per-node N -m longctx.bench.suite --cp")
+        return 1
+    if cfg.device.startswith("cuda"):
+        cfg.device = f"cuda:{torch.cuda.current_device()}"
+    methods = [m.strip() for m in args.cp_methods.split(",") if m.strip()]
+    if args.masks is None:
+        cfg.masks = ["full", "causal", "causal_sliding_window", "causal_document"]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    meta = meta_for(cfg, argv, world)
+    out = args.out or default_out(meta, cp=True)
+
+    def save(rows):
+        if rank == 0:
+            write_report(out, rows, meta)
+
+    rows = run_cp(cfg, args.tokens_per_gpu, methods, iters=args.cp_iters, on_row=save)
+    save(rows)
+    if rank == 0:
+        print(f"wrote {out}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0

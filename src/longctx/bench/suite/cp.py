@@ -1,0 +1,195 @@
+"""Context-parallel mode: per-GPU TFLOP/s of each method on each mask at a fixed number of tokens per GPU.
+
+Runs inside an initialised process group (torchrun with NCCL on GPUs, or gloo on the CPU for tiny shapes). For
+every tokens-per-GPU value n and mask, the sequence is S = n x ranks; every rank draws its own shard of q, k, v
+(values do not matter for timing), and each method in `CP_METHODS` runs forward alone and forward + backward; the
+time of a point is the slowest rank's. ``single_gpu`` is ``longctx.attention`` on one rank's n tokens with the same
+mask, the reference of weak scaling.
+
+A method is one entry of `CP_METHODS`: ``supports(mask, world, case) -> reason or None`` and ``build(case, group)
+-> fn(q_loc, k_loc, v_loc) -> out_loc``. The band masks (full, causal, sliding windows) go through
+``longctx.distributed.cp_attention``; packed-document masks need a dispatch plan (``longctx.distributed.
+dispatch_plan``), used when that module provides one and recorded as unsupported otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import longctx
+from longctx.bench.suite.case import ERROR, OK, OOM, UNSUPPORTED, KernelCase
+from longctx.bench.suite.kernel import SuiteConfig, mask_cases
+from longctx.bench.suite.timing import free_memory, is_oom, sync
+
+
+@dataclass(frozen=True)
+class CPMethod:
+    """A context-parallel method as the suite runs it."""
+
+    name: str
+    supports: Callable[[KernelCase, int], str | None]
+    build: Callable[[KernelCase, object], Callable]
+
+
+def _band_supports(method: str, layout: str) -> Callable[[KernelCase, int], str | None]:
+    def supports(case: KernelCase, world: int) -> str | None:
+        from longctx.distributed import METHODS
+
+        if method not in METHODS:
+            return f"longctx.distributed has no method {method!r} (it has {', '.join(METHODS)})"
+        if case.mask.band is None:
+            if case.mask.doc_lengths is not None and not hasattr(longctx.distributed, "dispatch_plan"):
+                return "packed documents need longctx.distributed.dispatch_plan, which this longctx does not have"
+            return f"cp_attention takes causal/window bands only, not {case.mask.name}"
+        n = 2 if layout == "zigzag" else 1
+        if case.S % (n * world):
+            return f"S={case.S} is not divisible by {n * world} ({layout} layout over {world} ranks)"
+        if method == "ulysses" and (case.Hq % world or (case.Hkv % world and world % case.Hkv)):
+            return f"ulysses splits heads: Hq={case.Hq}, Hkv={case.Hkv} over {world} ranks"
+        return None
+
+    return supports
+
+
+def _band_build(method: str, layout: str) -> Callable[[KernelCase, object], Callable]:
+    def build(case: KernelCase, group) -> Callable:
+        from longctx.distributed import cp_attention
+
+        kw = case.mask.attention_kwargs()
+        backend = "auto"
+        return lambda q, k, v: cp_attention(
+            q, k, v, group=group, method=method, layout=layout, scale=case.scale, backend=backend, **kw
+        )
+
+    return build
+
+
+def band_method(method: str, layout: str = "zigzag") -> CPMethod:
+    """A method of ``cp_attention`` (``ring``, ``allgather``, ``ulysses``, or any name it adds) on band masks."""
+    return CPMethod(method, _band_supports(method, layout), _band_build(method, layout))
+
+
+# name -> method; adding one (e.g. a hybrid "ulysses_ring" or a packed-document plan) is one entry here.
+CP_METHODS: dict[str, CPMethod] = {
+    "ring": band_method("ring"),
+    "allgather": band_method("allgather"),
+    "ulysses": band_method("ulysses"),
+    "ulysses_ring": band_method("ulysses_ring"),
+}
+
+
+def _max_over_ranks(x: float, device: str, group) -> float:
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def _time(fn: Callable, warmup: int, iters: int, device: str, group) -> float:
+    """Mean ms per call on the slowest rank (every rank runs warmup + iters calls)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    return _max_over_ranks((time.perf_counter() - t0) * 1e3 / iters, device, group)
+
+
+def _measure(fn: Callable, case: KernelCase, world: int, cfg: SuiteConfig, warmup: int, iters: int, group) -> dict:
+    n_loc = case.S // world
+    g = torch.Generator(device=cfg.device).manual_seed(1000 + dist.get_rank(group))
+
+    def rnd(h):
+        return torch.randn(case.B, h, n_loc, case.D, generator=g, device=cfg.device, dtype=case.torch_dtype)
+
+    q, k, v, do = rnd(case.Hq), rnd(case.Hkv), rnd(case.Hkv), rnd(case.Hq)
+    with torch.no_grad():
+        fwd = _time(lambda: fn(q, k, v), warmup, iters, cfg.device, group)
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def step():
+        torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), do)
+
+    if cfg.device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    both = _time(step, warmup, iters, cfg.device, group)
+    peak = None
+    if cfg.device.startswith("cuda"):
+        peak = _max_over_ranks((torch.cuda.max_memory_allocated() - base) / 2**20, cfg.device, group)
+    bwd = max(both - fwd, 1e-6)
+    fl = case.fwd_flops() / world  # per GPU
+    out = dict(fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=fl / fwd * 1e-9, bwd_tflops=2.5 * fl / bwd * 1e-9)
+    return {**out, "peak_extra_mib": peak}
+
+
+def _agree(ok: bool, device: str, group) -> bool:
+    """True on every rank only if ``ok`` on every rank (a failure on one rank is a failure of the point)."""
+    t = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item()) == 0
+
+
+def _single_fn(case: KernelCase) -> Callable:
+    kw = case.mask.attention_kwargs() if case.mask.band is not None else {"block_mask": case.block_mask()}
+    return lambda q, k, v: longctx.attention(q, k, v, scale=case.scale, **kw)
+
+
+def _point(name: str, case: KernelCase, w: int, cfg: SuiteConfig, warmup: int, iters: int, group) -> dict:
+    """One (method, mask, S) point on every rank; the same row everywhere (a failure anywhere fails it)."""
+    row = case.row(name, mode="cp", world=w, method=name)
+    reason = None if name == "single_gpu" else CP_METHODS[name].supports(case, w)
+    if reason:
+        row.update(code=UNSUPPORTED, reason=reason)
+        return row
+    err = None
+    try:
+        fn = _single_fn(case) if name == "single_gpu" else CP_METHODS[name].build(case, group)
+        row.update(_measure(fn, case, w, cfg, warmup, iters, group))
+    except Exception as e:  # noqa: BLE001 - recorded as a code
+        err = e
+    if _agree(err is None, cfg.device, group):
+        row["code"] = OK
+        return row
+    code = OOM if err is not None and is_oom(err) else ERROR
+    why = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}" if err is not None else "failed on another rank"
+    row.update(code=code, reason=why, fwd_ms=None, bwd_ms=None, fwd_tflops=None, bwd_tflops=None, peak_extra_mib=None)
+    return row
+
+
+def run_cp(
+    cfg: SuiteConfig,
+    tokens_per_gpu: list[int],
+    methods: list[str],
+    *,
+    group=None,
+    warmup: int = 2,
+    iters: int = 5,
+    on_row: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
+    """Context-parallel mode on the current process group; every rank returns the same rows."""
+    for m in methods:
+        if m not in CP_METHODS:
+            raise ValueError(f"unknown context-parallel method {m!r}; expected some of {', '.join(CP_METHODS)}")
+    world = dist.get_world_size(group)
+    rows: list[dict] = []
+    for n in tokens_per_gpu:
+        singles = mask_cases(SuiteConfig(**{**cfg.__dict__, "seqs": [n]}), n)
+        fulls = mask_cases(SuiteConfig(**{**cfg.__dict__, "seqs": [n * world]}), n * world)
+        for m1, mP in zip(singles, fulls):
+            points = [("single_gpu", m1, 1)] + [(meth, mP, world) for meth in methods]
+            for name, mcase, w in points:
+                case = KernelCase(mcase, cfg.B, cfg.Hq, cfg.Hkv, cfg.D, cfg.dtype, cfg.device)
+                rows.append(_point(name, case, w, cfg, warmup, iters, group))
+                free_memory(cfg.device)
+                if on_row is not None:
+                    on_row(rows)
+    return rows
