@@ -1,6 +1,7 @@
-"""`longctx train --context-parallel 2` under torchrun (gloo): ranks started with different settings, or settings
-that every rank rejects, end on every rank with its own message and exit status 2, without a hang or an abort;
-SIGTERM stops both ranks after the same step with one checkpoint."""
+"""`longctx train --context-parallel 2` under torchrun (gloo): ranks started with different settings (the mesh
+sizes included), or settings that every rank rejects (a world size other than dp x cp), end on every rank with
+its own message and exit status 2, without a hang or an abort; SIGTERM stops both ranks after the same step with
+one (sharded) checkpoint."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from longctx.training.checkpoint import load_checkpoint
+from longctx.training.checkpoint import read_sharded_meta
 
 pytestmark = pytest.mark.distributed
 
@@ -55,8 +56,13 @@ def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
         ({"EXTRA_RANK1": "--num-layers 3"}, "num_layers: rank 0 has 2, rank 1 has 3"),
         ({"EXTRA_RANK1": "--seed 7"}, "seed: rank 0 has 1234, rank 1 has 7"),
         ({"EXTRA_RANK0": "--seq-length 66", "EXTRA_RANK1": "--seq-length 66"}, "sequence length"),
+        (
+            {"EXTRA_RANK0": "--data-parallel 2", "EXTRA_RANK1": "--data-parallel 2"},
+            "--data-parallel 2 x --context-parallel 2 needs 4 processes, got world size 2",
+        ),
+        ({"EXTRA_RANK1": "--data-parallel 2 --context-parallel 1"}, "context_parallel: rank 0 has 2, rank 1 has 1"),
     ],
-    ids=["num_layers", "seed", "seq_length_every_rank"],
+    ids=["num_layers", "seed", "seq_length_every_rank", "world_not_dp_times_cp", "mesh_differs"],
 )
 def test_ranks_that_cannot_train_together_each_exit_with_their_own_message(tmp_path, extra, message):
     code, output = _torchrun_result(tmp_path, extra)
@@ -87,5 +93,5 @@ def test_sigterm_stops_both_ranks_after_the_same_step_with_a_checkpoint(tmp_path
     code, output = _finish(proc)
     assert code != 0 and "[rank 0] longctx train: SIGTERM: stopped after step" in output, output[-3000:]
     step = int(re.search(r"stopped after step (\d+)", output).group(1))
-    assert load_checkpoint(save / "checkpoint.pt")["step"] == step
+    assert read_sharded_meta(save / "checkpoint")["step"] == step  # sharded: every rank wrote its part
     assert metrics.read_text().count("\n") == step

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+import warnings
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -486,7 +487,9 @@ def load_sharded_state(
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     try:
-        dcp.load(state, checkpoint_id=meta["path"])
+        with warnings.catch_warnings():  # a single process reads the shards of every rank: what is meant here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=meta["path"])
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     except Exception as e:
         raise CheckpointError(f"checkpoint {meta['path']!r} does not fit this model: {str(e)[:500]}") from e
