@@ -434,7 +434,9 @@ def save_sharded_state(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
+    with warnings.catch_warnings():  # one process writing every shard: what is meant without a process group
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
     _barrier()  # every rank's shards are on disk
     if first:
         meta = {
