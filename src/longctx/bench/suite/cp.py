@@ -4,12 +4,12 @@ Runs inside an initialised process group (torchrun with NCCL on GPUs, or gloo on
 every tokens-per-GPU value n and mask, the sequence is S = n x ranks; every rank draws its own shard of q, k, v
 (values do not matter for timing), and each method in `CP_METHODS` runs forward alone and forward + backward; the
 time of a point is the slowest rank's. ``single_gpu`` is ``longctx.attention`` on one rank's n tokens with the same
-mask, the reference of weak scaling.
+mask (at length n: documents drawn for n tokens), the reference of weak scaling.
 
 A method is one entry of `CP_METHODS`: ``supports(mask, world, case) -> reason or None`` and ``build(case, group)
 -> fn(q_loc, k_loc, v_loc) -> out_loc``. The band masks (full, causal, sliding windows) go through
-``longctx.distributed.cp_attention``; packed-document masks need a dispatch plan (``longctx.distributed.
-dispatch_plan``), used when that module provides one and recorded as unsupported otherwise.
+``longctx.distributed.cp_attention``; packed documents (``document``, ``causal_document``) through the work-balanced
+``longctx.distributed.dispatch_plan(cu_seqlens).attention``; other masks are recorded as unsupported.
 """
 
 from __future__ import annotations
@@ -36,42 +36,60 @@ class CPMethod:
     build: Callable[[KernelCase, object], Callable]
 
 
-def _band_supports(method: str, layout: str) -> Callable[[KernelCase, int], str | None]:
+PLAN_MASKS = ("document", "causal_document")  # packed documents as flash_attn_varlen_func computes them
+
+
+def _supports(method: str, layout: str) -> Callable[[KernelCase, int], str | None]:
     def supports(case: KernelCase, world: int) -> str | None:
         from longctx.distributed import METHODS
 
         if method not in METHODS:
             return f"longctx.distributed has no method {method!r} (it has {', '.join(METHODS)})"
         if case.mask.band is None:
-            if case.mask.doc_lengths is not None and not hasattr(longctx.distributed, "dispatch_plan"):
+            if case.mask.name not in PLAN_MASKS:
+                return f"cp_attention takes bands and packed documents (full or causal inside), not {case.mask.name}"
+            if not hasattr(longctx.distributed, "dispatch_plan"):
                 return "packed documents need longctx.distributed.dispatch_plan, which this longctx does not have"
-            return f"cp_attention takes causal/window bands only, not {case.mask.name}"
+            if case.B != 1:
+                return "packed documents: batch 1"
+            return None if case.S % world == 0 else f"S={case.S} is not divisible by {world} ranks"
         n = 2 if layout == "zigzag" else 1
         if case.S % (n * world):
             return f"S={case.S} is not divisible by {n * world} ({layout} layout over {world} ranks)"
-        if method == "ulysses" and (case.Hq % world or (case.Hkv % world and world % case.Hkv)):
-            return f"ulysses splits heads: Hq={case.Hq}, Hkv={case.Hkv} over {world} ranks"
         return None
 
     return supports
 
 
-def _band_build(method: str, layout: str) -> Callable[[KernelCase, object], Callable]:
+def _build(method: str, layout: str) -> Callable[[KernelCase, object], Callable]:
     def build(case: KernelCase, group) -> Callable:
         from longctx.distributed import cp_attention
 
+        if case.mask.band is None:  # packed documents: the work-balanced dispatch plan
+            from longctx.distributed import dispatch_plan
+
+            cu = [0]
+            for L in case.mask.doc_lengths:
+                cu.append(cu[-1] + L)
+            plan = dispatch_plan(cu, group=group, causal=case.mask.causal)
+
+            def fn(q, k, v):  # (1, H, n, D) <-> the plan's packed (n, H, D)
+                out = plan.attention(
+                    q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), method=method, scale=case.scale
+                )
+                return out.transpose(0, 1)[None]
+
+            return fn
         kw = case.mask.attention_kwargs()
-        backend = "auto"
-        return lambda q, k, v: cp_attention(
-            q, k, v, group=group, method=method, layout=layout, scale=case.scale, backend=backend, **kw
-        )
+        return lambda q, k, v: cp_attention(q, k, v, group=group, method=method, layout=layout, scale=case.scale, **kw)
 
     return build
 
 
 def band_method(method: str, layout: str = "zigzag") -> CPMethod:
-    """A method of ``cp_attention`` (``ring``, ``allgather``, ``ulysses``, or any name it adds) on band masks."""
-    return CPMethod(method, _band_supports(method, layout), _band_build(method, layout))
+    """A method of ``longctx.distributed`` (``cp_attention`` on band masks, ``dispatch_plan(...).attention`` on
+    packed documents)."""
+    return CPMethod(method, _supports(method, layout), _build(method, layout))
 
 
 # name -> method; adding one (e.g. a hybrid "ulysses_ring" or a packed-document plan) is one entry here.

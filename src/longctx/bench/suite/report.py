@@ -156,7 +156,7 @@ def _kernel_tables(rows: list[dict]) -> list[str]:
                 ours = _ours(g, "kernel", S, m, key)
                 cu = _agg(g.get(("kernel", S, m, "cudnn")) or [], key)
                 fl = _agg(g.get(("kernel", S, m, "flex")) or [], key)
-                nseeds = len(g.get(("kernel", S, m, provs[0])) or [])
+                nseeds = max(len(g.get(("kernel", S, m, p)) or []) for p in provs)
                 name = m + (f" ({nseeds} seeds)" if nseeds > 1 else "")
                 out.append(
                     f"| {name} | {any_r['kept_fraction']:.3f} | "
@@ -210,7 +210,7 @@ def _cp_table(rows: list[dict]) -> list[str]:
     if not cr:
         return []
     g = _groups(cr)
-    world = cr[0]["world"]
+    world = max(r["world"] for r in cr)
     methods = [m for m in _order(r["provider"] for r in cr) if m != "single_gpu"]
     out = [
         f"## Context parallelism: {world} ranks, per-GPU TFLOP/s of forward + backward (time: the slowest rank)",
@@ -336,7 +336,7 @@ def plot(out_dir: str, rows: list[dict], meta: dict) -> list[str]:
         methods = _order(r["provider"] for r in cr)
         fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(labels) + 3), 4.5))
         width = 0.8 / max(1, len(methods))
-        world = cr[0]["world"]
+        world = max(r["world"] for r in cr)
         for mi, meth in enumerate(methods):
             vals = []
             for lab in labels:
