@@ -1,0 +1,78 @@
+"""`longctx bench suite --cp` on the CPU: two gloo processes run the context-parallel mode on tiny shapes; every rank
+returns the same rows, band masks and packed documents run, the rest are recorded as unsupported, and rank 0
+writes the report folder."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import traceback
+
+import pytest
+
+from tests.distributed.spawn import spawn_world
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+
+
+def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    result: dict = {}
+    try:
+        store = dist.FileStore(store_path, world)
+        timeout = datetime.timedelta(seconds=120)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        from longctx.bench.suite.cp import run_cp
+        from longctx.bench.suite.kernel import SuiteConfig
+        from longctx.bench.suite.report import write_report
+
+        cfg = SuiteConfig(
+            seqs=[64], masks=["causal", "causal_document", "share_question"], providers=[], seeds=[0], Hq=4, Hkv=2,
+            D=16, dtype="fp32", device="cpu", mask_params={"window": 16},
+        )  # fmt: skip
+        rows = run_cp(cfg, [64], ["ring", "allgather", "ulysses"], warmup=1, iters=1)
+        result["rows"] = rows
+        if rank == 0:
+            write_report(os.path.join(out_dir, "report"), rows, {"gpu": "cpu", "world": world, "command": "test"})
+            result["md"] = pathlib.Path(out_dir, "report", "summary.md").read_text()
+        try:
+            run_cp(cfg, [64], ["no_such"])
+        except ValueError as e:
+            result["bad_method"] = str(e)
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - reported to the test
+        result["error"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def test_cp_mode_with_gloo():
+    per_rank, hung = spawn_world(_worker, WORLD, timeout_s=150)
+    assert not hung, f"ranks {hung} hung"
+    for r, res in enumerate(per_rank):
+        assert "error" not in res, f"rank {r}:\n{res.get('error')}"
+    rows0, rows1 = per_rank[0]["rows"], per_rank[1]["rows"]
+    key = lambda r: (r["provider"], r["mask"], r["S"], r["code"])  # noqa: E731
+    assert [key(r) for r in rows0] == [key(r) for r in rows1]
+    by = {(r["provider"], r["mask"]): r for r in rows0}
+    # single GPU at the tokens per GPU, each method at S = 64 x 2
+    assert by[("single_gpu", "causal")]["S"] == 64 and by[("ring", "causal")]["S"] == 128
+    for meth in ("ring", "allgather", "ulysses"):
+        for mask in ("causal", "causal_document"):
+            r = by[(meth, mask)]
+            assert r["code"] == "ok", (meth, mask, r["reason"])
+            assert r["world"] == WORLD and r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["fwd_tflops"] > 0
+            # per-GPU FLOPs: the mask's kept area at S = 128, over 2 ranks
+            assert r["fwd_tflops"] == pytest.approx(4 * r["kept_area"] * 4 * 16 / WORLD / r["fwd_ms"] * 1e-9)
+        assert by[(meth, "share_question")]["code"] == "unsupported"
+    assert by[("ring", "causal")]["kept_area"] == 128 * 129 // 2
+    assert by[("single_gpu", "share_question")]["code"] == "ok"
+    assert "## Context parallelism: 2 ranks" in per_rank[0]["md"]
+    assert "unknown context-parallel method 'no_such'" in per_rank[0]["bad_method"]
