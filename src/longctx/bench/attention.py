@@ -1,4 +1,5 @@
-"""`longctx bench attention`: TFLOP/s of forward and backward, and peak memory, of every attention provider.
+"""`longctx bench attention`: TFLOP/s of forward and backward, and peak memory, of dense attention at the
+FlashAttention benchmark's shapes. Masks, the LongCA conventions and context parallelism: ``longctx bench suite``.
 
 Shapes follow the FlashAttention benchmarks: batch x seqlen = 16384 tokens and heads x head_dim = 2048, for
 D in {64, 128, 256} and S in {1K, 2K, 4K, 8K, 16K}, causal and not, plus GQA (Hq=32, Hkv=8, D=128, causal).
@@ -13,7 +14,7 @@ reference, up to 4K where its S x S scores fit in memory).
 
 Writes ``<out-dir>/attention_<gpu>[<tag>].json``, ``.md`` and ``.png`` (overwriting the previous run on that
 GPU) with the GPU name and the torch, triton and cuDNN versions. ``--masks`` also runs ``longctx.bench.masks``
-(sliding window, documents, block-sparse).
+(sliding window, documents, block-sparse: a subset of ``longctx bench suite``).
 
     longctx bench attention --quick                      # D=128, S in {2K, 8K}, ours vs cudnn/fa2
     longctx bench attention --d 128 --s 4096,16384 --providers triton,cudnn --no-bwd
@@ -357,7 +358,7 @@ def _ints(s: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="longctx bench attention", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="longctx bench attention", description=" ".join(__doc__.splitlines()[:2]))
     ap.add_argument("--d", type=_ints, default=[64, 128, 256], help="head dims, e.g. 64,128")
     ap.add_argument("--s", type=_ints, default=[1024, 2048, 4096, 8192, 16384], help="sequence lengths")
     ap.add_argument("--causal", choices=("both", "yes", "no"), default="both")
