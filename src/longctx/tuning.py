@@ -7,9 +7,11 @@ tested anywhere. The last section holds the developer overrides (`get`, `overrid
 docs/tuning.md.
 
 Tile entries are ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; BLOCK_M is always the query tile and BLOCK_N the key
-tile, in every kernel. The first entry of a list is the one used without autotuning (the ``autotune`` override off,
-the interpreter), so it must fit every variant of its kernel in shared memory; with autotuning the short list is timed
-once per (head dim, band kind, length bucket, dtype). Lists stay short so that compile time stays reasonable.
+tile, in every kernel. Which entry runs is measured ahead of time per GPU (`MEASURED_TILES`, written by
+dev/tune_tiles.py); the first entry of a list is the one used where no measurement exists (another GPU, the
+interpreter), so it must fit every variant of its kernel in shared memory. Run-time autotuning over a list (the
+``autotune`` override on) is for kernel development only: it compiles and times every entry at the first call of
+each (head dim, band kind, length bucket), which stalls training for seconds.
 """
 
 from __future__ import annotations
@@ -80,12 +82,12 @@ def meta(kind: str, entry: tuple) -> dict[str, bool]:
 
 
 def entries(kind: str, bd: int) -> list[tuple[dict, int, int]]:
-    """The autotuner's candidates of one kernel at padded head dim ``bd``: ``(constexprs, num_warps, num_stages)``."""
+    """The candidates of one kernel (for `dev/tune_tiles.py` and the ``autotune`` override) at padded head dim ``bd``: ``(constexprs, num_warps, num_stages)``."""
     return [({"BLOCK_M": e[0], "BLOCK_N": e[1], **meta(kind, e)}, e[2], e[3]) for e in table(kind)[bd]]
 
 
 def seq_bucket(n: int) -> int:
-    """Length bucket of the autotune key: one per power of two from <=1K to <=16K, then longer (coarser buckets let
+    """Length bucket of the tile-table key (and of the ``autotune`` override's key): one per power of two from <=1K to <=16K, then longer (coarser buckets let
     the first length tuned decide for the next, and the best tile differs between 2K and 4K, 8K and 16K)."""
     return 0 if n <= 1024 else min(5, (n - 1).bit_length() - 10)
 
@@ -122,6 +124,172 @@ def dq_by_tma_reduce(head_dim: int) -> bool:
     """The atomic-dQ backward adds each dQ tile by one TMA bulk reduction at D=128, where it beat scalar float32
     atomics; at smaller head dims the scalar atomics win."""
     return head_dim == 128
+
+
+# -- which entry of the tile lists runs: measured ahead of time, per GPU ------------------------------------------
+# Timing the candidates at run time compiled each one and stalled the first call of every (head dim, band, length
+# bucket) for seconds. `dev/tune_tiles.py` times them once per GPU instead and writes the winners below. Key
+# "kind:bd:band:bucket:group" (band: full, causal or window; group: mha or gqa; block-sparse kinds: "sparse_fwd",
+# "sparse_dkdv", "sparse_dq" with the mask block size in place of band and group); value: the index of the winning
+# entry in `table(kind)[bd]` (`sparse_tile_choices` for block-sparse). A GPU without a row, or a key it lacks, runs the
+# entry of the nearest measured length bucket of that key, else the list's first entry.
+MEASURED_TILES: dict[str, dict[str, int]] = {
+    # BEGIN MEASURED TILES (written by dev/tune_tiles.py)
+    "NVIDIA H100 80GB HBM3": {
+        "dkdv:128:causal:0:gqa": 1,
+        "dkdv:128:causal:0:mha": 0,
+        "dkdv:128:causal:1:gqa": 1,
+        "dkdv:128:causal:1:mha": 0,
+        "dkdv:128:causal:2:gqa": 2,
+        "dkdv:128:causal:2:mha": 0,
+        "dkdv:128:causal:4:gqa": 2,
+        "dkdv:128:causal:4:mha": 0,
+        "dkdv:128:full:0:gqa": 1,
+        "dkdv:128:full:0:mha": 0,
+        "dkdv:128:full:1:gqa": 1,
+        "dkdv:128:full:1:mha": 0,
+        "dkdv:128:full:2:gqa": 1,
+        "dkdv:128:full:2:mha": 0,
+        "dkdv:128:full:4:gqa": 0,
+        "dkdv:128:full:4:mha": 0,
+        "dkdv:256:causal:0:mha": 0,
+        "dkdv:256:causal:1:mha": 0,
+        "dkdv:256:causal:2:mha": 0,
+        "dkdv:256:causal:4:mha": 0,
+        "dkdv:256:full:0:mha": 0,
+        "dkdv:256:full:1:mha": 0,
+        "dkdv:256:full:2:mha": 0,
+        "dkdv:256:full:4:mha": 0,
+        "dkdv:64:causal:0:mha": 1,
+        "dkdv:64:causal:1:mha": 1,
+        "dkdv:64:causal:2:mha": 1,
+        "dkdv:64:causal:4:mha": 1,
+        "dkdv:64:full:0:mha": 1,
+        "dkdv:64:full:1:mha": 1,
+        "dkdv:64:full:2:mha": 1,
+        "dkdv:64:full:4:mha": 1,
+        "dkdv_atomic:128:causal:0:gqa": 1,
+        "dkdv_atomic:128:causal:0:mha": 0,
+        "dkdv_atomic:128:causal:1:gqa": 1,
+        "dkdv_atomic:128:causal:1:mha": 1,
+        "dkdv_atomic:128:causal:2:gqa": 0,
+        "dkdv_atomic:128:causal:2:mha": 0,
+        "dkdv_atomic:128:causal:4:gqa": 0,
+        "dkdv_atomic:128:causal:4:mha": 0,
+        "dkdv_atomic:128:full:0:gqa": 1,
+        "dkdv_atomic:128:full:0:mha": 0,
+        "dkdv_atomic:128:full:1:gqa": 0,
+        "dkdv_atomic:128:full:1:mha": 1,
+        "dkdv_atomic:128:full:2:gqa": 0,
+        "dkdv_atomic:128:full:2:mha": 0,
+        "dkdv_atomic:128:full:4:gqa": 0,
+        "dkdv_atomic:128:full:4:mha": 0,
+        "dkdv_atomic:64:causal:0:mha": 1,
+        "dkdv_atomic:64:causal:1:mha": 1,
+        "dkdv_atomic:64:causal:2:mha": 1,
+        "dkdv_atomic:64:causal:4:mha": 2,
+        "dkdv_atomic:64:full:0:mha": 1,
+        "dkdv_atomic:64:full:1:mha": 2,
+        "dkdv_atomic:64:full:2:mha": 1,
+        "dkdv_atomic:64:full:4:mha": 2,
+        "dq:128:causal:0:gqa": 0,
+        "dq:128:causal:0:mha": 2,
+        "dq:128:causal:1:gqa": 0,
+        "dq:128:causal:1:mha": 2,
+        "dq:128:causal:2:gqa": 0,
+        "dq:128:causal:2:mha": 0,
+        "dq:128:causal:4:gqa": 0,
+        "dq:128:causal:4:mha": 0,
+        "dq:128:full:0:gqa": 0,
+        "dq:128:full:0:mha": 0,
+        "dq:128:full:1:gqa": 0,
+        "dq:128:full:1:mha": 0,
+        "dq:128:full:2:gqa": 0,
+        "dq:128:full:2:mha": 0,
+        "dq:128:full:4:gqa": 0,
+        "dq:128:full:4:mha": 0,
+        "dq:256:causal:0:mha": 0,
+        "dq:256:causal:1:mha": 0,
+        "dq:256:causal:2:mha": 0,
+        "dq:256:causal:4:mha": 0,
+        "dq:256:full:0:mha": 1,
+        "dq:256:full:1:mha": 0,
+        "dq:256:full:2:mha": 0,
+        "dq:256:full:4:mha": 0,
+        "dq:64:causal:0:mha": 2,
+        "dq:64:causal:1:mha": 0,
+        "dq:64:causal:2:mha": 0,
+        "dq:64:causal:4:mha": 0,
+        "dq:64:full:0:mha": 2,
+        "dq:64:full:1:mha": 1,
+        "dq:64:full:2:mha": 0,
+        "dq:64:full:4:mha": 0,
+        "fwd:128:causal:0:gqa": 2,
+        "fwd:128:causal:0:mha": 3,
+        "fwd:128:causal:1:gqa": 3,
+        "fwd:128:causal:1:mha": 2,
+        "fwd:128:causal:2:gqa": 0,
+        "fwd:128:causal:2:mha": 1,
+        "fwd:128:causal:4:gqa": 0,
+        "fwd:128:causal:4:mha": 0,
+        "fwd:128:full:0:gqa": 1,
+        "fwd:128:full:0:mha": 0,
+        "fwd:128:full:1:gqa": 2,
+        "fwd:128:full:1:mha": 0,
+        "fwd:128:full:2:gqa": 1,
+        "fwd:128:full:2:mha": 1,
+        "fwd:128:full:4:gqa": 0,
+        "fwd:128:full:4:mha": 3,
+        "fwd:256:causal:0:mha": 0,
+        "fwd:256:causal:1:mha": 0,
+        "fwd:256:causal:2:mha": 0,
+        "fwd:256:causal:4:mha": 0,
+        "fwd:256:full:0:mha": 0,
+        "fwd:256:full:1:mha": 0,
+        "fwd:256:full:2:mha": 0,
+        "fwd:256:full:4:mha": 0,
+        "fwd:64:causal:0:mha": 0,
+        "fwd:64:causal:1:mha": 2,
+        "fwd:64:causal:2:mha": 0,
+        "fwd:64:causal:4:mha": 0,
+        "fwd:64:full:0:mha": 0,
+        "fwd:64:full:1:mha": 0,
+        "fwd:64:full:2:mha": 0,
+        "fwd:64:full:4:mha": 1,
+        "sparse_dkdv:64:128:2": 1,
+        "sparse_fwd:64:128:2": 2,
+    },
+    # END MEASURED TILES
+}
+
+
+def band_kind(has_lo: bool, has_hi: bool) -> str:
+    """The band's kind in tile-table keys: "full" (no bound), "causal" (an upper bound only) or "window" (else)."""
+    return "full" if not (has_lo or has_hi) else "causal" if has_hi and not has_lo else "window"
+
+
+def tile_key(kind: str, bd: int, band: str, bucket: int, grouped: bool) -> str:
+    """The `MEASURED_TILES` key of a dense Triton kernel launch."""
+    return f"{kind}:{bd}:{band}:{bucket}:{'gqa' if grouped else 'mha'}"
+
+
+def sparse_tile_key(kind: str, bd: int, mask_bs: int, bucket: int) -> str:
+    """The `MEASURED_TILES` key of a block-sparse Triton kernel launch."""
+    return f"sparse_{kind}:{bd}:{mask_bs}:{bucket}"
+
+
+def measured_index(gpu: str, key: str, n: int) -> int:
+    """Index of the measured entry for ``key`` on ``gpu`` among ``n`` candidates: the key's own row, else the row of
+    the same key at the nearest length bucket (field 3 of every key), else 0 (the list's first entry)."""
+    rows = MEASURED_TILES.get(gpu, {})
+    fields = key.split(":")
+    near = []
+    for k, v in rows.items():
+        other = k.split(":")
+        if len(other) == len(fields) and other[:3] + other[4:] == fields[:3] + fields[4:]:
+            near.append((abs(int(other[3]) - int(fields[3])), v))
+    best = min(near)[1] if near else 0
+    return best if best < n else 0
 
 
 # Warp-specialised forward (Gluon, Hopper): head dim -> (BLOCK_N, STAGES, PIPE): key tile, shared-memory ring depth,
@@ -203,7 +371,7 @@ def sparse_ws_config(kind: str, head_dim: int) -> tuple[int, int, bool] | None:
 
 # key -> default (None: follow the measured rules of this module)
 _OVERRIDE_DEFAULTS: dict = {}
-# dense kernels (`longctx.launchers.flash`): autotuning on / off (None: on, off under the interpreter); the
+# dense kernels (`longctx.launchers.flash`): run-time autotuning (True; None: the measured tile table); the
 # warp-specialised forward / backward forced on or off (None: `ws_fwd_config` / `ws_bwd_config` decide) and their
 # configs forced ("128x3x1", or a tuple in code); the atomic-dQ backward forced on or off (None: `atomic_dq`; never
 # under deterministic); tiles of the Triton kernels forced per kind, no autotuning ("fwd:128x64x8x3x1;dq:128x128x8x2",

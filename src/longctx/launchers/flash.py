@@ -39,6 +39,8 @@ from longctx.launchers.runtime import (
     _shared_layout,
     _tma_ok,
     _ws_capable,
+    device_index,
+    gpu_name,
     out_like,
     warn_ws_fallback,
 )
@@ -51,8 +53,20 @@ _LOG2E = 1.4426950408889634
 
 
 def _autotune_enabled() -> bool:
-    """Autotuning over `tuning`'s tile lists: on unless the ``autotune`` override is off; never in the interpreter."""
-    return not _interpret() and tuning.get("autotune") is not False
+    """Run-time autotuning over `tuning`'s tile lists: only with the ``autotune`` override on (kernel development);
+    the launches otherwise take the entry `tuning.MEASURED_TILES` names for this GPU, so a new length never stalls
+    on compiling and timing candidates. Never under the interpreter."""
+    return not _interpret() and tuning.get("autotune") is True
+
+
+def _score_scales(scale: float, softcap: float) -> tuple[float, float]:
+    """The kernels' score factors ``(qk_scale, softcap_scale)``: without softcap the scores in base 2 are
+    ``q.k * qk_scale`` with qk_scale = scale * log2(e) (softcap_scale unused); with softcap the kernels first replace
+    q.k by ``tanh(q.k * softcap_scale)``, softcap_scale = scale / softcap, and qk_scale = softcap * log2(e), so the
+    base-2 scores are ``softcap * tanh(scale * q.k / softcap) * log2(e)``: the cap in natural units, then log2(e)."""
+    if softcap == 0:
+        return float(scale) * _LOG2E, 0.0
+    return float(softcap) * _LOG2E, float(scale) / float(softcap)
 
 
 def _band_args(band: Band) -> tuple[int, int, bool, bool]:
@@ -104,20 +118,28 @@ _PRE_HOOKS = {"fwd": _fwd_desc_block}
 
 
 def _launch(kind: str, bd: int, grid_fn, args: list, kwargs: dict) -> None:
-    """Run one kernel: autotuned (BLOCK_M/BLOCK_N/warps/stages from the config) or with a fixed entry (a forced
-    tile, the interpreter's, or the first of the list without autotuning)."""
+    """Run one kernel with the tile entry measured for this GPU and case (`tuning.measured_index`), a forced one
+    (the ``tiles`` override), the interpreter's, or autotuned at run time (the ``autotune`` override on)."""
     forced = tuning.tiles(tuning.get("tiles")).get(kind)
     autotune = forced is None and _autotune_enabled()
     kernel = _kernel(kind, bd, autotune)
     if autotune:
         kernel[lambda meta: grid_fn(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **kwargs)
         return
-    entry = forced or (tuning.INTERPRET if _interpret() else tuning.table(kind)[bd][0])
+    entry = forced or (tuning.INTERPRET if _interpret() else _measured_entry(kind, bd, args[0], kwargs))
     bm, bn, w, s = entry[:4]
     kwargs = {**kwargs, **tuning.meta(kind, entry)}
     if kind in _PRE_HOOKS:
         _PRE_HOOKS[kind]({**dict(zip(kernel.arg_names, args)), **kwargs, "BLOCK_M": bm, "BLOCK_N": bn})
     kernel[grid_fn(bm, bn)](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+
+
+def _measured_entry(kind: str, bd: int, q: torch.Tensor, kwargs: dict) -> tuple:
+    """The tile entry `tuning.MEASURED_TILES` names for this GPU, kernel, band kind, length bucket and grouping."""
+    entries = tuning.table(kind)[bd]
+    band = tuning.band_kind(kwargs["HAS_LO"], kwargs["HAS_HI"])
+    key = tuning.tile_key(kind, bd, band, kwargs["SEQ_BUCKET"], kwargs["GROUP"] > 1)
+    return entries[tuning.measured_index(gpu_name(device_index(q)), key, len(entries))]
 
 
 # The warp-specialised kernels that failed to compile with this Triton (`_disable_ws`): "fwd", "bwd".

@@ -123,6 +123,17 @@ def _ws_capable(device_index: int) -> bool:
     return True
 
 
+@functools.cache
+def gpu_name(device_index: int) -> str:
+    """The GPU's name as CUDA reports it (the key of `tuning.MEASURED_TILES`); "" under the interpreter."""
+    return "" if _interpret() else torch.cuda.get_device_name(device_index)
+
+
+def device_index(t: torch.Tensor) -> int:
+    """The CUDA device index of ``t`` (the current device for a tensor without one)."""
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
 def warn_ws_fallback(which: str, exc: Exception) -> None:
     """The warning of a warp-specialised kernel that does not compile (shared with the block-sparse launchers)."""
     import warnings

@@ -9,8 +9,9 @@ copy engine's bulk reduction (not in a fixed order), so ``deterministic=True`` k
 does not compile the Gluon kernels. The persistent kernels take their work items in `_schedule`'s order (heads in
 order, the longest items first within a head), kept per mask (`_schedule_cached`).
 
-Tiles of the Triton kernels: `longctx.tuning.sparse_tile_choices`, autotuned over the first two unless
-``LONGCTX_TUNING=autotune=0``; the Gluon kernels' configs: `longctx.tuning.sparse_ws_config`. Developer overrides
+Tiles of the Triton kernels: the entry of `longctx.tuning.sparse_tile_choices` that `tuning.MEASURED_TILES` names
+for this GPU (autotuned over the first two at run time only with ``LONGCTX_TUNING=autotune=1``); the Gluon kernels'
+configs: `longctx.tuning.sparse_ws_config`. Developer overrides
 (`longctx.tuning`, docs/tuning.md): ``sparse_ws`` / ``sparse_ws_bwd`` (False: the Triton kernels),
 ``sparse_tiles`` (forced Triton tiles), ``sparse_tma_in_interpreter``. The mask's block size must be a multiple of
 16 (tl.dot's minimum); the backend runs other block sizes on the plain-PyTorch path (`longctx.reference`).
@@ -100,7 +101,13 @@ def _launch(kind: str, bd: int, mask_bs: int, grid_fn, args: list, kwargs: dict)
     if _tf._autotune_enabled():
         kernel[lambda meta: grid_fn(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **kwargs)
         return
-    bm, bn, w, s = _tile_choices(kind, bd, mask_bs)[0]
+    choices = _tile_choices(kind, bd, mask_bs)
+    if runtime._interpret():
+        bm, bn, w, s = choices[0]
+    else:
+        key = tuning.sparse_tile_key(kind, bd, mask_bs, kwargs["SEQ_BUCKET"])
+        gpu = runtime.gpu_name(runtime.device_index(args[0]))
+        bm, bn, w, s = choices[tuning.measured_index(gpu, key, len(choices))]
     kernel[grid_fn(bm, bn)](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
 
 

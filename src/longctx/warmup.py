@@ -1,0 +1,186 @@
+"""`longctx.warmup` and `longctx warmup`: compile, ahead of a run, every attention kernel a model will use.
+
+The kernels take sequence lengths and document layouts as run-time values and their tiles from a table measured per
+GPU (`longctx.tuning.MEASURED_TILES`), so a new length or packing does not compile anything once its (head dim,
+dtype, mask kind, length bucket) has run. What is left is the first call of each of those, a few seconds of Triton
+compilation each with a cold cache. ``warmup`` makes those first calls on small inputs (batch 1) at one length per
+bucket, forward and backward, so that the compiled kernels land in Triton's on-disk cache (``TRITON_CACHE_DIR``,
+default ``~/.triton/cache``), shared by every later process on the machine: run it once per machine (or in a job's
+prologue) and training starts without stalls.
+
+    longctx warmup --preset llama-350m --seq-length 65536 --masks causal,documents
+    longctx warmup --head-dim 128 --heads 32 --kv-heads 8 --dtype bf16 --masks causal,window --window 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["warmup", "WarmupReport", "MASKS", "main"]
+
+MASKS = ("full", "causal", "window", "documents", "documents_full")
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+# one length per length bucket of the tile table (`tuning.seq_bucket`): <=1K, 2K, 4K, 8K, 16K, longer
+_BUCKET_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@dataclass
+class WarmupReport:
+    """What `warmup` ran: one ``(mask, length, seconds)`` per call, forward and backward together."""
+
+    calls: list[tuple[str, int, float]] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return sum(c[2] for c in self.calls)
+
+    def table(self) -> str:
+        lines = [f"{'mask':<16}{'S':>8}{'seconds':>10}"]
+        lines += [f"{m:<16}{s:>8}{t:>10.2f}" for m, s, t in self.calls]
+        lines.append(f"{'total':<24}{self.seconds:>10.2f}")
+        return "\n".join(lines)
+
+
+def _lengths(max_seq_len: int) -> list[int]:
+    out = [n for n in _BUCKET_LENGTHS if n <= max_seq_len]
+    if max_seq_len > 16384 and 32768 not in out:
+        out.append(max(16385, max_seq_len))
+    return out or [max_seq_len]
+
+
+def _doc_lengths(total: int, gen: torch.Generator) -> list[int]:
+    """Document lengths that fill ``total`` tokens: long-tailed (log-uniform from 16 to total / 2)."""
+    lens: list[int] = []
+    hi = max(32, total // 2)
+    while sum(lens) < total:
+        n = int(torch.exp(torch.empty(1).uniform_(2.77, float(torch.log(torch.tensor(float(hi)))), generator=gen)))
+        lens.append(min(max(1, n), total - sum(lens)))
+    return lens
+
+
+def _validate(head_dim, n_heads, n_kv_heads, dtype, masks, max_seq_len, window, device) -> torch.device:
+    for name, val in (("head_dim", head_dim), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if n_heads % n_kv_heads:
+        raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"dtype must be torch.bfloat16 or torch.float16 (the GPU kernels' dtypes), got {dtype!r}")
+    bad = [m for m in masks if m not in MASKS]
+    if bad or not masks:
+        raise ValueError(f"masks must be a non-empty list of {MASKS}, got {list(masks)!r}")
+    if "window" in masks and (window is None or int(window) < 0):
+        raise ValueError(f"the 'window' mask needs window=<left size in tokens, >= 0>, got {window!r}")
+    if not isinstance(max_seq_len, int) or max_seq_len < 16:
+        raise ValueError(f"max_seq_len must be an int >= 16, got {max_seq_len!r}")
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"warmup compiles GPU kernels: device must be a CUDA device with a GPU present, got {dev}")
+    return dev
+
+
+def warmup(
+    *,
+    head_dim: int = 128,
+    n_heads: int = 16,
+    n_kv_heads: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    masks: tuple[str, ...] | list[str] = ("causal",),
+    max_seq_len: int = 32768,
+    window: int | None = None,
+    device: torch.device | str | None = None,
+) -> WarmupReport:
+    """Run forward and backward attention once per (mask, length bucket) so that every kernel is compiled.
+
+    Args:
+        head_dim, n_heads, n_kv_heads: the model's attention shape (n_kv_heads defaults to n_heads); the kernels
+            are compiled for these head counts, as training will call them.
+        dtype: torch.bfloat16 or torch.float16.
+        masks: any of "full", "causal", "window" (causal sliding window of ``window`` tokens), "documents" and
+            "documents_full" (packed documents, causal or not inside each, through `flash_attn_varlen_func`).
+        max_seq_len: the longest sequence training will use; lengths up to it, one per tile-table bucket, run.
+        window: the window's left size, for the "window" mask.
+        device: a CUDA device (default: the current one).
+
+    Returns:
+        A `WarmupReport` with the time of each call (the compile time, with a cold cache).
+    """
+    from longctx.api import attention, flash_attn_varlen_func
+
+    n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+    dev = _validate(head_dim, n_heads, n_kv_heads, dtype, tuple(masks), max_seq_len, window, device)
+    report = WarmupReport()
+    gen = torch.Generator().manual_seed(0)
+    for mask in masks:
+        for S in _lengths(max_seq_len):
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            if mask.startswith("documents"):
+                q = torch.randn(S, n_heads, head_dim, device=dev, dtype=dtype, requires_grad=True)
+                k, v = (
+                    torch.randn(S, n_kv_heads, head_dim, device=dev, dtype=dtype, requires_grad=True) for _ in range(2)
+                )
+                lens = _doc_lengths(S, gen)
+                cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+                out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=mask == "documents")
+            else:
+                q = torch.randn(1, n_heads, S, head_dim, device=dev, dtype=dtype, requires_grad=True)
+                k, v = (
+                    torch.randn(1, n_kv_heads, S, head_dim, device=dev, dtype=dtype, requires_grad=True)
+                    for _ in range(2)
+                )
+                win = (int(window), 0) if mask == "window" else (-1, -1)
+                out = attention(q, k, v, causal=mask != "full", window=win)
+            out.backward(torch.ones_like(out))
+            torch.cuda.synchronize(dev)
+            report.calls.append((mask, S, time.perf_counter() - t0))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`longctx warmup`: compile the attention kernels a model needs, ahead of training."""
+    ap = argparse.ArgumentParser(prog="longctx warmup", description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default=None, help="a GPT preset (its heads, kv heads and head dim)")
+    ap.add_argument("--head-dim", type=int, default=None)
+    ap.add_argument("--heads", type=int, default=None)
+    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
+    ap.add_argument("--masks", default="causal", help=f"comma-separated, of {', '.join(MASKS)}")
+    ap.add_argument("--window", type=int, default=None, help="left window size for the 'window' mask")
+    ap.add_argument("--seq-length", type=int, default=32768, help="the longest sequence training will use")
+    args = ap.parse_args(argv)
+    head_dim, heads, kv_heads = args.head_dim, args.heads, args.kv_heads
+    if args.preset is not None:
+        from longctx.models.gpt import GPTConfig
+
+        cfg = GPTConfig.preset(args.preset)
+        heads = heads or cfg.num_attention_heads
+        kv_heads = kv_heads or cfg.kv_heads
+        head_dim = head_dim or cfg.head_dim
+    if not torch.cuda.is_available():
+        print("longctx warmup: no CUDA GPU here; the kernels compile on the machine that trains", file=sys.stderr)
+        return 1
+    try:
+        report = warmup(
+            head_dim=head_dim or 128,
+            n_heads=heads or 16,
+            n_kv_heads=kv_heads,
+            dtype=_DTYPES[args.dtype],
+            masks=[m.strip() for m in args.masks.split(",") if m.strip()],
+            max_seq_len=args.seq_length,
+            window=args.window,
+        )
+    except (ValueError, TypeError) as exc:
+        print(f"longctx warmup: {exc}", file=sys.stderr)
+        return 2
+    print(report.table())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
