@@ -122,8 +122,10 @@ def test_flash_attn_func_unsupported_arguments():
     f = longctx.flash_attn_func
     with pytest.raises(ValueError, match=r"dropout_p=0.1 is not supported.*pass dropout_p=0.0"):
         f(q, k, v, 0.1)
-    with pytest.raises(ValueError, match=r"softcap=50.0 is not supported.*pass softcap=0.0"):
-        f(q, k, v, 0.0, None, True, (-1, -1), 50.0)
+    with pytest.raises(ValueError, match=r"softcap must be 0.0 \(off\) or a finite positive cap.*got -50.0"):
+        f(q, k, v, 0.0, None, True, (-1, -1), -50.0)
+    with pytest.raises(TypeError, match=r"softcap must be a real number.*got 'x'"):
+        f(q, k, v, softcap="x")
     with pytest.raises(ValueError, match=r"alibi_slopes is not supported \(got a Tensor\).*pass alibi_slopes=None"):
         f(q, k, v, alibi_slopes=torch.zeros(4))
     with pytest.raises(ValueError, match=r"kv must be a tensor of shape \(batch, seqlen_k, 2, heads_k, head_dim\)"):

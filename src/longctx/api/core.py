@@ -112,6 +112,22 @@ def validate(
     return scale, band
 
 
+def check_softcap(softcap: object) -> float:
+    """The softcap as a float: 0 (off) or a finite positive cap. TypeError / ValueError naming the argument."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(
+            f"softcap must be a real number (0.0 = off, e.g. 50.0 for Gemma 2), got {softcap!r} "
+            f"({type(softcap).__name__})"
+        )
+    value = float(softcap)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"softcap must be 0.0 (off) or a finite positive cap (scores -> softcap * tanh(scores / softcap)), "
+            f"got {softcap!r}; pass softcap=0.0 or a positive value such as 50.0"
+        )
+    return value
+
+
 def _check_flag(name: str, value: object) -> None:
     if not isinstance(value, (bool, torch.SymBool)):
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__}); pass {name}=bool(...)")
@@ -147,6 +163,7 @@ def _select_name_for_compile(
     return_lse: bool,
     deterministic: bool,
     has_block_mask: bool,
+    softcap: float = 0.0,
 ) -> str:
     # Run by torch.compile at trace time, outside the graph: the choice (and the environment switches it reads)
     # is fixed for the compiled graph, so a model calling longctx.attention compiles without a graph break.
@@ -154,13 +171,14 @@ def _select_name_for_compile(
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     inp = AttnInputs(
         device, dtype, B, Hq, k_shape[1], Sq, k_shape[2], D, Band(lo, hi), needs_grad, return_lse, deterministic,
-        has_block_mask, capability=cap,
+        has_block_mask, capability=cap, softcap=softcap,
     )  # fmt: skip
     return select_backend(requested, inp).backend.name
 
 
-def _resolve(q, k, v, causal, window, scale, backend, return_lse, deterministic, block_mask):
+def _resolve(q, k, v, causal, window, scale, backend, return_lse, deterministic, block_mask, softcap=0.0):
     scale, band = validate(q, k, v, causal=causal, window=window, scale=scale)
+    softcap = check_softcap(softcap)
     _check_flag("return_lse", return_lse)
     _check_flag("deterministic", deterministic)
     _check_block_mask(block_mask)
@@ -170,7 +188,7 @@ def _resolve(q, k, v, causal, window, scale, backend, return_lse, deterministic,
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         name = _select_name_for_compile(
             backend, q.device, q.dtype, tuple(int(x) for x in q.shape), tuple(int(x) for x in k.shape),
-            band.lo, band.hi, needs_grad, return_lse, deterministic, block_mask is not None,
+            band.lo, band.hi, needs_grad, return_lse, deterministic, block_mask is not None, softcap,
         )  # fmt: skip
         return scale, band, BackendChoice(get_backend(name), "auto (fixed at compile time)")
     inp = AttnInputs.from_tensors(
@@ -180,6 +198,7 @@ def _resolve(q, k, v, causal, window, scale, backend, return_lse, deterministic,
         return_lse=return_lse,
         deterministic=deterministic,
         block_mask=block_mask is not None,
+        softcap=softcap,
     )
     if q.numel() == 0 or k.shape[2] == 0:
         # Empty batch, Sq = 0 or Sk = 0: the reference handles these exactly (rows with no key give 0, -inf).
@@ -201,6 +220,7 @@ def attention(
     return_lse: bool = False,
     deterministic: bool = False,
     block_mask=None,
+    softcap: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention, ``softmax(q k^T * scale + mask) v``, on the best available backend.
 
@@ -226,6 +246,9 @@ def attention(
             (float64 for float64 inputs).
         deterministic: require a backward pass that gives bitwise identical gradients on every run.
         block_mask: a `longctx.BlockMask` for block-sparse attention (see `longctx.block_mask`).
+        softcap: logit softcapping (Gemma 2): with softcap > 0 the scaled scores ``s = q k^T * scale`` become
+            ``softcap * tanh(s / softcap)`` before the mask and the softmax (lse is that of the capped scores);
+            0.0 (the default) is off. Served by triton, triton_sparse, tiled and math; SDPA and FlexAttention refuse.
 
     Inside ``torch.autocast`` on the tensors' device, q, k and v are first cast to the autocast dtype (float64
     excepted), as for SDPA, so float32 q/k after RoPE and a bfloat16 v are accepted there.
@@ -239,10 +262,13 @@ def attention(
             deterministic that is not a bool, a block_mask that is not a `longctx.BlockMask`.
         ValueError: wrong ranks or mismatched shapes, Hq not a multiple of Hkv, mixed devices, window
             values below -1, causal=True with a window reaching right of the diagonal, a non-finite scale,
-            an unknown backend, or a pinned backend that cannot run these inputs.
+            a negative or non-finite softcap, an unknown backend, or a pinned backend that cannot run these inputs.
     """
     q, k, v, run_ctx = follow_autocast(q, k, v)
-    scale, band, choice = _resolve(q, k, v, causal, window, scale, backend, return_lse, deterministic, block_mask)
+    scale, band, choice = _resolve(
+        q, k, v, causal, window, scale, backend, return_lse, deterministic, block_mask, softcap
+    )
+    softcap = float(softcap)
     with run_ctx:
         out, lse = choice.backend.run(
             q,
@@ -253,6 +279,7 @@ def attention(
             return_lse=return_lse,
             deterministic=deterministic,
             block_mask=block_mask,
+            softcap=softcap,
         )
     return (out, lse) if return_lse else out
 
@@ -269,13 +296,14 @@ def explain(
     return_lse: bool = False,
     deterministic: bool = False,
     block_mask=None,
+    softcap: float = 0.0,
 ) -> BackendChoice:
     """Which backend `attention` would use for these arguments, and why each other one was rejected.
 
     Takes the same arguments as `attention`; runs nothing. ``print(longctx.explain(q, k, v, causal=True))``.
     """
     q, k, v, _ = follow_autocast(q, k, v)
-    return _resolve(q, k, v, causal, window, scale, backend, return_lse, deterministic, block_mask)[2]
+    return _resolve(q, k, v, causal, window, scale, backend, return_lse, deterministic, block_mask, softcap)[2]
 
 
 def unsupported_flash_args(
@@ -284,17 +312,18 @@ def unsupported_flash_args(
     softcap: float,
     alibi_slopes: object,
     block_table: object = None,
-) -> None:
-    """Reject flash-attn arguments that longctx's kernels do not implement (ValueError naming the argument)."""
+) -> float:
+    """Reject flash-attn arguments that longctx's kernels do not implement (ValueError naming the argument); returns
+    the softcap, checked (`check_softcap`)."""
     if dropout_p != 0.0:
         raise ValueError(
             f"{fn}: dropout_p={dropout_p} is not supported (longctx's kernels have no attention dropout); "
             "pass dropout_p=0.0"
         )
-    if softcap != 0.0:
-        raise ValueError(
-            f"{fn}: softcap={softcap} is not supported (no logit softcapping in longctx's kernels); pass softcap=0.0"
-        )
+    try:
+        softcap = check_softcap(softcap)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{fn}: {exc}") from None
     if alibi_slopes is not None:
         raise ValueError(
             f"{fn}: alibi_slopes is not supported (got a {type(alibi_slopes).__name__}); pass alibi_slopes=None"
@@ -304,6 +333,7 @@ def unsupported_flash_args(
             f"{fn}: block_table (a paged KV cache) is not supported (got a {type(block_table).__name__}); "
             "pass block_table=None with contiguous packed k and v"
         )
+    return softcap
 
 
 def flash_attn_func(
@@ -328,7 +358,8 @@ def flash_attn_func(
         dropout_p: must be 0.0 (attention dropout is not implemented).
         softmax_scale: default 1/sqrt(D).
         causal, window_size: as in flash-attn (bottom-right causal; -1 unbounded).
-        softcap: must be 0.0 (logit softcapping is not implemented).
+        softcap: logit softcapping (Gemma 2): with softcap > 0 the scaled scores s become
+            ``softcap * tanh(s / softcap)`` before the mask and softmax; 0.0 is off (see `attention`).
         alibi_slopes: not supported; must be None.
         deterministic: deterministic backward.
         return_attn_probs: also return ``(softmax_lse, None)``: lse (B, Hq, Sq) float32 as flash-attn does;
@@ -340,9 +371,10 @@ def flash_attn_func(
         out (B, Sq, Hq, D), contiguous, or ``(out, softmax_lse, None)`` with ``return_attn_probs``.
 
     Raises:
-        ValueError: dropout_p != 0, softcap != 0 or alibi_slopes given; the errors of `attention`.
+        ValueError: dropout_p != 0, a negative softcap or alibi_slopes given; the errors of `attention`.
+        TypeError: a softcap that is not a real number; the errors of `attention`.
     """
-    unsupported_flash_args("longctx.flash_attn_func", dropout_p, softcap, alibi_slopes)
+    softcap = unsupported_flash_args("longctx.flash_attn_func", dropout_p, softcap, alibi_slopes)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.dim() != 4:
             raise ValueError(
@@ -362,6 +394,7 @@ def flash_attn_func(
         backend=backend,
         return_lse=return_attn_probs,
         deterministic=deterministic,
+        softcap=softcap,
     )
     out, lse = res if return_attn_probs else (res, None)
     out = out.transpose(1, 2)  # (B, Sq, Hq, D); the Triton launchers write this layout directly

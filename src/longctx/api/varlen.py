@@ -165,7 +165,9 @@ def flash_attn_varlen_func(
         k, v: (total_k, Hkv, D); Hq a multiple of Hkv (GQA: query head h reads kv head h // (Hq // Hkv)).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), on q's device: 0, then cumulative document lengths.
         max_seqlen_q, max_seqlen_k: ints, at least the longest document (as in flash-attn).
-        dropout_p: must be 0.0. softcap: must be 0.0. alibi_slopes, block_table: must be None.
+        dropout_p: must be 0.0. alibi_slopes, block_table: must be None.
+        softcap: logit softcapping (Gemma 2): with softcap > 0 the scaled scores s become
+            ``softcap * tanh(s / softcap)`` before the mask and softmax; 0.0 is off.
         softmax_scale: default 1/sqrt(D).
         causal: bottom-right within each document (query i of a document with Lq queries and Lk keys sees
             local keys j <= i + Lk - Lq; with Lq > Lk the first rows see nothing and give 0).
@@ -185,12 +187,12 @@ def flash_attn_varlen_func(
         TypeError/ValueError: bad tensors (mixed dtypes outside autocast), or cu_seqlens that are not int32, not
             on q's device, not starting at 0, decreasing, not ending at the number of tokens, or a max_seqlen below
             the longest document.
-        ValueError: dropout_p != 0, softcap != 0, alibi_slopes or block_table given.
+        ValueError: dropout_p != 0, a negative softcap, alibi_slopes or block_table given.
 
     A document with no keys (a repeated entry in cu_seqlens_k) gives output 0, lse -inf and zero gradients for
     its queries, as in flash-attn.
     """
-    unsupported_flash_args("flash_attn_varlen_func", dropout_p, softcap, alibi_slopes, block_table)
+    softcap = unsupported_flash_args("flash_attn_varlen_func", dropout_p, softcap, alibi_slopes, block_table)
     q, k, v, run_ctx = follow_autocast(q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -238,7 +240,9 @@ def flash_attn_varlen_func(
     bm = varlen_block_mask(cu_q, cu_k, causal=causal, window=window, block_size=block_size, device=q.device)
     # (total, H, D) -> (1, H, total, D): strided views, no copy
     q4, k4, v4 = (t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v))
-    inp = AttnInputs.from_tensors(q4, k4, band=Band(), return_lse=return_attn_probs, block_mask=True, varlen=True)
+    inp = AttnInputs.from_tensors(
+        q4, k4, band=Band(), return_lse=return_attn_probs, block_mask=True, varlen=True, softcap=softcap
+    )
     if backend == "auto":
         chosen = None
         if q.device.type == "cuda":
@@ -253,7 +257,15 @@ def flash_attn_varlen_func(
         chosen = select_backend(backend, inp).backend
     with run_ctx:
         out4, lse = chosen.run(
-            q4, k4, v4, scale=scale, band=Band(), return_lse=True, deterministic=deterministic, block_mask=bm
+            q4,
+            k4,
+            v4,
+            scale=scale,
+            band=Band(),
+            return_lse=True,
+            deterministic=deterministic,
+            block_mask=bm,
+            softcap=softcap,
         )
     out = out4[0].permute(1, 0, 2)  # (total_q, Hq, D)
     if not out.is_contiguous():

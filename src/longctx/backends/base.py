@@ -32,6 +32,7 @@ class AttnInputs:
     varlen: bool = False  # packed documents (cu_seqlens)
     capability: tuple[int, int] | None = None  # CUDA compute capability, None off CUDA
     pinned: bool = False  # the backend was asked for by name (argument or LONGCTX_ATTN_BACKEND), not by auto
+    softcap: float = 0.0  # logit softcapping (scores -> softcap * tanh(scores / softcap)); 0 = off
 
     @classmethod
     def from_tensors(
@@ -45,6 +46,7 @@ class AttnInputs:
         block_mask: bool = False,
         varlen: bool = False,
         needs_grad: bool | None = None,
+        softcap: float = 0.0,
     ) -> AttnInputs:
         cap = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
         if needs_grad is None:
@@ -65,6 +67,7 @@ class AttnInputs:
             block_mask=block_mask,
             varlen=varlen,
             capability=cap,
+            softcap=float(softcap),
         )
 
 
@@ -97,6 +100,9 @@ class Backend:
         return_lse: bool,
         deterministic: bool = False,
         block_mask=None,
+        softcap: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Differentiable attention: ``(out, lse)``; lse may be None when ``return_lse`` is False."""
+        """Differentiable attention: ``(out, lse)``; lse may be None when ``return_lse`` is False. ``softcap > 0``
+        caps the scaled scores to ``softcap * tanh(scores / softcap)`` before the mask (backends that cannot refuse
+        it in `not_supported_reasons`)."""
         raise NotImplementedError

@@ -17,9 +17,11 @@ class MathBackend(Backend):
     def not_supported_reasons(self, inp: AttnInputs) -> list[str]:
         return []
 
-    def run(self, q, k, v, *, scale: float, band: Band, return_lse: bool, deterministic=False, block_mask=None):
+    def run(
+        self, q, k, v, *, scale: float, band: Band, return_lse: bool, deterministic=False, block_mask=None, softcap=0.0
+    ):
         mask = None if block_mask is None else block_mask.dense_mask(q.device)
-        out, lse = naive_attention(q, k, v, scale=scale, band=band, mask=mask)
+        out, lse = naive_attention(q, k, v, scale=scale, band=band, mask=mask, softcap=softcap)
         if lse.dtype != torch.float64:
             lse = lse.float()
         return out, lse

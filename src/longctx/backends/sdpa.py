@@ -10,6 +10,8 @@ Their limits are declared so that auto never routes a case to a kernel that woul
 - cuDNN has no deterministic backward: refused under ``deterministic=True`` or
   ``torch.use_deterministic_algorithms(True)``.
 - The memory-efficient kernel has no GQA path in SDPA (it would repeat K/V): refused for Hq != Hkv.
+- Logit softcapping (``softcap > 0``): SDPA has no score modifier, and longctx does not translate it into
+  FlexAttention's ``score_mod``: refused by all of them.
 """
 
 from __future__ import annotations
@@ -69,10 +71,17 @@ class _SDPABackend(Backend):
             r.append("no block-sparse or packed-document support")
         if (inp.deterministic or torch.are_deterministic_algorithms_enabled()) and not self.deterministic_ok:
             r.append("no deterministic backward")
+        if inp.softcap:
+            r.append(f"no logit softcapping in SDPA (got softcap={inp.softcap})")
         return r
 
-    def run(self, q, k, v, *, scale: float, band: Band, return_lse: bool, deterministic=False, block_mask=None):
+    def run(
+        self, q, k, v, *, scale: float, band: Band, return_lse: bool, deterministic=False, block_mask=None, softcap=0.0
+    ):
         from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if softcap:
+            raise ValueError(f"backend {self.name!r} has no logit softcapping (got softcap={softcap}); use 'auto'")
 
         is_causal = _sdpa_band_reasons(band)[1]
         kernel = getattr(SDPBackend, self.sdpa_backend_name)
@@ -167,9 +176,15 @@ class FlexBackend(Backend):
             r.append("no documented deterministic backward")
         if inp.block_mask or inp.varlen:
             r.append("longctx block masks are not translated to FlexAttention's")
+        if inp.softcap:
+            r.append(f"logit softcapping is not translated to FlexAttention's score_mod (got softcap={inp.softcap})")
         return r
 
-    def run(self, q, k, v, *, scale: float, band: Band, return_lse: bool, deterministic=False, block_mask=None):
+    def run(
+        self, q, k, v, *, scale: float, band: Band, return_lse: bool, deterministic=False, block_mask=None, softcap=0.0
+    ):
+        if softcap:
+            raise ValueError(f"backend 'flex' has no logit softcapping here (got softcap={softcap}); use 'auto'")
         bm = None
         if not band.is_dense:
             bm = _flex_block_mask(band.lo, band.hi, q.shape[2], k.shape[2], str(q.device))

@@ -16,7 +16,11 @@ class TiledBackend(Backend):
     def not_supported_reasons(self, inp: AttnInputs) -> list[str]:
         return []  # any device, dtype, GQA, band, and every block mask
 
-    def run(self, q, k, v, *, scale: float, band: Band, return_lse: bool, deterministic=False, block_mask=None):
+    def run(
+        self, q, k, v, *, scale: float, band: Band, return_lse: bool, deterministic=False, block_mask=None, softcap=0.0
+    ):
         if block_mask is not None:
-            return tiled_block_sparse(q, k, v, scale=scale, band=band, block_mask=block_mask)
-        return tiled_attention(q, k, v, scale=scale, band=band, block_q=DEFAULT_BLOCK, block_k=DEFAULT_BLOCK)
+            return tiled_block_sparse(q, k, v, scale=scale, band=band, block_mask=block_mask, softcap=softcap)
+        return tiled_attention(
+            q, k, v, scale=scale, band=band, block_q=DEFAULT_BLOCK, block_k=DEFAULT_BLOCK, softcap=softcap
+        )

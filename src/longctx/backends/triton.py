@@ -51,9 +51,11 @@ class TritonBackend(Backend):
             reasons.append("packed variable-length input (cu_seqlens) is not supported by the triton backend")
         return reasons
 
-    def run(self, q, k, v, *, scale: float, band: Band, return_lse: bool, deterministic=False, block_mask=None):
+    def run(
+        self, q, k, v, *, scale: float, band: Band, return_lse: bool, deterministic=False, block_mask=None, softcap=0.0
+    ):
         if block_mask is not None:
             raise ValueError("the triton backend does not support block_mask; use backend='auto'")
         deterministic = deterministic or switches.deterministic()  # LONGCTX_DETERMINISTIC=1
-        out, lse = triton_attention(q, k, v, scale=scale, band=band, deterministic=deterministic)
+        out, lse = triton_attention(q, k, v, scale=scale, band=band, deterministic=deterministic, softcap=softcap)
         return out, (lse if return_lse else None)

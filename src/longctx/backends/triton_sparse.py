@@ -48,12 +48,18 @@ class TritonSparseBackend(Backend):
             )
         return reasons
 
-    def run(self, q, k, v, *, scale: float, band: Band, return_lse: bool, deterministic=False, block_mask=None):
+    def run(
+        self, q, k, v, *, scale: float, band: Band, return_lse: bool, deterministic=False, block_mask=None, softcap=0.0
+    ):
         if block_mask is None:
             raise ValueError("the triton_sparse backend needs a block_mask; dense attention runs on 'triton'")
         if block_mask.block_size % 16 or not band.is_dense:
             # kernels need 16 | block_size; fall back to the plain-PyTorch block-sparse path
-            return tiled_sparse.tiled_block_sparse(q, k, v, scale=scale, band=band, block_mask=block_mask)
+            return tiled_sparse.tiled_block_sparse(
+                q, k, v, scale=scale, band=band, block_mask=block_mask, softcap=softcap
+            )
         deterministic = deterministic or switches.deterministic()  # LONGCTX_DETERMINISTIC=1
-        out, lse = triton_sparse_attention(q, k, v, scale=scale, block_mask=block_mask, deterministic=deterministic)
+        out, lse = triton_sparse_attention(
+            q, k, v, scale=scale, block_mask=block_mask, deterministic=deterministic, softcap=softcap
+        )
         return out, lse

@@ -16,10 +16,12 @@ What the attention serves (causal LMs of the Llama family: Llama, Mistral, Qwen2
 - padding-free packing (``DataCollatorWithFlattening``): documents come from ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` when the collator returns them, else from ``position_ids`` restarting (the rule transformers'
   own mask uses), and run through the varlen kernels: no token attends across a document boundary;
+- attention logit softcapping (Gemma 2's ``softcap``, from ``config.attn_logit_softcapping``), passed to longctx's
+  ``softcap`` (not under context parallelism);
 - ``torch.autocast``: q, k, v are cast as SDPA casts them.
 
 Everything else raises a ValueError/TypeError naming the feature and the alternative: attention weights
-(``output_attentions``), attention dropout, logit softcapping, attention sinks, position biases, custom 4-D
+(``output_attentions``), attention dropout, attention sinks, position biases, custom 4-D
 masks, mask overlays it does not implement (chunked attention, bidirectional image blocks, ``or_mask_function``).
 
 The mask interface returns a `LongctxMask` (what the model's mask asked for: causal or not, the window, the
@@ -267,7 +269,7 @@ def _collecting(key: str) -> bool:
     return isinstance(collected, dict) and key in collected
 
 
-def _unsupported(module: nn.Module, dropout: float, softcap: float | None, kwargs: dict[str, Any]) -> None:
+def _unsupported(module: nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:
     config = getattr(module, "config", None)
     if kwargs.get("output_attentions") or _collecting("attentions"):
         raise ValueError(
@@ -279,11 +281,6 @@ def _unsupported(module: nn.Module, dropout: float, softcap: float | None, kwarg
             f"attn_implementation='longctx' has no attention dropout, got dropout={dropout} "
             f"(config.attention_dropout={getattr(config, 'attention_dropout', None)}); set "
             f"config.attention_dropout=0.0 or {_SDPA_HINT}"
-        )
-    if softcap is not None:
-        raise ValueError(
-            f"attn_implementation='longctx' does not implement attention logit softcapping, got softcap={softcap}; "
-            "set config.attn_logit_softcapping=None (a different model) or use attn_implementation='eager'"
         )
     for name in ("s_aux", "sinks", "position_bias"):
         if kwargs.get(name) is not None:
@@ -318,6 +315,7 @@ def _run_varlen(
     causal: bool,
     window: int | None,
     scale: float | None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -332,7 +330,7 @@ def _run_varlen(
         )
     out = flash_attn_varlen_func(
         q_t, k_t, v_t, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k,
-        softmax_scale=scale, causal=causal, window_size=_window(window),
+        softmax_scale=scale, causal=causal, window_size=_window(window), softcap=softcap,
     )  # fmt: skip
     if meta.idx_q is not None:  # padded query rows stay 0
         out = out.new_zeros(B * Sq, Hq, out.shape[-1]).index_copy(0, meta.idx_q, out)
@@ -361,7 +359,7 @@ def longctx_attention_forward(
         dropout: must be 0.
         scaling: the softmax scale (default 1/sqrt(D)).
         sliding_window: the layer's window (transformers' convention); must agree with the mask's.
-        softcap: must be None.
+        softcap: attention logit softcapping (Gemma 2), None or 0 for none; not under context parallelism.
         is_causal: overrides ``module.is_causal`` when there is no mask.
         **kwargs: ``cu_seq_lens_q/k`` and ``max_length_q/k`` of packed batches; the rest is ignored.
 
@@ -371,7 +369,8 @@ def longctx_attention_forward(
     Raises:
         ValueError / TypeError: a feature longctx does not serve (see the module docstring), naming the alternative.
     """
-    _unsupported(module, dropout, softcap, kwargs)
+    _unsupported(module, dropout, kwargs)
+    cap = 0.0 if softcap is None else softcap
     if attention_mask is not None and not isinstance(attention_mask, LongctxMask):
         shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else None
         raise TypeError(
@@ -395,6 +394,11 @@ def longctx_attention_forward(
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     cp = getattr(module, "_longctx_context_parallel", None)
     if cp is not None:
+        if cap:
+            raise ValueError(
+                f"context parallelism does not implement attention logit softcapping, got softcap={softcap}; "
+                "run without context_parallel_group, or set config.attn_logit_softcapping=None (a different model)"
+            )
         return _cp_attention(cp, query, key, value, mask, kwargs, causal=causal, window=window, scale=scale), None
 
     meta = _varlen_kwargs(kwargs)
@@ -415,13 +419,15 @@ def longctx_attention_forward(
         if pos.dim() == 2 and pos.shape[-1] == query.shape[2]:
             meta = _varlen_from_positions(pos, query.shape[0])
     if meta is not None:
-        out = _run_varlen(query, key, value, meta, causal=causal, window=window, scale=scale)
+        out = _run_varlen(query, key, value, meta, causal=causal, window=window, scale=scale, softcap=cap)
         return out, None
     if window is not None and not causal:
         raise ValueError(
             f"attn_implementation='longctx' implements sliding windows for causal attention only; {_SDPA_HINT}"
         )
-    out = attention(query, key, value, causal=causal, window=_window(window) if window else None, scale=scale)
+    out = attention(
+        query, key, value, causal=causal, window=_window(window) if window else None, scale=scale, softcap=cap
+    )
     return out.transpose(1, 2), None  # (B, Sq, Hq, D)
 
 

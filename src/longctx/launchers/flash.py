@@ -19,6 +19,9 @@ read there); this module only applies them:
   the backends (`longctx.switches`) and arrives here as ``deterministic``.
 - float32 inputs compute their products in tf32 on the GPU (exact under the interpreter); the `triton` backend
   refuses them unless ``LONGCTX_TRITON_TF32=1``.
+- logit softcapping (``softcap > 0``, scores -> ``softcap * tanh(scores / softcap)``): the Triton kernels with
+  SOFTCAP set, forward and backward; the warp-specialised kernels do not implement it, so ``softcap != 0`` always
+  routes to the Triton kernels (`_score_scales` gives the kernels' two score factors).
 """
 
 from __future__ import annotations
@@ -265,7 +268,13 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def _forward_impl(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, lo: int | None, hi: int | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    lo: int | None,
+    hi: int | None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(q, k, v)
     B, Hq, Sq, D = q.shape  # q (B, Hq, Sq, D)
@@ -280,7 +289,8 @@ def _forward_impl(
         return out, lse
     bd = tuning.block_d(D)
     lo_i, hi_i, has_lo, has_hi = _band_args(Band(lo, hi))
-    ws_config = _ws_config(D, Sq, Sk, has_lo, has_hi) if _ws_ok(q, k, v) else None
+    # the warp-specialised forward has no softcap: softcap != 0 takes the Triton kernel
+    ws_config = _ws_config(D, Sq, Sk, has_lo, has_hi) if softcap == 0 and _ws_ok(q, k, v) else None
     if ws_config is not None:
         try:
             _forward_ws(q, k, v, out, lse, scale, lo_i, hi_i, has_lo, has_hi, ws_config)
@@ -301,6 +311,7 @@ def _forward_impl(
         desc_k, desc_v = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 16, bd]) for t in (k, v))
     elif use_tma:
         _set_tma_allocator()
+    qk_scale, softcap_scale = _score_scales(scale, softcap)
     _launch(
         "fwd",
         bd,
@@ -313,12 +324,14 @@ def _forward_impl(
             GROUP=Hq // Hkv,
             lo=lo_i,
             hi=hi_i,
-            qk_scale=float(scale) * _LOG2E,
+            qk_scale=qk_scale,
+            softcap_scale=softcap_scale,
             SEQ_BUCKET=tuning.seq_bucket(max(Sq, Sk)),
             HEAD_DIM=D,
             BLOCK_D=bd,
             HAS_LO=has_lo,
             HAS_HI=has_hi,
+            SOFTCAP=softcap != 0,
             LONGEST_FIRST=longest_first,
             DOT_PRECISION=_dot_precision(q.dtype),
             USE_TMA=use_tma,
@@ -386,6 +399,7 @@ def _backward_impl(
     hi: int | None,
     deterministic: bool = False,
     grad_dtype: torch.dtype | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check(q, k, v)
     B, Hq, Sq, D = q.shape
@@ -403,6 +417,7 @@ def _backward_impl(
     ws_config = None
     if (
         not deterministic
+        and softcap == 0  # the warp-specialised backward has no softcap: the Triton kernels take it
         and _ws_wanted("bwd") is not False
         and B * Hkv <= 65535  # the second grid dimension
         and _ws_inputs_ok(q, k, v, do)
@@ -410,19 +425,22 @@ def _backward_impl(
         ws_config = _ws_bwd_config(D)
     # the WS kernel loads each head's lse2 / Delta rows by TMA: 16-byte aligned rows, so padded to 4 floats
     delta, lse2 = bwd_preprocess(out, do, lse, dlse, bd, _cdiv(Sq, 4) * 4 if ws_config is not None else None)
+    qk_scale, softcap_scale = _score_scales(scale, softcap)
     common = dict(
         Sq=Sq,
         Sk=Sk,
         GROUP=Hq // Hkv,
         lo=lo_i,
         hi=hi_i,
-        qk_scale=float(scale) * _LOG2E,
+        qk_scale=qk_scale,
+        softcap_scale=softcap_scale,
         sm_scale=float(scale),
         SEQ_BUCKET=tuning.seq_bucket(max(Sq, Sk)),
         HEAD_DIM=D,
         BLOCK_D=bd,
         HAS_LO=has_lo,
         HAS_HI=has_hi,
+        SOFTCAP=softcap != 0,
         DOT_PRECISION=_dot_precision(q.dtype),
     )
     # dQ inside the dK/dV kernel (atomics) or by a separate kernel: `tuning.atomic_dq`; never when deterministic
@@ -476,7 +494,7 @@ def _backward_impl(
 
 
 def triton_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, band: Band
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, band: Band, softcap: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward with the Triton kernel; no autograd.
 
@@ -484,12 +502,13 @@ def triton_forward(
         q: (B, Hq, Sq, D); k, v: (B, Hkv, Sk, D), any strides (the (B, S, H, D) layout needs no copy).
         scale: multiplies q . k.
         band: `Band` (lo <= j - i <= hi), any integer bounds, e.g. ``band.shifted(delta)`` from a ring step.
+        softcap: if > 0, the scaled scores become ``softcap * tanh(scores / softcap)`` before the mask; 0 is off.
 
     Returns:
         out (B, Hq, Sq, D) in q's dtype and memory layout; lse (B, Hq, Sq) float32, natural log, -inf on
         rows that see no key (their output is 0).
     """
-    return _forward_impl(q, k, v, float(scale), band.lo, band.hi)
+    return _forward_impl(q, k, v, float(scale), band.lo, band.hi, float(softcap))
 
 
 def triton_backward(
@@ -505,6 +524,7 @@ def triton_backward(
     deterministic: bool = False,
     dlse: torch.Tensor | None = None,
     grad_dtype: torch.dtype | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward with the Triton kernels: ``(dq, dk, dv)`` in the input dtypes and layouts.
 
@@ -513,6 +533,8 @@ def triton_backward(
     ``deterministic=True`` uses a separate dQ kernel instead, without atomics (callers fold the user switch
     ``LONGCTX_DETERMINISTIC`` in: `longctx.switches`). ``grad_dtype`` (e.g. float32) writes the
     gradients in that dtype instead of the inputs': context parallelism sums per-block gradients and must not round
-    each one to bf16 first.
+    each one to bf16 first. ``softcap`` is the forward's (0: off).
     """
-    return _backward_impl(do, q, k, v, out, lse, dlse, float(scale), band.lo, band.hi, deterministic, grad_dtype)
+    return _backward_impl(
+        do, q, k, v, out, lse, dlse, float(scale), band.lo, band.hi, deterministic, grad_dtype, float(softcap)
+    )

@@ -15,6 +15,10 @@ configs: `longctx.tuning.sparse_ws_config`. Developer overrides
 (`longctx.tuning`, docs/tuning.md): ``sparse_ws`` / ``sparse_ws_bwd`` (False: the Triton kernels),
 ``sparse_tiles`` (forced Triton tiles), ``sparse_tma_in_interpreter``. The mask's block size must be a multiple of
 16 (tl.dot's minimum); the backend runs other block sizes on the plain-PyTorch path (`longctx.reference`).
+
+Logit softcapping (``softcap > 0``): the Triton kernels with SOFTCAP set (score factors from
+`launchers.flash._score_scales`); the Gluon kernels do not implement it, so ``softcap != 0`` routes to the Triton
+kernels.
 """
 
 from __future__ import annotations
@@ -298,7 +302,9 @@ def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale: float, targs: lis
     )  # fmt: skip
 
 
-def _forward_impl(q, k, v, scale: float, mt: tuple, meta: list) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_impl(
+    q, k, v, scale: float, mt: tuple, meta: list, softcap: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     _check(q, k, v, meta)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -309,7 +315,8 @@ def _forward_impl(q, k, v, scale: float, mt: tuple, meta: list) -> tuple[torch.T
         return out, lse
     bd = tuning.block_d(D)
     margs, mkw = _mask_args(mt, meta, B, Hq, transposed=False)
-    ws = _ws_config("fwd", B * Hq, mask_bs, q, k, v)
+    # the Gluon forward has no softcap: softcap != 0 takes the Triton kernel
+    ws = _ws_config("fwd", B * Hq, mask_bs, q, k, v) if softcap == 0 else None
     if ws is not None:
         try:
             _forward_ws(q, k, v, out, lse, scale, margs, mkw, mask_bs, ws)
@@ -320,6 +327,7 @@ def _forward_impl(q, k, v, scale: float, mt: tuple, meta: list) -> tuple[torch.T
     use_tma = min(Sq, Sk) >= 16 and _tma_ok(k, D, bd) and _tma_ok(v, D, bd)
     if use_tma:
         runtime._set_tma_allocator()
+    qk_scale, softcap_scale = _tf._score_scales(scale, softcap)
     _launch(
         "fwd",
         bd,
@@ -332,11 +340,13 @@ def _forward_impl(q, k, v, scale: float, mt: tuple, meta: list) -> tuple[torch.T
             Sq=Sq,
             Sk=Sk,
             GROUP=Hq // Hkv,
-            qk_scale=float(scale) * _LOG2E,
+            qk_scale=qk_scale,
+            softcap_scale=softcap_scale,
             SEQ_BUCKET=tuning.seq_bucket(max(Sq, Sk)),
             HEAD_DIM=D,
             BLOCK_D=bd,
             MASK_BS=mask_bs,
+            SOFTCAP=softcap != 0,
             EVEN_SK=Sk % mask_bs == 0,
             DOT_PRECISION=runtime._dot_precision(q.dtype),
             **mkw,
@@ -345,7 +355,9 @@ def _forward_impl(q, k, v, scale: float, mt: tuple, meta: list) -> tuple[torch.T
     return out, lse
 
 
-def _backward_impl(do, q, k, v, out, lse, dlse, scale: float, mt: tuple, meta: list, deterministic: bool = False):
+def _backward_impl(
+    do, q, k, v, out, lse, dlse, scale: float, mt: tuple, meta: list, deterministic: bool = False, softcap: float = 0.0
+):
     _check(q, k, v, meta)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -357,7 +369,8 @@ def _backward_impl(do, q, k, v, out, lse, dlse, scale: float, mt: tuple, meta: l
     if runtime._interpret():
         runtime._patch_interpreter_for_numpy2()
     nondet = not deterministic
-    ws = _ws_config("bwd", B * Hkv, mask_bs, q, k, v, do) if nondet else None
+    # the Gluon backward has no softcap: softcap != 0 takes the Triton kernels
+    ws = _ws_config("bwd", B * Hkv, mask_bs, q, k, v, do) if nondet and softcap == 0 else None
     # (B, Hq, Sq) each; for the warp-specialised kernel each head's rows padded to 4 floats (TMA alignment)
     delta, lse2 = _tf.bwd_preprocess(out, do, lse, dlse, bd, _cdiv(Sq, 4) * 4 if ws is not None else None)
     if ws is not None:
@@ -371,16 +384,19 @@ def _backward_impl(do, q, k, v, out, lse, dlse, scale: float, mt: tuple, meta: l
         else:
             dq.copy_(dqa)  # the kernel applied the scale
             return dq, dk, dv
+    qk_scale, softcap_scale = _tf._score_scales(scale, softcap)
     common = dict(
         Sq=Sq,
         Sk=Sk,
         GROUP=Hq // Hkv,
-        qk_scale=float(scale) * _LOG2E,
+        qk_scale=qk_scale,
+        softcap_scale=softcap_scale,
         sm_scale=float(scale),
         SEQ_BUCKET=tuning.seq_bucket(max(Sq, Sk)),
         HEAD_DIM=D,
         BLOCK_D=bd,
         MASK_BS=mask_bs,
+        SOFTCAP=softcap != 0,
         DOT_PRECISION=runtime._dot_precision(q.dtype),
     )
     # -- dK / dV: one kv tile per program over the transposed lists; then dQ: one query tile over the lists --
@@ -407,11 +423,12 @@ def _backward_impl(do, q, k, v, out, lse, dlse, scale: float, mt: tuple, meta: l
 
 
 def sparse_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, block_mask: BlockMask
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, block_mask: BlockMask, softcap: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-sparse forward: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), any strides -> out (q's layout), lse (B, Hq, Sq)."""
+    """Block-sparse forward: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), any strides -> out (q's layout), lse (B, Hq, Sq).
+    ``softcap > 0`` caps the scaled scores to ``softcap * tanh(scores / softcap)``."""
     block_mask.check_compatible(q, k)
-    return _forward_impl(q, k, v, float(scale), block_mask.kernel_tensors(), block_mask.kernel_meta())
+    return _forward_impl(q, k, v, float(scale), block_mask.kernel_tensors(), block_mask.kernel_meta(), float(softcap))
 
 
 def sparse_backward(
@@ -426,10 +443,11 @@ def sparse_backward(
     block_mask: BlockMask,
     dlse: torch.Tensor | None = None,
     deterministic: bool = False,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block-sparse backward: (dq, dk, dv) in the input dtypes and layouts. With ``deterministic`` (or
     ``LONGCTX_DETERMINISTIC=1``) bitwise repeatable (the Triton kernels, no atomics); else the warp-specialised
-    kernels may run, which add dQ by a bulk reduction in no fixed order."""
+    kernels may run, which add dQ by a bulk reduction in no fixed order. ``softcap``: the forward's (0: off)."""
     block_mask.check_compatible(q, k)
     mt, meta = block_mask.kernel_tensors(), block_mask.kernel_meta()
-    return _backward_impl(do, q, k, v, out, lse, dlse, float(scale), mt, meta, deterministic)
+    return _backward_impl(do, q, k, v, out, lse, dlse, float(scale), mt, meta, deterministic, float(softcap))

@@ -1,5 +1,7 @@
 """The dense Triton attention as `torch.library` ops with autograd: ``torch.ops.longctx.triton_attn_fwd`` /
-``triton_attn_bwd`` (fake implementations included, so `torch.compile` traces through them) and `triton_attention`."""
+``triton_attn_bwd`` (fake implementations included, so `torch.compile` traces through them) and `triton_attention`.
+
+``softcap`` (0: off) caps the scaled scores to ``softcap * tanh(scores / softcap)`` in the forward and the backward."""
 
 from __future__ import annotations
 
@@ -13,40 +15,41 @@ __all__ = ["triton_attention"]
 # -- torch.library registration --
 
 _FWD_SCHEMA = (
-    "(Tensor q, Tensor k, Tensor v, float scale, SymInt? lo, SymInt? hi, bool deterministic=False) -> (Tensor, Tensor)"
+    "(Tensor q, Tensor k, Tensor v, float scale, SymInt? lo, SymInt? hi, bool deterministic=False, "
+    "float softcap=0.0) -> (Tensor, Tensor)"
 )
 _BWD_SCHEMA = (
     "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float scale, "
-    "SymInt? lo, SymInt? hi, bool deterministic=False) -> (Tensor, Tensor, Tensor)"
+    "SymInt? lo, SymInt? hi, bool deterministic=False, float softcap=0.0) -> (Tensor, Tensor, Tensor)"
 )
 
 
 @torch.library.custom_op("longctx::triton_attn_fwd", mutates_args=(), schema=_FWD_SCHEMA)
-def _attn_fwd_op(q, k, v, scale, lo, hi, deterministic=False):
-    return _forward_impl(q, k, v, scale, lo, hi)
+def _attn_fwd_op(q, k, v, scale, lo, hi, deterministic=False, softcap=0.0):
+    return _forward_impl(q, k, v, scale, lo, hi, softcap)
 
 
 @_attn_fwd_op.register_fake
-def _(q, k, v, scale, lo, hi, deterministic=False):
+def _(q, k, v, scale, lo, hi, deterministic=False, softcap=0.0):
     B, Hq, Sq, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("longctx::triton_attn_bwd", mutates_args=(), schema=_BWD_SCHEMA)
-def _attn_bwd_op(do, q, k, v, out, lse, dlse, scale, lo, hi, deterministic=False):
-    return _backward_impl(do, q, k, v, out, lse, dlse, scale, lo, hi, deterministic)
+def _attn_bwd_op(do, q, k, v, out, lse, dlse, scale, lo, hi, deterministic=False, softcap=0.0):
+    return _backward_impl(do, q, k, v, out, lse, dlse, scale, lo, hi, deterministic, softcap=softcap)
 
 
 @_attn_bwd_op.register_fake
-def _(do, q, k, v, out, lse, dlse, scale, lo, hi, deterministic=False):
+def _(do, q, k, v, out, lse, dlse, scale, lo, hi, deterministic=False, softcap=0.0):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, lo, hi, deterministic = inputs
+    q, k, v, scale, lo, hi, deterministic, softcap = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.scale, ctx.lo, ctx.hi, ctx.deterministic = scale, lo, hi, deterministic
+    ctx.scale, ctx.lo, ctx.hi, ctx.deterministic, ctx.softcap = scale, lo, hi, deterministic, softcap
 
 
 def _backward(ctx, dout, dlse):
@@ -54,19 +57,29 @@ def _backward(ctx, dout, dlse):
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.longctx.triton_attn_bwd(
-        dout, q, k, v, out, lse, dlse, ctx.scale, ctx.lo, ctx.hi, ctx.deterministic
+        dout, q, k, v, out, lse, dlse, ctx.scale, ctx.lo, ctx.hi, ctx.deterministic, ctx.softcap
     )
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 _attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def triton_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, band: Band, deterministic: bool = False
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    band: Band,
+    deterministic: bool = False,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable ``(out, lse)`` through the registered op (traceable by torch.compile).
 
-    ``deterministic`` selects the backward without atomics (see `triton_backward`).
+    ``deterministic`` selects the backward without atomics (see `triton_backward`); ``softcap > 0`` caps the scaled
+    scores to ``softcap * tanh(scores / softcap)``.
     """
-    return torch.ops.longctx.triton_attn_fwd(q, k, v, float(scale), band.lo, band.hi, bool(deterministic))
+    return torch.ops.longctx.triton_attn_fwd(
+        q, k, v, float(scale), band.lo, band.hi, bool(deterministic), float(softcap)
+    )

@@ -1,5 +1,7 @@
 """The block-sparse Triton attention as `torch.library` ops with autograd: ``torch.ops.longctx.triton_sparse_fwd`` /
-``triton_sparse_bwd`` and `triton_sparse_attention` (which unpacks a `BlockMask` into the ops' arguments)."""
+``triton_sparse_bwd`` and `triton_sparse_attention` (which unpacks a `BlockMask` into the ops' arguments).
+
+``softcap`` (0: off) caps the scaled scores to ``softcap * tanh(scores / softcap)`` in the forward and the backward."""
 
 from __future__ import annotations
 
@@ -13,40 +15,41 @@ __all__ = ["triton_sparse_attention"]
 # -- torch.library registration: the mask travels as its tensors and ints (a BlockMask is not an op argument) --
 
 _FWD_SCHEMA = (
-    "(Tensor q, Tensor k, Tensor v, float scale, Tensor[] mask, int[] meta, bool deterministic) -> (Tensor, Tensor)"
+    "(Tensor q, Tensor k, Tensor v, float scale, Tensor[] mask, int[] meta, bool deterministic, "
+    "float softcap) -> (Tensor, Tensor)"
 )
 _BWD_SCHEMA = (
     "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float scale, Tensor[] mask, "
-    "int[] meta, bool deterministic) -> (Tensor, Tensor, Tensor)"
+    "int[] meta, bool deterministic, float softcap) -> (Tensor, Tensor, Tensor)"
 )
 
 
 @torch.library.custom_op("longctx::triton_sparse_fwd", mutates_args=(), schema=_FWD_SCHEMA)
-def _sparse_fwd_op(q, k, v, scale, mask, meta, deterministic):
-    return _forward_impl(q, k, v, scale, tuple(mask), list(meta))
+def _sparse_fwd_op(q, k, v, scale, mask, meta, deterministic, softcap=0.0):
+    return _forward_impl(q, k, v, scale, tuple(mask), list(meta), softcap)
 
 
 @_sparse_fwd_op.register_fake
-def _(q, k, v, scale, mask, meta, deterministic):
+def _(q, k, v, scale, mask, meta, deterministic, softcap=0.0):
     B, Hq, Sq, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("longctx::triton_sparse_bwd", mutates_args=(), schema=_BWD_SCHEMA)
-def _sparse_bwd_op(do, q, k, v, out, lse, dlse, scale, mask, meta, deterministic):
-    return _backward_impl(do, q, k, v, out, lse, dlse, scale, tuple(mask), list(meta), deterministic)
+def _sparse_bwd_op(do, q, k, v, out, lse, dlse, scale, mask, meta, deterministic, softcap=0.0):
+    return _backward_impl(do, q, k, v, out, lse, dlse, scale, tuple(mask), list(meta), deterministic, softcap)
 
 
 @_sparse_bwd_op.register_fake
-def _(do, q, k, v, out, lse, dlse, scale, mask, meta, deterministic):
+def _(do, q, k, v, out, lse, dlse, scale, mask, meta, deterministic, softcap=0.0):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, mask, meta, deterministic = inputs
+    q, k, v, scale, mask, meta, deterministic, softcap = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, *mask)
-    ctx.scale, ctx.meta, ctx.deterministic = scale, meta, deterministic
+    ctx.scale, ctx.meta, ctx.deterministic, ctx.softcap = scale, meta, deterministic, softcap
 
 
 def _backward(ctx, dout, dlse):
@@ -54,9 +57,9 @@ def _backward(ctx, dout, dlse):
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.longctx.triton_sparse_bwd(
-        dout, q, k, v, out, lse, dlse, ctx.scale, mask, ctx.meta, ctx.deterministic
+        dout, q, k, v, out, lse, dlse, ctx.scale, mask, ctx.meta, ctx.deterministic, ctx.softcap
     )
-    return dq, dk, dv, None, [None] * len(mask), None, None
+    return dq, dk, dv, None, [None] * len(mask), None, None, None
 
 
 _sparse_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -70,9 +73,13 @@ def triton_sparse_attention(
     scale: float,
     block_mask: BlockMask,
     deterministic: bool = False,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable block-sparse attention on the Triton kernels: ``(out, lse)``, through the registered op
-    ``torch.ops.longctx.triton_sparse_fwd`` (traceable by torch.compile, no graph break)."""
+    ``torch.ops.longctx.triton_sparse_fwd`` (traceable by torch.compile, no graph break); ``softcap > 0`` caps the
+    scaled scores to ``softcap * tanh(scores / softcap)``."""
     block_mask.check_compatible(q, k)
     mt, meta = block_mask.kernel_tensors(), block_mask.kernel_meta()
-    return torch.ops.longctx.triton_sparse_fwd(q, k, v, float(scale), list(mt), meta, bool(deterministic))
+    return torch.ops.longctx.triton_sparse_fwd(
+        q, k, v, float(scale), list(mt), meta, bool(deterministic), float(softcap)
+    )

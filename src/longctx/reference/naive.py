@@ -2,7 +2,8 @@
 
 It is the oracle the tests trust, so it is written to be obviously right rather than fast: GQA by
 indexing the kv head of each query head (a broadcast view, no copy of K/V), the mask from `Band`,
-softmax through an explicit log-sum-exp so that fully masked rows give output 0 and lse -inf.
+softmax through an explicit log-sum-exp so that fully masked rows give output 0 and lse -inf. With
+``softcap > 0`` the scaled scores are capped, ``s -> softcap * tanh(s / softcap)`` (Gemma 2), before masking.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def naive_attention(
     band: Band = Band(),
     mask: torch.Tensor | None = None,
     upcast: torch.dtype | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense attention returning ``(out, lse)``; differentiable through plain autograd.
 
@@ -34,6 +36,8 @@ def naive_attention(
         mask: optional extra boolean mask broadcastable to (B, Hq, Sq, Sk), True = visible.
         upcast: compute in this dtype (float64 for the oracle); default float32, or float64 for
             float64 inputs.
+        softcap: if > 0, the scaled scores become ``softcap * tanh(scale * q.k / softcap)`` before the mask
+            and the softmax; 0 leaves them as they are.
 
     Returns:
         out (B, Hq, Sq, D) in q's dtype, or in ``upcast`` when given; lse (B, Hq, Sq) in the compute
@@ -48,6 +52,8 @@ def naive_attention(
     k5 = k.to(cdt).unsqueeze(2)  # (B, Hkv, 1, Sk, D)
     v5 = v.to(cdt).unsqueeze(2)
     s = torch.matmul(q5, k5.transpose(-1, -2)) * scale  # (B, Hkv, group, Sq, Sk)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
     keep = band.mask(0, Sq, 0, Sk, device=q.device)
     if mask is not None:
         m = mask.to(torch.bool).expand(B, Hq, Sq, Sk).reshape(B, Hkv, group, Sq, Sk)

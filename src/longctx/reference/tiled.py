@@ -19,6 +19,9 @@ backward (only q, k, v, out and lse were saved), with Delta = rowsum(dO * O):
     dV_j += P^T dO_i ;  dP = dO_i V_j^T ;  dS = P * (dP - Delta_i)
     dQ_i += dS K_j * scale ;  dK_j += dS^T Q_i * scale
 
+Logit softcapping (Gemma 2, ``softcap > 0``): S is replaced by ``softcap * tanh(S / softcap)`` before the mask;
+the backward multiplies dS by the derivative of the cap, ``1 - tanh(S / softcap)^2``, before dQ and dK.
+
 Peak memory is O(S * D) plus one tile of scores: linear in the sequence length. GQA shares a kv head
 between the query heads of a group through broadcasting; K/V are never repeated in memory. Arithmetic is in
 float32 (float64 for float64 inputs) whatever the input dtype.
@@ -43,6 +46,14 @@ def _tiles(n: int, block: int) -> list[tuple[int, int]]:
     return [(s, min(s + block, n)) for s in range(0, n, block)]
 
 
+def softcap_scores(s: torch.Tensor, softcap: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(softcap * tanh(s / softcap), tanh(s / softcap))`` for softcap > 0; ``(s, None)`` for softcap == 0."""
+    if softcap <= 0:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return softcap * t, t
+
+
 def tiled_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -53,6 +64,7 @@ def tiled_forward(
     block_q: int = DEFAULT_BLOCK,
     block_k: int = DEFAULT_BLOCK,
     stats: dict | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled forward following the launcher contract (`longctx.ops`).
 
@@ -62,6 +74,7 @@ def tiled_forward(
         band: mask band (`longctx.masks.Band`); tiles it removes entirely are skipped.
         block_q, block_k: tile sizes.
         stats: if a dict is given, ``stats["tiles"]`` / ``stats["tiles_total"]`` count computed and total tiles.
+        softcap: if > 0, scores are capped to ``softcap * tanh(scores / softcap)`` before the mask.
 
     Returns:
         out (B, Hq, Sq, D) in q.dtype and lse (B, Hq, Sq) in float32 (float64 for float64 inputs).
@@ -88,6 +101,7 @@ def tiled_forward(
             computed += 1
             # -- scores --
             s = torch.matmul(q_t, k4[:, :, :, ks:ke].to(cdt).transpose(-1, -2)) * scale  # (B,Hkv,G,bq,bk)
+            s = softcap_scores(s, softcap)[0]
             if kind is TileKind.PARTIAL:  # boundary tile: mask per element
                 s = s.masked_fill(~band.mask(qs, qe, ks, ke, device=q.device), float("-inf"))
             # -- online softmax update --
@@ -123,6 +137,7 @@ def tiled_backward(
     block_q: int = DEFAULT_BLOCK,
     block_k: int = DEFAULT_BLOCK,
     grad_dtype: torch.dtype | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tiled backward following the launcher contract: recomputes P from q, k and lse.
 
@@ -132,6 +147,7 @@ def tiled_backward(
             several partial attentions, as in ring attention: the gradients are then this block's share).
         dlse: optional (B, Hq, Sq) gradient of lse (d lse / d S = P, so it enters as ``Delta - dlse``).
         grad_dtype: dtype of the returned gradients (default: the input dtype).
+        softcap: the forward's softcap (0: none).
 
     Returns:
         dq (B, Hq, Sq, D), dk, dv (B, Hkv, Sk, D).
@@ -168,6 +184,7 @@ def tiled_backward(
             do_t = do5[:, :, :, qs:qe].to(cdt)
             # -- recompute probabilities --
             s = torch.matmul(q_t, k_t.transpose(-1, -2)) * scale  # (B, Hkv, G, bq, bk)
+            s, t = softcap_scores(s, softcap)
             if kind is TileKind.PARTIAL:
                 s = s.masked_fill(~band.mask(qs, qe, ks, ke, device=q.device), float("-inf"))
             p = torch.exp(s - lse_safe[:, :, :, qs:qe].unsqueeze(-1))
@@ -175,6 +192,8 @@ def tiled_backward(
             dv_t += torch.matmul(p.transpose(-1, -2), do_t).sum(dim=2)
             dp = torch.matmul(do_t, v_t.transpose(-1, -2))
             ds = p * (dp - delta[:, :, :, qs:qe].unsqueeze(-1))
+            if t is not None:  # chain rule through the cap: d(softcap * tanh(x / softcap))/dx = 1 - tanh^2
+                ds = ds * (1 - t * t)
             dq[:, :, :, qs:qe] += torch.matmul(ds, k_t) * scale
             dk_t += torch.matmul(ds.transpose(-1, -2), q_t).sum(dim=2) * scale
         dk[:, :, ks:ke] = dk_t
@@ -186,10 +205,10 @@ class TiledAttention(torch.autograd.Function):
     """Autograd for the tiled backend: saves only q, k, v, out and lse; the backward recomputes."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, band: Band, block_q: int, block_k: int):
-        out, lse = tiled_forward(q, k, v, scale=scale, band=band, block_q=block_q, block_k=block_k)
+    def forward(ctx, q, k, v, scale: float, band: Band, block_q: int, block_k: int, softcap: float = 0.0):
+        out, lse = tiled_forward(q, k, v, scale=scale, band=band, block_q=block_q, block_k=block_k, softcap=softcap)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.band, ctx.block_q, ctx.block_k = scale, band, block_q, block_k
+        ctx.scale, ctx.band, ctx.block_q, ctx.block_k, ctx.softcap = scale, band, block_q, block_k, softcap
         return out, lse
 
     @staticmethod
@@ -209,8 +228,9 @@ class TiledAttention(torch.autograd.Function):
             dlse=dlse,
             block_q=ctx.block_q,
             block_k=ctx.block_k,
+            softcap=ctx.softcap,
         )
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def tiled_attention(
@@ -222,6 +242,8 @@ def tiled_attention(
     band: Band = Band(),
     block_q: int = DEFAULT_BLOCK,
     block_k: int = DEFAULT_BLOCK,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable tiled attention (in q, k, v, and through lse): ``(out, lse)``."""
-    return TiledAttention.apply(q, k, v, scale, band, block_q, block_k)
+    """Differentiable tiled attention (in q, k, v, and through lse): ``(out, lse)``; ``softcap > 0`` caps the scaled
+    scores to ``softcap * tanh(scores / softcap)``."""
+    return TiledAttention.apply(q, k, v, scale, band, block_q, block_k, float(softcap))

@@ -10,6 +10,8 @@ The FlashAttention algorithm of `longctx.reference.tiled`, walking only the bloc
 Work is proportional to the number of kept blocks. When the mask broadcasts over heads (Hm == 1) all query
 heads of a batch are processed together (GQA through a broadcast view of K/V, never a copy); per-head masks
 go head by head. A ``band`` (causal=/window= given together with the block mask) is intersected with it.
+``softcap > 0`` caps the scaled scores, ``S -> softcap * tanh(S / softcap)``, before the element mask; the backward
+multiplies dS by ``1 - tanh(S / softcap)^2``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from longctx.masks import Band, BlockMask, TileKind
+from longctx.reference.tiled import softcap_scores
 
 __all__ = ["tiled_block_sparse", "block_sparse_forward", "block_sparse_backward"]
 
@@ -69,7 +72,14 @@ def _element_mask(bm: BlockMask, band: Band, bb, hh, qb, kb, qs, qe, ks, ke, par
 
 
 def block_sparse_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, band: Band, block_mask: BlockMask
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    band: Band,
+    block_mask: BlockMask,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher contract: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) -> out (B, Hq, Sq, D), lse (B, Hq, Sq)."""
     bm = block_mask
@@ -99,6 +109,7 @@ def block_sparse_forward(
                     continue
                 # -- scores; the element mask only on partial blocks --
                 s = torch.matmul(q_t, k4[:, :, ks:ke].to(cdt).transpose(-1, -2)) * scale
+                s = softcap_scores(s, softcap)[0]
                 if mask is not None:
                     s = s.masked_fill(~mask, ninf)
                 # -- online softmax update --
@@ -129,6 +140,7 @@ def block_sparse_backward(
     band: Band,
     block_mask: BlockMask,
     dlse: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recomputing backward over the transposed block lists: (dq, dk, dv) in the input dtype."""
     bm = block_mask
@@ -171,6 +183,7 @@ def block_sparse_backward(
                 do_t = do5[:, :, qs:qe].to(cdt)
                 # -- recompute the probabilities --
                 s = torch.matmul(q_t, k_t.transpose(-1, -2)) * scale
+                s, t = softcap_scores(s, softcap)
                 if mask is not None:
                     s = s.masked_fill(~mask, float("-inf"))
                 p = torch.exp(s - l5[:, :, qs:qe].unsqueeze(-1))
@@ -178,6 +191,8 @@ def block_sparse_backward(
                 dv_t += torch.matmul(p.transpose(-1, -2), do_t).sum(1)
                 dp = torch.matmul(do_t, v_t.transpose(-1, -2))
                 ds = p * (dp - d5[:, :, qs:qe].unsqueeze(-1))
+                if t is not None:  # chain rule through the cap
+                    ds = ds * (1 - t * t)
                 dq5[:, :, qs:qe] += torch.matmul(ds, k_t) * scale
                 dk_t += torch.matmul(ds.transpose(-1, -2), q_t).sum(1) * scale
             dk[b, kv_h, ks:ke] += dk_t
@@ -189,10 +204,10 @@ class TiledBlockSparse(torch.autograd.Function):
     """Saves q, k, v, out, lse (and the mask object); the backward walks the transposed lists."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, band: Band, bm: BlockMask):
-        out, lse = block_sparse_forward(q, k, v, scale=scale, band=band, block_mask=bm)
+    def forward(ctx, q, k, v, scale: float, band: Band, bm: BlockMask, softcap: float = 0.0):
+        out, lse = block_sparse_forward(q, k, v, scale=scale, band=band, block_mask=bm, softcap=softcap)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.band, ctx.bm = scale, band, bm
+        ctx.scale, ctx.band, ctx.bm, ctx.softcap = scale, band, bm, softcap
         return out, lse
 
     @staticmethod
@@ -201,13 +216,20 @@ class TiledBlockSparse(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = block_sparse_backward(
-            dout, q, k, v, out, lse, scale=ctx.scale, band=ctx.band, block_mask=ctx.bm, dlse=dlse
+            dout, q, k, v, out, lse, scale=ctx.scale, band=ctx.band, block_mask=ctx.bm, dlse=dlse, softcap=ctx.softcap
         )
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def tiled_block_sparse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, band: Band, block_mask: BlockMask
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    band: Band,
+    block_mask: BlockMask,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable block-sparse attention in plain PyTorch: ``(out, lse)``."""
-    return TiledBlockSparse.apply(q, k, v, scale, band, block_mask)
+    """Differentiable block-sparse attention in plain PyTorch: ``(out, lse)``; ``softcap > 0`` caps the scores."""
+    return TiledBlockSparse.apply(q, k, v, scale, band, block_mask, float(softcap))

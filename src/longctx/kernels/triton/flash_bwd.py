@@ -7,6 +7,12 @@ recomputed as ``p = exp2(s2 - lse2)``; then
 
 with ``Delta = rowsum(dO * O)``.
 
+Logit softcapping (SOFTCAP): the scores are ``softcap * tanh(x / softcap)`` of x = scale * q.k. The kernels
+recompute ``t = tanh(q.k * softcap_scale)`` (softcap_scale = scale / softcap) from the raw q.k, take the
+probabilities from the capped scores (``p = exp2(t * qk_scale - lse2)``, qk_scale = softcap * log2(e)), and
+multiply dS by the derivative of the cap, ``1 - t^2``, before dQ and dK (which carry the softmax scale as
+without SOFTCAP). With SOFTCAP off (the default) the compiled code has no trace of it.
+
 - `bwd_preprocess_kernel` computes Delta and lse2 once per query row. Rows that see no key (lse = -inf)
   get lse2 = +inf, so ``exp2(s2 - lse2) = 0`` there and their gradients vanish without a branch.
 - `bwd_dkdv_kernel`: one program per kv tile of one kv head; it loops over the GROUP query heads that share
@@ -22,7 +28,7 @@ with ``Delta = rowsum(dO * O)``.
 import triton
 import triton.language as tl
 
-from longctx.kernels.triton.flash_fwd import _tile_ranges
+from longctx.kernels.triton.flash_fwd import _tanh, _tile_ranges
 
 # fmt: off
 
@@ -74,7 +80,7 @@ def _dkdv_inner(
     offs_n, offs_d, start, end, Sq, lo, hi, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, softcap_scale, SOFTCAP: tl.constexpr,
 ):
     """Query tiles [start, end) against one kv tile; MASKED applies the band and the ragged end of Sq."""
     offs_mb = tl.arange(0, BLOCK_M)
@@ -105,6 +111,10 @@ def _dkdv_inner(
             delta = tl.load(DELTA_bh + offs_m)
         # -- recompute P^T (BLOCK_N, BLOCK_M) from the stored lse --
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            # the capped scores from the raw ones: t = tanh(scale * q.k / softcap), kept for the chain rule
+            tT = _tanh(qkT * softcap_scale)
+            qkT = tT
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
         if MASKED:
             diff = offs_n[:, None] - offs_m[None, :]  # j - i
@@ -124,7 +134,10 @@ def _dkdv_inner(
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         # -- dP^T = V dO^T, dS^T = P^T * (dP^T - Delta) --
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)  # through the cap: d(softcap * tanh(x / softcap)) / dx = 1 - t^2
+        dsT = dsT.to(q.dtype)
         # -- dK += dS^T Q (scale applied once at the end) --
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
         if ATOMIC_DQ:
@@ -155,18 +168,18 @@ def bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_dqab, stride_dqah, stride_dqam,
-    Hq, Hkv, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale,
+    Hq, Hkv, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale, softcap_scale,
     SEQ_BUCKET,  # autotune key only (length bucket)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr = False, DQ_TMA: tl.constexpr = False,
+    ATOMIC_DQ: tl.constexpr = False, DQ_TMA: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     """Grid: (B * Hkv, cdiv(Sk, BLOCK_N)). Writes dK and dV of one kv tile, summed over its query heads.
 
     With ATOMIC_DQ it also adds scale dS K into DQA, a (B, Hq, Sq, D) float32 accumulator (unit stride on D);
     DQ_TMA (with ATOMIC_DQ) does each tile's addition as one TMA reduce (cp.reduce.async.bulk.tensor) through
-    a tensor descriptor.
+    a tensor descriptor. SOFTCAP: the logit softcap (module docstring; qk_scale and softcap_scale as the forward's).
     """
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -200,15 +213,18 @@ def bwd_dkdv_kernel(
         dk, dv = _dkdv_inner(dk, dv, k, v, Q_bh, DO_bh, LSE2 + row0, DELTA + row0, DQA_bh, desc_dqa,
                              stride_qm, stride_qd, stride_dom, stride_dod, stride_dqam,
                              offs_n, offs_d, q_lo, full_lo, Sq, lo, hi, qk_scale, sm_scale,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LO, HAS_HI, DOT_PRECISION, ATOMIC_DQ, DQ_TMA)
+                             HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LO, HAS_HI, DOT_PRECISION, ATOMIC_DQ, DQ_TMA,
+                             softcap_scale, SOFTCAP)
         dk, dv = _dkdv_inner(dk, dv, k, v, Q_bh, DO_bh, LSE2 + row0, DELTA + row0, DQA_bh, desc_dqa,
                              stride_qm, stride_qd, stride_dom, stride_dod, stride_dqam,
                              offs_n, offs_d, full_lo, full_hi, Sq, lo, hi, qk_scale, sm_scale,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LO, HAS_HI, DOT_PRECISION, ATOMIC_DQ, DQ_TMA)
+                             HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LO, HAS_HI, DOT_PRECISION, ATOMIC_DQ, DQ_TMA,
+                             softcap_scale, SOFTCAP)
         dk, dv = _dkdv_inner(dk, dv, k, v, Q_bh, DO_bh, LSE2 + row0, DELTA + row0, DQA_bh, desc_dqa,
                              stride_qm, stride_qd, stride_dom, stride_dod, stride_dqam,
                              offs_n, offs_d, full_hi, q_end, Sq, lo, hi, qk_scale, sm_scale,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LO, HAS_HI, DOT_PRECISION, ATOMIC_DQ, DQ_TMA)
+                             HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LO, HAS_HI, DOT_PRECISION, ATOMIC_DQ, DQ_TMA,
+                             softcap_scale, SOFTCAP)
     # epilogue: dK carries the softmax scale (s = scale * q.k); dV does not
     dk = dk * sm_scale
     DK_bh = DK + off_b.to(tl.int64) * stride_dkb + off_kvh.to(tl.int64) * stride_dkh
@@ -224,6 +240,7 @@ def _dq_inner(
     offs_m, offs_d, start, end, Sk, lo, hi, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    softcap_scale, SOFTCAP: tl.constexpr,
 ):
     """Key tiles [start, end) of one query tile for dQ; MASKED applies the band and the ragged end of Sk."""
     offs_nb = tl.arange(0, BLOCK_N)
@@ -245,6 +262,9 @@ def _dq_inner(
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            t = _tanh(qk * softcap_scale)  # the capped scores from the raw ones, kept for the chain rule
+            qk = t
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
             cols = start_n + offs_nb
@@ -257,6 +277,8 @@ def _dq_inner(
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)  # through the cap
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
@@ -269,14 +291,15 @@ def bwd_dq_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    Hq, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale,
+    Hq, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale, softcap_scale,
     SEQ_BUCKET,  # autotune key only (length bucket)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr = False,
 ):
-    """Grid: (B * Hq, cdiv(Sq, BLOCK_M)). Writes dQ of one query tile (the deterministic path)."""
+    """Grid: (B * Hq, cdiv(Sq, BLOCK_M)). Writes dQ of one query tile (the deterministic path); SOFTCAP as in
+    `bwd_dkdv_kernel`."""
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     if LONGEST_FIRST:
@@ -304,13 +327,13 @@ def bwd_dq_kernel(
     k_lo, full_lo, full_hi, k_end = _tile_ranges(start_m, row_last, Sk, lo, hi, HAS_LO, HAS_HI, BLOCK_N)
     dq = _dq_inner(dq, q, do, lse2, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
                    offs_m, offs_d, k_lo, full_lo, Sk, lo, hi, qk_scale,
-                   HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION)
+                   HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, softcap_scale, SOFTCAP)
     dq = _dq_inner(dq, q, do, lse2, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
                    offs_m, offs_d, full_lo, full_hi, Sk, lo, hi, qk_scale,
-                   HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LO, HAS_HI, DOT_PRECISION)
+                   HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LO, HAS_HI, DOT_PRECISION, softcap_scale, SOFTCAP)
     dq = _dq_inner(dq, q, do, lse2, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
                    offs_m, offs_d, full_hi, k_end, Sk, lo, hi, qk_scale,
-                   HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION)
+                   HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, softcap_scale, SOFTCAP)
     dq = dq * sm_scale
     DQ_bh = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
     tl.store(DQ_bh + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :] * stride_dqd,

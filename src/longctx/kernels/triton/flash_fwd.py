@@ -19,6 +19,12 @@ Scores are kept in base 2: ``s2 = (q . k) * scale * log2(e)`` and exp2 replaces 
 the log-sum-exp are therefore in base 2 inside the kernel; the lse is converted to natural log (times
 ln 2) once, in the epilogue, before it is stored.
 
+Logit softcapping (SOFTCAP, Gemma 2): the scaled scores become ``softcap * tanh(scale * q.k / softcap)`` before
+the mask. The launcher passes ``softcap_scale = scale / softcap`` and ``qk_scale = softcap * log2(e)``, and the
+kernel replaces q.k by ``tanh(q.k * softcap_scale)`` right after the dot: the cap applies in natural units, and the
+one multiplication by qk_scale that follows turns the capped score into base 2, as without SOFTCAP. With SOFTCAP
+off (the default) the compiled code has no trace of it.
+
 GQA/MQA: query head h reads kv head ``h // GROUP``; K and V are never repeated in memory.
 Strides are passed for every tensor, so views such as the (B, S, H, D) layout need no copy.
 """
@@ -31,6 +37,15 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _tanh(x):
+    """tanh in float32 through exp2: (1 - e) / (1 + e) with e = exp(-2|x|), then the sign of x. No overflow for any
+    x (e is in (0, 1]), exactly 0 at 0; runs compiled and under the interpreter (libdevice's tanh does not)."""
+    e = tl.math.exp2(-2.8853900817779268 * tl.abs(x))  # 2 * log2(e)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
 
 
 @triton.jit
@@ -85,7 +100,7 @@ def _fwd_inner(
     offs_m, offs_d, start, end, Sk, lo, hi, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, TMA_HOST: tl.constexpr = False,
+    USE_TMA: tl.constexpr, TMA_HOST: tl.constexpr = False, softcap_scale=0.0, SOFTCAP: tl.constexpr = False,
 ):
     """Key tiles [start, end) of one query tile; MASKED applies the band and the ragged end of Sk."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -110,6 +125,9 @@ def _fwd_inner(
             k = tl.load(k_ptrs)
         # -- scores (base 2) --
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            # logit softcap: q.k -> tanh(scale * q.k / softcap); times qk_scale = softcap * log2(e) below
+            qk = _tanh(qk * softcap_scale)
         if MASKED:
             # boundary tile: the band and the ragged end of Sk, element by element
             cols = start_n + offs_n
@@ -148,7 +166,7 @@ def _fwd_inner(
 @triton.jit
 def _fwd_full_pipelined(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_kvh, start, end, qk_scale,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        TMA_HOST: tl.constexpr = False):
+                        TMA_HOST: tl.constexpr = False, softcap_scale=0.0, SOFTCAP: tl.constexpr = False):
     """The unmasked run, software-pipelined by hand: the scores of tile j+1 are issued (async wgmma) before
     the softmax of tile j, so the tensor cores can work while the exp2 units do (FlashAttention-3's
     intra-warpgroup overlap, as far as Triton's scheduler follows it). Needs TMA descriptors; [start, end)
@@ -162,18 +180,21 @@ def _fwd_full_pipelined(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_kvh, start,
             qk_next = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             # -- online softmax of the previous tile while qk_next is in flight --
             acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, qk_scale, desc_v, off_b, off_kvh, start_n - BLOCK_N,
-                                        BLOCK_N, BLOCK_D, DOT_PRECISION, TMA_HOST)
+                                        BLOCK_N, BLOCK_D, DOT_PRECISION, TMA_HOST, softcap_scale, SOFTCAP)
             qk = qk_next
         # -- the last tile of the run --
         acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, qk_scale, desc_v, off_b, off_kvh, end - BLOCK_N,
-                                    BLOCK_N, BLOCK_D, DOT_PRECISION, TMA_HOST)
+                                    BLOCK_N, BLOCK_D, DOT_PRECISION, TMA_HOST, softcap_scale, SOFTCAP)
     return acc, l_i, m_i
 
 
 @triton.jit
 def _softmax_pv(acc, l_i, m_i, qk, qk_scale, desc_v, off_b, off_kvh, start_n, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_HOST: tl.constexpr):
+                BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_HOST: tl.constexpr,
+                softcap_scale, SOFTCAP: tl.constexpr):
     """Online softmax of one unmasked tile's scores, then acc += P V (V through its tensor descriptor)."""
+    if SOFTCAP:
+        qk = _tanh(qk * softcap_scale)  # the logit softcap (see the module docstring)
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     p = tl.math.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
@@ -192,13 +213,14 @@ def attn_fwd_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    Hq, Sq, Sk, GROUP, lo, hi, qk_scale,
+    Hq, Sq, Sk, GROUP, lo, hi, qk_scale, softcap_scale,
     SEQ_BUCKET,  # autotune key only (length bucket)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LONGEST_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr = False, PIPE_QK: tl.constexpr = False, TMA_HOST: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     """Grid: (B * Hq, cdiv(Sq, BLOCK_M)) with LONGEST_FIRST, else (cdiv(Sq, BLOCK_M), B * Hq).
 
@@ -206,7 +228,9 @@ def attn_fwd_kernel(
     unit stride on D, 16-byte aligned rows, HEAD_DIM == BLOCK_D); PIPE_QK runs the unmasked loop software-pipelined
     by hand (with USE_TMA; ignored without); TMA_HOST (with USE_TMA) takes DESC_K / DESC_V, 4-D descriptors over
     (B, Hkv, Sk, D) built on the host, instead of building a descriptor per program (broadcast views, whose stride-0
-    dims a host descriptor cannot span; DESC_K / DESC_V are unused otherwise: pass K and V).
+    dims a host descriptor cannot span; DESC_K / DESC_V are unused otherwise: pass K and V). SOFTCAP caps the scores
+    (``qk_scale`` = softcap * log2(e), ``softcap_scale`` = scale / softcap); without it qk_scale = scale * log2(e)
+    and softcap_scale is unused.
     """
     if LONGEST_FIRST:
         # causal-like bands: later query tiles see more keys. Heads vary fastest and query tiles run from
@@ -250,20 +274,22 @@ def attn_fwd_kernel(
     # -- boundary tiles before the fully visible run --
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, off_b, off_kvh,
                                stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, k_lo, full_lo, Sk, lo, hi, qk_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, TMA_HOST)
+                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, TMA_HOST,
+                               softcap_scale, SOFTCAP)
     # -- fully visible tiles: no mask --
     if PIPE_QK and USE_TMA:
         acc, l_i, m_i = _fwd_full_pipelined(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_kvh, full_lo, full_hi, qk_scale,
-                                            BLOCK_N, BLOCK_D, DOT_PRECISION, TMA_HOST)
+                                            BLOCK_N, BLOCK_D, DOT_PRECISION, TMA_HOST, softcap_scale, SOFTCAP)
     else:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, off_b, off_kvh,
                                    stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, full_lo, full_hi, Sk, lo, hi,
                                    qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA,
-                                   TMA_HOST)
+                                   TMA_HOST, softcap_scale, SOFTCAP)
     # -- boundary tiles after it (diagonal, right window edge, ragged end of Sk) --
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, off_b, off_kvh,
                                stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, full_hi, k_end, Sk, lo, hi, qk_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, TMA_HOST)
+                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LO, HAS_HI, DOT_PRECISION, USE_TMA, TMA_HOST,
+                               softcap_scale, SOFTCAP)
 
     # epilogue: rows that saw no key have l = 0 -> output 0, lse -inf
     empty = l_i == 0.0

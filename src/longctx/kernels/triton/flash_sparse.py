@@ -26,6 +26,10 @@ Scores are in base 2 (``qk_scale = scale * log2(e)``, exp2); the lse is stored i
 once in the forward's epilogue. The backward reads ``LSE2`` (base 2, +inf on rows that see nothing) and
 ``DELTA`` from `longctx.kernels.flash_bwd.bwd_preprocess_kernel`.
 
+Logit softcapping (SOFTCAP) as in the dense kernels (`flash_fwd`, `flash_bwd`): q.k is replaced by
+``tanh(q.k * softcap_scale)`` right after the dot (softcap_scale = scale / softcap, qk_scale = softcap * log2(e)),
+and the backward multiplies dS by ``1 - tanh^2``. With SOFTCAP off (the default) the compiled code has no trace of it.
+
 Every grid has the tile index fastest (first grid axis), so the programs in flight share one head's K/V
 (forward, dQ) or q/dO (dK/dV) in L2. The walks read the next entry of the block list one iteration ahead, so
 the K/V addresses do not wait on a load inside the iteration (the software pipeliner then keeps a K/V load in
@@ -35,6 +39,8 @@ CUDA device); pointer loads elsewhere (other strides, short sequences, the inter
 
 import triton
 import triton.language as tl
+
+from longctx.kernels.triton.flash_fwd import _tanh
 
 # fmt: off
 # (kernel signatures stay compact: one line per group of related arguments)
@@ -97,6 +103,7 @@ def _fwd_blocks(
     MASKED: tl.constexpr, EVEN_SK: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DOC: tl.constexpr,
     HAS_GLOBAL: tl.constexpr, MASK_BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    softcap_scale, SOFTCAP: tl.constexpr,
 ):
     SUB: tl.constexpr = MASK_BS // BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
@@ -113,6 +120,9 @@ def _fwd_blocks(
         v = _load_kv_tile(V_bh, desc_v, start_n, stride_vn, v_tile, offs_n, d_ok, Sk, EVEN_SK, BLOCK_D, HEAD_DIM, USE_TMA)
         # -- scores (base 2) --
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            # logit softcap: q.k -> tanh(scale * q.k / softcap); times qk_scale = softcap * log2(e) below
+            qk = _tanh(qk * softcap_scale)
         if MASKED:
             # partial block: the element mask of MASK_KIND
             # per-key document ids / positions, as (1, BLOCK_N) rows (zeros when unused)
@@ -155,11 +165,12 @@ def sparse_fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
     QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-    Hq, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale,
+    Hq, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, softcap_scale,
     SEQ_BUCKET,  # autotune key only (length bucket)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_BS: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DOC: tl.constexpr, HAS_GLOBAL: tl.constexpr, EVEN_SK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr = False,
 ):
     """Grid: (cdiv(Sq, BLOCK_M), B * Hq). Mask tensors are pre-expanded to (B, Hq, ...) (stride 0 broadcasts);
     the block lists' last dim and the per-token tensors' last dim are contiguous. LSE (B, Hq, Sq) natural log."""
@@ -218,13 +229,13 @@ def sparse_fwd_kernel(
                                 FULL_IDX + ib, n_full, qb, offs_m, qd, qp, KDOC_b, KPOS_b, TILE_IDS_bh, stride_tq, TILES,
                                 Sk, lo, hi, kv_global, q_global, qk_scale, d_ok,
                                 False, EVEN_SK, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N, BLOCK_D, HEAD_DIM,
-                                DOT_PRECISION, USE_TMA)
+                                DOT_PRECISION, USE_TMA, softcap_scale, SOFTCAP)
     # -- partial blocks: element mask --
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K_bh, V_bh, desc_k, desc_v, stride_kn, stride_vn, k_tile, v_tile,
                                 KV_IDX + ib, n_part, qb, offs_m, qd, qp, KDOC_b, KPOS_b, TILE_IDS_bh, stride_tq, TILES,
                                 Sk, lo, hi, kv_global, q_global, qk_scale, d_ok,
                                 True, EVEN_SK, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N, BLOCK_D, HEAD_DIM,
-                                DOT_PRECISION, USE_TMA)
+                                DOT_PRECISION, USE_TMA, softcap_scale, SOFTCAP)
     # -- epilogue: normalise; a row that saw nothing has l = 0: output 0, lse -inf; lse to natural log --
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -242,7 +253,7 @@ def _dq_blocks(
     Sk, lo, hi, kv_global, q_global, qk_scale, d_ok,
     MASKED: tl.constexpr, EVEN_SK: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DOC: tl.constexpr,
     HAS_GLOBAL: tl.constexpr, MASK_BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, softcap_scale, SOFTCAP: tl.constexpr,
 ):
     SUB: tl.constexpr = MASK_BS // BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
@@ -257,6 +268,9 @@ def _dq_blocks(
         v = _load_kv_tile(V_bh, V_bh, start_n, stride_vn, v_tile, offs_n, d_ok, Sk, EVEN_SK, BLOCK_D, HEAD_DIM, False)
         # -- recompute the probabilities (base 2) --
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            t = _tanh(qk * softcap_scale)  # the capped scores from the raw ones, kept for the chain rule
+            qk = t
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
             # per-key document ids / positions, as (1, BLOCK_N) rows (zeros when unused)
@@ -274,6 +288,8 @@ def _dq_blocks(
         # -- dP = dO V^T ; dS = P * (dP - Delta) ; dQ += dS K --
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)  # through the cap
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
@@ -288,11 +304,11 @@ def sparse_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
     QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-    Hq, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale,
+    Hq, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale, softcap_scale,
     SEQ_BUCKET,  # autotune key only (length bucket)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_BS: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DOC: tl.constexpr, HAS_GLOBAL: tl.constexpr, EVEN_SK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr = False,
 ):
     """Grid: (cdiv(Sq, BLOCK_M), B * Hq): one query tile, streaming its kv blocks (as the forward)."""
     pid_m = tl.program_id(0)
@@ -339,11 +355,13 @@ def sparse_bwd_dq_kernel(
     dq = _dq_blocks(dq, q, do, lse2, delta, K_bh, V_bh, stride_kn, stride_vn, k_tile, v_tile,
                     FULL_IDX + ib, n_full, qb, offs_m, qd, qp, KDOC_b, KPOS_b, TILE_IDS_bh, stride_tq, TILES,
                     Sk, lo, hi, kv_global, q_global, qk_scale, d_ok,
-                    False, EVEN_SK, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION)
+                    False, EVEN_SK, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+                    softcap_scale, SOFTCAP)
     dq = _dq_blocks(dq, q, do, lse2, delta, K_bh, V_bh, stride_kn, stride_vn, k_tile, v_tile,
                     KV_IDX + ib, n_part, qb, offs_m, qd, qp, KDOC_b, KPOS_b, TILE_IDS_bh, stride_tq, TILES,
                     Sk, lo, hi, kv_global, q_global, qk_scale, d_ok,
-                    True, EVEN_SK, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION)
+                    True, EVEN_SK, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+                    softcap_scale, SOFTCAP)
     # -- epilogue: the scale of S = scale * q k^T --
     tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
              + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :] * stride_dqd,
@@ -356,7 +374,7 @@ def _dkdv_blocks(
     IDX_row, n_blocks, kb, offs_n, kd, kp, QDOC_b, QPOS_b, TILE_IDS_bh, stride_tq, TILES,
     Sq, Sk, lo, hi, kv_global, q_global, qk_scale, d_ok,
     MASKED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DOC: tl.constexpr, HAS_GLOBAL: tl.constexpr,
-    MASK_BS: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_BS: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr, softcap_scale, SOFTCAP: tl.constexpr,
 ):
     SUB: tl.constexpr = MASK_BS // BLOCK_M
     offs_mb = tl.arange(0, BLOCK_M)
@@ -375,6 +393,9 @@ def _dkdv_blocks(
         delta = tl.load(DELTA_bh + rows, mask=row_ok, other=0.0)
         # -- transposed scores: (BLOCK_N keys, BLOCK_M queries) --
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            tT = _tanh(qkT * softcap_scale)  # the capped scores from the raw ones, kept for the chain rule
+            qkT = tT
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
         if MASKED:
             # per-query document ids / positions, as (1, BLOCK_M) rows (zeros when unused)
@@ -391,6 +412,8 @@ def _dkdv_blocks(
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)  # through the cap
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -406,11 +429,11 @@ def sparse_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
     QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-    Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale,
+    Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale, softcap_scale,
     SEQ_BUCKET,  # autotune key only (length bucket)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_BS: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DOC: tl.constexpr, HAS_GLOBAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr = False,
 ):
     """Grid: (cdiv(Sk, BLOCK_N), B * Hkv): one kv tile; loops over the GROUP query heads sharing it and, for
     each, over the transposed lists of its mask block (full blocks first, then partial ones)."""
@@ -459,11 +482,11 @@ def sparse_bwd_dkdv_kernel(
         dk, dv = _dkdv_blocks(dk, dv, k, v, Q_bh, DO_bh, LSE2 + row0, DELTA + row0, stride_qm, stride_dom, q_tile, do_tile,
                               FULL_IDX + ib, n_full, kb, offs_n, kd, kp, QDOC_b, QPOS_b, TILE_IDS_bh, stride_tq, TILES,
                               Sq, Sk, lo, hi, kv_global, q_global, qk_scale, d_ok,
-                              False, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_M, DOT_PRECISION)
+                              False, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_M, DOT_PRECISION, softcap_scale, SOFTCAP)
         dk, dv = _dkdv_blocks(dk, dv, k, v, Q_bh, DO_bh, LSE2 + row0, DELTA + row0, stride_qm, stride_dom, q_tile, do_tile,
                               Q_IDX + ib, n_part, kb, offs_n, kd, kp, QDOC_b, QPOS_b, TILE_IDS_bh, stride_tq, TILES,
                               Sq, Sk, lo, hi, kv_global, q_global, qk_scale, d_ok,
-                              True, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_M, DOT_PRECISION)
+                              True, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_M, DOT_PRECISION, softcap_scale, SOFTCAP)
     # -- epilogue: dK carries the scale of S = scale * q k^T --
     tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_kvh.to(tl.int64) * stride_dkh
              + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :] * stride_dkd,
