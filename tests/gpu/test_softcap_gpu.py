@@ -1,0 +1,182 @@
+"""Logit softcapping on the GPU (skipped without CUDA): the Triton dense and block-sparse kernels with SOFTCAP, forward
+and backward, against the float64 oracle; and softcap=0.0 bitwise equal to the call without softcap.
+
+The FlashAttention rule, as in test_flash_kernels.py: for out, lse, dq, dk, dv,
+``err(ours) <= 2 * err(plain PyTorch in the same dtype) + floor``, errors being max-abs differences from the float64
+oracle (`naive_attention` with the cap, upcast to float64; the CPU lane checks it against the cap applied to explicit
+scores); "plain PyTorch" is the same reference computed in bf16. Inputs are scaled so that the scores spread over
+several units and the caps used (5 to 30) bend them.
+
+Run on the device machine: ``PYTHONPATH=src python -m pytest -q tests/gpu/test_softcap_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import longctx
+from longctx import tuning
+from longctx.masks import Band, and_masks, causal_mask, document_mask, sliding_window_mask
+from longctx.reference.naive import naive_attention
+
+pytestmark = pytest.mark.gpu
+
+
+def _inputs(B, Hq, Hkv, Sq, Sk, D, *, spread=3.0, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = (torch.randn(B, Hq, Sq, D, device="cuda", generator=g) * spread).to(dtype)
+    k = (torch.randn(B, Hkv, Sk, D, device="cuda", generator=g) * spread).to(dtype)
+    v = torch.randn(B, Hkv, Sk, D, device="cuda", generator=g).to(dtype)
+    do = torch.randn(B, Hq, Sq, D, device="cuda", generator=g).to(dtype)
+    return q, k, v, do
+
+
+def _run(fn, q, k, v, do):
+    """(out, lse, dq, dk, dv) of fn(q, k, v) -> (out, lse) on fresh leaves, gradients of (out * do).sum()."""
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = fn(qg, kg, vg)
+    return (out, lse, *torch.autograd.grad(out, (qg, kg, vg), do.to(out.dtype)))
+
+
+def _err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.double(), ref.double()
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(a), fin), "non-finite entries differ from the oracle"
+    return float((a[fin] - ref[fin]).abs().max()) if fin.any() else 0.0
+
+
+def _check(ours, q, k, v, do, *, scale, softcap, band=Band(), mask=None):
+    def ref(upcast):
+        return lambda a, b, c: naive_attention(
+            a, b, c, scale=scale, band=band, mask=mask, upcast=upcast, softcap=softcap
+        )
+
+    oracle = _run(ref(torch.float64), q, k, v, do)
+    plain = _run(ref(q.dtype), q, k, v, do)
+    for name, o, r, p in zip(("out", "lse", "dq", "dk", "dv"), ours, oracle, plain):
+        assert o.shape == r.shape, name
+        e_ours, e_plain = _err(o, r), _err(p.float(), r)
+        floor = 1e-3 * float(r[torch.isfinite(r)].abs().max()) if torch.isfinite(r).any() else 0.0
+        assert e_ours <= 2 * e_plain + floor + 1e-5, f"{name}: ours {e_ours:.3e} vs plain PyTorch {e_plain:.3e}"
+
+
+SHAPES = {"gqa_1024": (1, 4, 2, 1024, 1024), "mqa_257x700": (2, 4, 1, 257, 700)}
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_dense_bf16(D, causal, shape):
+    B, Hq, Hkv, Sq, Sk = SHAPES[shape]
+    q, k, v, do = _inputs(B, Hq, Hkv, Sq, Sk, D, seed=D + Sq)
+    cap = 5.0
+
+    def fn(a, b, c):
+        return longctx.attention(a, b, c, causal=causal, softcap=cap, backend="triton", return_lse=True)
+
+    ours = _run(fn, q, k, v, do)
+    _check(ours, q, k, v, do, scale=1 / math.sqrt(D), softcap=cap, band=Band.from_args(Sq, Sk, causal=causal))
+
+
+@pytest.mark.parametrize("path", ["atomic_dq", "separate_dq", "deterministic"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_dense_backward_paths(path, D):
+    """Each backward variant: the dK/dV kernel adding dQ by atomics, the separate dQ kernel, the deterministic one."""
+    q, k, v, do = _inputs(1, 8, 2, 2304, 2304, D, seed=D)
+    cap = 10.0
+
+    def fn(a, b, c):
+        return longctx.attention(
+            a, b, c, causal=True, window=(700, 0), softcap=cap, backend="triton", return_lse=True,
+            deterministic=path == "deterministic",
+        )  # fmt: skip
+
+    with tuning.override(atomic_dq=path == "atomic_dq"):
+        ours = _run(fn, q, k, v, do)
+    band = Band.from_args(2304, 2304, causal=True, window=(700, 0))
+    _check(ours, q, k, v, do, scale=1 / math.sqrt(D), softcap=cap, band=band)
+
+
+def test_flash_attn_func_bshd_softcap():
+    B, S, H, D = 2, 777, 4, 128
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = ((torch.randn(B, S, H, D, device="cuda", generator=g) * 3).to(torch.bfloat16) for _ in range(3))
+    do = torch.randn(B, S, H, D, device="cuda", generator=g).to(torch.bfloat16)
+
+    def fn(a, b, c):
+        out, lse, _ = longctx.flash_attn_func(
+            a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2), 0.0, None, True, (-1, -1), 30.0,
+            return_attn_probs=True,
+        )  # fmt: skip
+        return out.transpose(1, 2), lse
+
+    qh, kh, vh, doh = (t.transpose(1, 2) for t in (q, k, v, do))  # (B, H, S, D) views
+    ours = _run(fn, qh, kh, vh, doh)
+    _check(ours, qh, kh, vh, doh, scale=1 / math.sqrt(D), softcap=30.0, band=Band.from_args(S, S, causal=True))
+
+
+MASKS = {
+    "documents": lambda S: and_masks(causal_mask, document_mask(torch.arange(S, device="cuda") * 5 // S)),
+    "sliding": lambda S: and_masks(causal_mask, sliding_window_mask(300)),
+}
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_block_sparse_bf16(D, mask):
+    S = 1500
+    q, k, v, do = _inputs(1, 4, 2, S, S, D, seed=D)
+    bm = longctx.block_mask(MASKS[mask](S), None, None, S, S, block_size=128, device="cuda")
+    cap = 5.0
+
+    def fn(a, b, c):
+        return longctx.attention(a, b, c, block_mask=bm, softcap=cap, backend="triton_sparse", return_lse=True)
+
+    ours = _run(fn, q, k, v, do)
+    _check(ours, q, k, v, do, scale=1 / math.sqrt(D), softcap=cap, mask=bm.dense_mask(torch.device("cuda")))
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_varlen_bf16(D):
+    cu = [0, 300, 301, 1100, 1600]  # a length-1 document
+    T, Hq, Hkv = cu[-1], 4, 2
+    q, k, v, do = _inputs(1, Hq, Hkv, T, T, D, seed=D)
+    cut = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    cap = 5.0
+
+    def fn(a, b, c):  # (1, H, T, D) views in and out
+        out, lse, _ = longctx.flash_attn_varlen_func(
+            a[0].transpose(0, 1), b[0].transpose(0, 1), c[0].transpose(0, 1), cut, cut, 800, 800,
+            causal=True, softcap=cap, return_attn_probs=True,
+        )  # fmt: skip
+        return out.transpose(0, 1)[None], lse[None]
+
+    keep = torch.zeros(T, T, dtype=torch.bool, device="cuda")
+    for a, b in zip(cu[:-1], cu[1:]):
+        keep[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool, device="cuda").tril()
+    ours = _run(fn, q, k, v, do)
+    _check(ours, q, k, v, do, scale=1 / math.sqrt(D), softcap=cap, mask=keep)
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("kind", ["dense", "block_sparse"])
+def test_zero_softcap_is_bitwise_the_call_without_softcap(D, kind):
+    """softcap=0.0 takes the kernels compiled without SOFTCAP (the warp-specialised ones where they apply)."""
+    S = 2048
+    q, k, v, do = _inputs(1, 4, 2, S, S, D, spread=1.0, seed=D)
+    kw = (
+        dict(causal=True)
+        if kind == "dense"
+        else dict(block_mask=longctx.block_mask(MASKS["documents"](S), None, None, S, S, device="cuda"))
+    )
+    plain = _run(lambda a, b, c: longctx.attention(a, b, c, return_lse=True, deterministic=True, **kw), q, k, v, do)
+    zero = _run(
+        lambda a, b, c: longctx.attention(a, b, c, return_lse=True, deterministic=True, softcap=0.0, **kw), q, k, v, do
+    )
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), plain, zero):
+        assert torch.equal(a, b), name
+    out0 = longctx.attention(q, k, v, **kw)
+    assert torch.equal(out0, longctx.attention(q, k, v, softcap=0.0, **kw))  # the forward as auto chooses it
