@@ -306,15 +306,6 @@ def test_output_attentions_raises():
         model(input_ids=_tokens(1, 6), output_attentions=True)
 
 
-def test_softcapping_raises():
-    model = _model("gemma2")
-    model.config.attn_logit_softcapping = 50.0
-    for layer in model.model.layers:
-        layer.self_attn.attn_logit_softcapping = 50.0
-    with pytest.raises(ValueError, match="softcap"):
-        model(input_ids=_tokens(1, 6))
-
-
 def test_attention_dropout_raises_in_training():
     model = AutoModelForCausalLM.from_config(
         LlamaConfig(**_SMALL, attention_dropout=0.1), attn_implementation="longctx"

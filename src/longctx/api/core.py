@@ -36,6 +36,12 @@ def _check_tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
+# Device types with an autocast mode, found once at import: torch.compile cannot trace the availability query itself.
+_AUTOCAST_DEVICES = frozenset(
+    d for d in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", "ipu") if torch.amp.is_autocast_available(d)
+)
+
+
 def follow_autocast(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, contextlib.AbstractContextManager]:
@@ -50,7 +56,7 @@ def follow_autocast(
     if not isinstance(q, torch.Tensor):
         return q, k, v, contextlib.nullcontext()
     device_type = q.device.type
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+    if device_type not in _AUTOCAST_DEVICES or not torch.is_autocast_enabled(device_type):
         return q, k, v, contextlib.nullcontext()
     dtype = torch.get_autocast_dtype(device_type)
 
