@@ -22,6 +22,7 @@ _DELEGATED = {
     ),
 }
 _BENCHES = {
+    "compile": ("longctx.bench.compile", "compile time seen by training: first calls, new lengths, new packings"),
     "suite": ("longctx.bench.suite", "the Long-Context Attention Benchmark: every mask, provider, length; --cp"),
     "attention": ("longctx.bench.attention", "dense attention at FlashAttention's benchmark shapes (D 64-256)"),
     "recompute": ("longctx.bench.recompute", "memory and step time under activation recomputation"),
