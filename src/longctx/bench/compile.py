@@ -189,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default="", help="suffix naming what the run covers, not when")
     ap.add_argument("--pythonpath", action="append", default=[], help="LABEL=DIR: also run against longctx in DIR")
     ap.add_argument("--warmup", action="store_true", help="add the packing loop after longctx.warmup")
+    ap.add_argument(
+        "--compare-scenarios", default="lengths,packing", help="the scenarios run against each --pythonpath tree"
+    )
     ap.add_argument("--batches", type=int, default=100)
     ap.add_argument("--budget-s", type=float, default=150.0, help="per-scenario time budget (seconds)")
     args = ap.parse_args(argv)
@@ -211,7 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         for label, path in trees:
             caches: dict[str, str] = {}
             results[label] = {}
+            wanted = set(args.compare_scenarios.split(",")) if path is not None else None
             for name, cache_of, spec in scenarios(args.warmup and path is None, args.batches, args.budget_s):
+                if wanted is not None and name not in wanted:
+                    continue
                 cache = caches[cache_of] if cache_of != "fresh" else tempfile.mkdtemp(dir=tmp)
                 caches[name] = cache
                 r = _run(spec, cache, path, timeout=args.budget_s + 240)
