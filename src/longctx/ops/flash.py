@@ -9,6 +9,7 @@ import torch
 
 from longctx.launchers.flash import _backward_impl, _forward_impl
 from longctx.masks import Band
+from longctx.ops import LIB, define
 
 __all__ = ["triton_attention"]
 
@@ -24,24 +25,20 @@ _BWD_SCHEMA = (
 )
 
 
-@torch.library.custom_op("longctx::triton_attn_fwd", mutates_args=(), schema=_FWD_SCHEMA)
 def _attn_fwd_op(q, k, v, scale, lo, hi, deterministic=False, softcap=0.0):
     return _forward_impl(q, k, v, scale, lo, hi, softcap)
 
 
-@_attn_fwd_op.register_fake
-def _(q, k, v, scale, lo, hi, deterministic=False, softcap=0.0):
+def _attn_fwd_fake(q, k, v, scale, lo, hi, deterministic=False, softcap=0.0):
     B, Hq, Sq, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
 
-@torch.library.custom_op("longctx::triton_attn_bwd", mutates_args=(), schema=_BWD_SCHEMA)
 def _attn_bwd_op(do, q, k, v, out, lse, dlse, scale, lo, hi, deterministic=False, softcap=0.0):
     return _backward_impl(do, q, k, v, out, lse, dlse, scale, lo, hi, deterministic, softcap=softcap)
 
 
-@_attn_bwd_op.register_fake
-def _(do, q, k, v, out, lse, dlse, scale, lo, hi, deterministic=False, softcap=0.0):
+def _attn_bwd_fake(do, q, k, v, out, lse, dlse, scale, lo, hi, deterministic=False, softcap=0.0):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -62,7 +59,9 @@ def _backward(ctx, dout, dlse):
     return dq, dk, dv, None, None, None, None, None
 
 
-_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+define("triton_attn_fwd", _FWD_SCHEMA, _attn_fwd_op, _attn_fwd_fake)
+define("triton_attn_bwd", _BWD_SCHEMA, _attn_bwd_op, _attn_bwd_fake)
+torch.library.register_autograd("longctx::triton_attn_fwd", _backward, setup_context=_setup_context, lib=LIB)
 
 
 def triton_attention(

@@ -9,6 +9,7 @@ import torch
 
 from longctx.launchers.sparse import _backward_impl, _forward_impl
 from longctx.masks import BlockMask
+from longctx.ops import LIB, define
 
 __all__ = ["triton_sparse_attention"]
 
@@ -24,24 +25,20 @@ _BWD_SCHEMA = (
 )
 
 
-@torch.library.custom_op("longctx::triton_sparse_fwd", mutates_args=(), schema=_FWD_SCHEMA)
 def _sparse_fwd_op(q, k, v, scale, mask, meta, deterministic, softcap=0.0):
     return _forward_impl(q, k, v, scale, tuple(mask), list(meta), softcap)
 
 
-@_sparse_fwd_op.register_fake
-def _(q, k, v, scale, mask, meta, deterministic, softcap=0.0):
+def _sparse_fwd_fake(q, k, v, scale, mask, meta, deterministic, softcap=0.0):
     B, Hq, Sq, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
 
-@torch.library.custom_op("longctx::triton_sparse_bwd", mutates_args=(), schema=_BWD_SCHEMA)
 def _sparse_bwd_op(do, q, k, v, out, lse, dlse, scale, mask, meta, deterministic, softcap=0.0):
     return _backward_impl(do, q, k, v, out, lse, dlse, scale, tuple(mask), list(meta), deterministic, softcap)
 
 
-@_sparse_bwd_op.register_fake
-def _(do, q, k, v, out, lse, dlse, scale, mask, meta, deterministic, softcap=0.0):
+def _sparse_bwd_fake(do, q, k, v, out, lse, dlse, scale, mask, meta, deterministic, softcap=0.0):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -62,7 +59,9 @@ def _backward(ctx, dout, dlse):
     return dq, dk, dv, None, [None] * len(mask), None, None, None
 
 
-_sparse_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+define("triton_sparse_fwd", _FWD_SCHEMA, _sparse_fwd_op, _sparse_fwd_fake)
+define("triton_sparse_bwd", _BWD_SCHEMA, _sparse_bwd_op, _sparse_bwd_fake)
+torch.library.register_autograd("longctx::triton_sparse_fwd", _backward, setup_context=_setup_context, lib=LIB)
 
 
 def triton_sparse_attention(
