@@ -202,3 +202,20 @@ def test_cli_rejects_bad_names(capsys):
     assert "unknown masks ['nope']" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "suite", "--quick", "--heads", "6/4"])
+
+
+def test_merge_takes_each_length_from_the_run_that_measured_it(tmp_path, capsys):
+    from longctx.cli.main import main as cli_main
+
+    first = [_row("longctx_triton", "causal", 4096, 400, 300), _row("flex", "causal", 16384, code=SKIPPED)]
+    second = [_row("longctx_triton", "causal", 16384, 450, 350), _row("flex", "causal", 16384, 300, 200)]
+    write_report(str(tmp_path / "a"), first, dict(META, command="run a"))
+    write_report(str(tmp_path / "b"), second, dict(META, command="run b"))
+    out = tmp_path / "merged"
+    assert cli_main(["bench", "suite", "--merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]) == 0
+    data = json.loads((out / "results.json").read_text())
+    got = sorted((r["S"], r["provider"], r["code"]) for r in data["results"])
+    assert got == [(4096, "longctx_triton", OK), (16384, "flex", OK), (16384, "longctx_triton", OK)]
+    assert data["meta"]["command"] == "run a ; run b"
+    with pytest.raises(ValueError, match="no results.json"):
+        cli_main(["bench", "suite", "--merge", str(tmp_path), "--out", str(out)])

@@ -79,6 +79,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--provider-budget-s", type=float, default=None, help="stop running a provider after this long")
     ap.add_argument("--no-build-timing", action="store_true", help="skip the mask build timings")
     ap.add_argument("--device", default=None, help="cuda or cpu (default cuda; cpu with --quick)")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="RUN_DIR",
+        help="write one report (to --out) from several run folders, each length taken from the last run with a "
+        "measured row at it (runs split by length to fit a time budget)",
+    )
     ap.add_argument("--cp", action="store_true", help="context-parallel mode (run under torchrun)")
     ap.add_argument("--tokens-per-gpu", type=_ints, default=[8192], help="--cp: tokens per GPU (weak scaling)")
     ap.add_argument("--cp-methods", default="ring,allgather,ulysses", help="--cp: methods (longctx.bench.suite.cp)")
@@ -156,6 +164,8 @@ def default_out(meta: dict, cp: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    if args.merge:
+        return _merge(args.merge, args.out)
     cfg = config_from_args(args)
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         print(
@@ -173,6 +183,35 @@ def main(argv: list[str] | None = None) -> int:
     build = run_build_timing(cfg, cfg.providers) if cfg.build_timing else []
     paths = write_report(out, rows, meta, build)
     print(f"wrote {paths['md']}, {paths['csv']}, {paths['json']}" + "".join(f", {p}" for p in paths["png"]))
+    return 0
+
+
+def _merge(run_dirs: list[str], out: str | None) -> int:
+    """One report from several kernel-mode run folders: each sequence length's rows come from the last folder that
+    measured something at it (so a run's budget-skipped lengths give way to a run made for them)."""
+    import json
+
+    if not out:
+        raise ValueError("--merge needs --out: the folder of the merged report")
+    runs = []
+    for d in run_dirs:
+        path = os.path.join(d, "results.json")
+        if not os.path.exists(path):
+            raise ValueError(f"--merge: {d!r} has no results.json (not a longctx bench suite run folder)")
+        with open(path) as f:
+            runs.append(json.load(f))
+    by_len: dict[int, list[dict]] = {}
+    for run in runs:
+        for S in sorted({r["S"] for r in run["results"]}):
+            rows = [r for r in run["results"] if r["S"] == S]
+            if any(r["code"] == "ok" for r in rows):
+                by_len[S] = rows
+    rows = [r for S in sorted(by_len) for r in by_len[S]]
+    meta = dict(runs[0]["meta"])
+    meta["command"] = " ; ".join(run["meta"]["command"] for run in runs)
+    build = next((run.get("mask_build") for run in reversed(runs) if run.get("mask_build")), None)
+    paths = write_report(out, rows, meta, build)
+    print(f"wrote {paths['md']}, {paths['csv']}, {paths['json']}")
     return 0
 
 
