@@ -17,17 +17,38 @@ Packed documents balanced by work (the dispatcher):
     q_loc, k_loc, v_loc = (plan.dispatch(t) for t in (q, k, v))     # (total, H, D) -> (total / P, H, D)
     out = plan.undispatch(plan.attention(q_loc, k_loc, v_loc, method="ring"))   # (total, H, D)
 
-Model wiring for `longctx train --context-parallel N`: `longctx.distributed.model`. Details: docs/context-parallel.md.
+Data parallelism x context parallelism (a ("dp", "cp") DeviceMesh, FSDP2 over "dp"), for a loop of one's own:
+
+    mesh = init_mesh(data_parallel=4, context_parallel=2)           # under torchrun; checks agreement on every rank
+    apply_fsdp(model, mesh)                                          # fully_shard the decoder layers and embeddings
+    rows = batch_rows(batch, mesh)                                   # this dp rank's rows of the global batch
+
+Model wiring for `longctx train --data-parallel N --context-parallel P`: `longctx.distributed.model` and
+`longctx.distributed.mesh`. Details: docs/context-parallel.md and docs/training.md.
 """
 
 from __future__ import annotations
 
 from longctx.distributed.attention import METHODS, cp_attention
 from longctx.distributed.dispatch import DispatchPlan, dispatch_plan
+from longctx.distributed.mesh import (
+    MESH_DIMS,
+    ParallelDims,
+    apply_fsdp,
+    batch_rows,
+    cp_group,
+    dp_group,
+    dp_rank,
+    fsdp_available,
+    init_mesh,
+    reduce_gradients,
+)
 from longctx.distributed.model import (
+    AGREEMENT_TIMEOUT_S,
     ContextParallel,
     allreduce_gradients,
     broadcast_parameters,
+    check_agreement,
     cp_cross_entropy,
     init_distributed,
     setup_context_parallel,
@@ -53,4 +74,16 @@ __all__ = [
     "allreduce_gradients",
     "broadcast_parameters",
     "init_distributed",
+    "check_agreement",
+    "AGREEMENT_TIMEOUT_S",
+    "ParallelDims",
+    "MESH_DIMS",
+    "init_mesh",
+    "apply_fsdp",
+    "fsdp_available",
+    "batch_rows",
+    "dp_rank",
+    "dp_group",
+    "cp_group",
+    "reduce_gradients",
 ]
