@@ -15,6 +15,11 @@ default is `default_core_attention`, i.e. ``longctx.attention(q, k, v, causal=Tr
 A replacement is assumed to be fused (memory linear in S, as ring attention over flash launchers is), so
 selective recomputation leaves it alone; set ``fn.unfused = True`` to have it recomputed.
 
+Packed documents: `DocumentAttention` is a core attention that is causal inside documents and blind across
+them. The boundaries change with every batch, so it holds them (``set_documents(cu_seqlens)`` before the
+forward, kept until the next call, so a recomputed forward in the backward sees the same documents) and runs
+the B rows as one packed sequence through `flash_attn_varlen_func`.
+
 Recomputation that never recomputes attention (``keep_core_attention``, LightSeq's rematerialization-aware
 checkpointing): inside a chunk run by `longctx.layers.offload.OffloadedCheckpoint`, the forward keeps the core
 attention's output and log-sum-exp, and the recomputed forward in the backward reads them back instead of running
@@ -31,14 +36,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longctx.api import attention, explain
+from longctx.api import attention, explain, flash_attn_varlen_func
 from longctx.launchers.select import resolve_launchers
 from longctx.layers.offload import is_recording, is_replaying
 from longctx.layers.recompute import checkpoint_call, recompute_active
 from longctx.layers.rotary import apply_rotary
 from longctx.masks import Band
 
-__all__ = ["CoreAttentionFn", "SelfAttention", "default_core_attention", "dense_attention_with_dropout"]
+__all__ = [
+    "CoreAttentionFn",
+    "SelfAttention",
+    "DocumentAttention",
+    "default_core_attention",
+    "dense_attention_with_dropout",
+]
 
 CoreAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -68,6 +79,74 @@ def default_core_attention(backend: str = "auto") -> CoreAttentionFn:
 
     core_attention.backend = backend  # type: ignore[attr-defined]
     return core_attention
+
+
+_VARLEN_BACKENDS = ("tiled", "triton_sparse", "math")
+
+
+class DocumentAttention:
+    """Core attention over packed documents: causal inside each document, nothing across documents.
+
+    ``fn = DocumentAttention(backend); model.set_core_attention(fn)``; before each forward,
+    ``fn.set_documents(cu_seqlens)`` with the boundaries of the batch's B rows packed end to end (B * S tokens;
+    `longctx.training.data.packed_cu_seqlens`). Every call runs ``flash_attn_varlen_func(causal=True)`` over
+    that packed sequence, which is the per-row computation when every row starts a document.
+
+    It deliberately has no ``backend`` attribute: layers treat it as a fused replacement (the kept-attention
+    replay of ``recompute_skip_core_attention``, which assumes plain causal attention, stays off).
+
+    Args:
+        backend: the model's attention backend; "tiled", "triton_sparse" and "math" are passed on, "triton"
+            becomes "triton_sparse", anything else "auto" (flash_attn_varlen_func's choice).
+    """
+
+    unfused = False
+
+    def __init__(self, backend: str = "auto") -> None:
+        if backend == "triton":
+            backend = "triton_sparse"
+        self.varlen_backend = backend if backend in _VARLEN_BACKENDS else "auto"
+        self.cu_seqlens: torch.Tensor | None = None
+        self.max_seqlen = 0
+
+    def set_documents(self, cu_seqlens: torch.Tensor) -> None:
+        """The boundaries of the next forward(s): int tensor (documents + 1,), 0 then cumulative lengths over the
+        B * S tokens of the batch packed row after row.
+
+        Raises:
+            ValueError: not a 1-d integer tensor starting at 0 and non-decreasing.
+        """
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+            got = tuple(cu_seqlens.shape) if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
+            raise ValueError(f"set_documents takes a 1-d integer cu_seqlens tensor, got {got}")
+        lengths = cu_seqlens.diff()
+        if len(cu_seqlens) < 2 or int(cu_seqlens[0]) != 0 or bool((lengths < 0).any()):
+            raise ValueError(
+                f"cu_seqlens must start at 0 and not decrease (0, then cumulative document lengths), got "
+                f"{cu_seqlens.tolist()[:8]}{' ...' if len(cu_seqlens) > 8 else ''}"
+            )
+        self.cu_seqlens = cu_seqlens.to(torch.int32)
+        self.max_seqlen = int(lengths.max())
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, Hq, S, D); k, v (B, Hkv, S, D) -> (B, Hq, S, D)."""
+        B, Hq, S, D = q.shape
+        Hkv = k.shape[1]
+        cu = self.cu_seqlens
+        if cu is None or int(cu[-1]) != B * S:
+            have = "no documents were set" if cu is None else f"the documents cover {int(cu[-1])} tokens"
+            raise ValueError(
+                f"DocumentAttention got {B} rows of {S} tokens ({B * S} packed) but {have}; call "
+                "set_documents(packed cu_seqlens of this batch) before the forward"
+            )
+        cu = cu.to(q.device)
+        q_THD = q.transpose(1, 2).reshape(B * S, Hq, D)  # (B S, Hq, D): rows packed end to end
+        k_THD = k.transpose(1, 2).reshape(B * S, Hkv, D)  # (B S, Hkv, D)
+        v_THD = v.transpose(1, 2).reshape(B * S, Hkv, D)  # (B S, Hkv, D)
+        out = flash_attn_varlen_func(
+            q_THD, k_THD, v_THD, cu, cu, self.max_seqlen, self.max_seqlen, causal=True, backend=self.varlen_backend
+        )  # (B S, Hq, D)
+        return out.view(B, S, Hq, D).transpose(1, 2)  # (B, Hq, S, D)
 
 
 class _KeptAttention(torch.autograd.Function):

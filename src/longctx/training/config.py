@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from longctx.models.gpt import PRESETS, GPTConfig
-from longctx.training.data import RecallTask
+from longctx.training.data import RecallTask, parse_separator
 
 __all__ = [
     "TrainConfig",
@@ -59,6 +59,8 @@ class TrainConfig:
     model: dict[str, Any] = field(default_factory=dict)  # GPTConfig overrides (Megatron names)
     # data
     data: str | None = None  # a text file for byte-level LM; None = the embedded recall task
+    # the bytes that end a document in --data (backslash escapes: "\\n\\n", "\\x00"); None: one sequence per row
+    doc_separator: str | None = None
     num_pairs: int = RecallTask.num_pairs  # the task's own defaults, stated once in longctx.training.data
     num_queries: int = RecallTask.num_queries
     num_keys: int = RecallTask.num_keys
@@ -126,6 +128,13 @@ class TrainConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr}): the schedule decays from lr to min_lr")
+        if self.doc_separator is not None:
+            if self.data is None:
+                raise ValueError(
+                    f"doc_separator {self.doc_separator!r} splits the text of --data into documents, but no --data "
+                    "file was given; pass --data FILE, or drop --doc-separator for the recall task"
+                )
+            parse_separator(self.doc_separator)  # an empty separator or a bad escape: ValueError naming it
         _choice("cp_method", self.cp_method, CP_METHODS)
         _choice("cp_layout", self.cp_layout, CP_LAYOUTS)
         _choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
@@ -442,6 +451,8 @@ _TRAIN_HELP: dict[str, str] = {
     "device": "auto (cuda if available), cpu, cuda or cuda:N",
     "bf16": "bf16 autocast",
     "data": "text file for byte-level language modelling instead of the recall task",
+    "doc_separator": "bytes that end a document in --data (escapes: '\\n\\n', '\\x00'): rows become packed "
+    "documents, attention and RoPE positions restart at each, no label crosses one",
     "quiet": "print nothing but errors",
     "memory_budget": "GPU memory for a step, e.g. 40GiB: longctx plan chooses the recompute / offloading settings",
 }

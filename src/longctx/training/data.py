@@ -1,4 +1,4 @@
-"""Training data without a download: the embedded multi-query associative recall task, or bytes of a text file.
+r"""Training data without a download: the embedded multi-query associative recall task, or bytes of a text file.
 
 Multi-query associative recall (MQAR; Arora et al., "Zoology", 2023), spread over a long sequence:
 
@@ -13,32 +13,104 @@ accuracy is 1 / num_values.
 
 Every batch is a pure function of (seed, split, step): training is reproducible, resuming needs no data
 state, and the held-out split ("eval") uses a disjoint stream of generator seeds.
+
+Packed documents in byte text (``ByteText(..., doc_separator=b"\n\n")``): a separator ends a document (it is
+its last bytes, as an end-of-document token would be), so a window of the file holds several documents:
+
+    inputs      a b c \n \n d e f \n \n g h          separator "\n\n"
+    doc_starts  1 0 0 0  0  1 0 0 0  0  1 0
+    positions   0 1 2 3  4  0 1 2 3  4  0 1          RoPE restarts in every document
+    loss_mask   1 1 1 1  0  1 1 1 1  0  1 1          the separator's last byte does not predict the next document
+
+`Batch.doc_starts` is the single record of the boundaries; `document_positions` and `packed_cu_seqlens` derive the
+positions and flash-attn's cu_seqlens from it (row boundaries are document boundaries too, so the rows packed
+end to end are one packed sequence).
 """
 
 from __future__ import annotations
 
+import codecs
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["Batch", "RecallTask", "ByteText"]
+__all__ = [
+    "Batch",
+    "RecallTask",
+    "ByteText",
+    "parse_separator",
+    "separator_ends",
+    "document_positions",
+    "packed_cu_seqlens",
+]
 
 _SPLIT_SALT = {"train": 0x5EED_0001, "eval": 0x5EED_0002}
 
 
 @dataclass
 class Batch:
-    """inputs (B, S) int64; labels (B, S) int64 (inputs shifted by one); loss_mask (B, S) bool."""
+    """inputs (B, S) int64; labels (B, S) int64 (inputs shifted by one); loss_mask (B, S) bool; doc_starts
+    (B, S) bool, True where a document starts (position 0 of every row included), or None (one sequence per row)."""
 
     inputs: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor | None
+    doc_starts: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> Batch:
         """The same batch on ``device``."""
-        m = None if self.loss_mask is None else self.loss_mask.to(device, non_blocking=True)
-        return Batch(self.inputs.to(device, non_blocking=True), self.labels.to(device, non_blocking=True), m)
+        m, d = (None if t is None else t.to(device, non_blocking=True) for t in (self.loss_mask, self.doc_starts))
+        return Batch(self.inputs.to(device, non_blocking=True), self.labels.to(device, non_blocking=True), m, d)
+
+
+def parse_separator(text: str) -> bytes:
+    """The bytes of a ``--doc-separator`` value: backslash escapes decoded (``\\n``, ``\\t``, ``\\x00``,
+    ``\\\\``), every other character as UTF-8.
+
+    Raises:
+        ValueError: an empty separator or an invalid escape, naming the value.
+    """
+    try:
+        sep = codecs.escape_decode(text.encode("utf-8"))[0]
+    except ValueError as e:
+        raise ValueError(
+            f"doc_separator {text!r} has an invalid escape ({e}); write bytes as \\n, \\t or \\xHH"
+        ) from None
+    if not sep:
+        raise ValueError(
+            f"doc_separator {text!r} is empty; pass the bytes that end a document (e.g. '\\n\\n' or '\\x00'), "
+            "or leave it unset to train on one sequence per row"
+        )
+    return sep
+
+
+def separator_ends(raw: bytes, separator: bytes) -> torch.Tensor:
+    """(len(raw),) bool: True at the last byte of every occurrence of ``separator`` in ``raw``, occurrences taken
+    left to right without overlap (as ``bytes.split``)."""
+    ends = torch.zeros(len(raw), dtype=torch.bool)
+    last = [m.end() - 1 for m in re.finditer(re.escape(separator), raw)]
+    ends[torch.tensor(last, dtype=torch.int64)] = True
+    return ends
+
+
+def document_positions(doc_starts: torch.Tensor) -> torch.Tensor:
+    """(B, S) int64 position of every token inside its document, from doc_starts (B, S) bool."""
+    S = doc_starts.shape[-1]
+    idx = torch.arange(S, device=doc_starts.device).expand_as(doc_starts)  # (B, S)
+    start = torch.where(doc_starts, idx, torch.zeros_like(idx)).cummax(dim=-1).values  # (B, S) its doc's start
+    return idx - start
+
+
+def packed_cu_seqlens(doc_starts: torch.Tensor) -> torch.Tensor:
+    """int32 cu_seqlens (0, then cumulative document lengths) of the rows of doc_starts (B, S) packed end to end
+    (B * S tokens; every row starts a document, so no document crosses rows)."""
+    flat = doc_starts.reshape(-1).clone()
+    flat[:: doc_starts.shape[-1]] = True  # each row starts a document whatever the caller marked
+    starts = flat.nonzero().flatten()
+    end = torch.tensor([flat.numel()], device=flat.device)
+    return torch.cat([starts, end]).to(torch.int32)
 
 
 def _generator(seed: int, split: str, step: int) -> torch.Generator:
@@ -137,30 +209,43 @@ class ByteText:
     Args:
         path: any file (read as bytes).
         seq_length: tokens per window.
+        doc_separator: the bytes that end a document (e.g. ``b"\\n\\n"``); given, every window carries its
+            document boundaries (`Batch.doc_starts`) and its loss mask never predicts across one. None: one
+            sequence per window, every byte counted.
     """
 
     vocab_size = 256
 
-    def __init__(self, path: str | Path, seq_length: int) -> None:
+    def __init__(self, path: str | Path, seq_length: int, doc_separator: bytes | None = None) -> None:
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"--data {str(path)!r} is not a readable file")
-        data = torch.frombuffer(bytearray(p.read_bytes()), dtype=torch.uint8).to(torch.int64)
+        raw = p.read_bytes()
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
         n_eval = max(len(data) // 10, seq_length + 1)
         if len(data) - n_eval < seq_length + 1:
             raise ValueError(
                 f"--data {str(path)!r} has {len(data)} bytes; with seq_length={seq_length} it needs at least "
                 f"{2 * (seq_length + 1) + seq_length} bytes (a training part and a 10% held-out part)"
             )
+        if doc_separator is not None and (not isinstance(doc_separator, bytes) or not doc_separator):
+            raise ValueError(f"doc_separator must be non-empty bytes or None, got {doc_separator!r}")
         self.seq_length = seq_length
+        self.doc_separator = doc_separator
         self.train_data = data[: len(data) - n_eval]
         self.eval_data = data[len(data) - n_eval :]
+        self.train_ends = self.eval_ends = None
+        if doc_separator is not None:
+            ends = separator_ends(raw, doc_separator)  # over the whole file: a separator may straddle the split
+            self.train_ends, self.eval_ends = ends[: len(self.train_data)], ends[len(self.train_data) :]
 
     def batch(self, batch_size: int, step: int, seed: int, split: str = "train") -> Batch:
         """``batch_size`` random windows of the train (or held-out) bytes, a pure function of (seed, split, step).
 
         Returns:
-            A `Batch` of (B, seq_length) tensors, ``loss_mask`` None (every byte counts).
+            A `Batch` of (B, seq_length) tensors. Without documents ``loss_mask`` is None (every byte counts);
+            with them ``doc_starts`` marks the first byte of every document (and position 0 of each row) and
+            ``loss_mask`` drops the last byte of each separator (its label starts the next document).
 
         Raises:
             ValueError: an unknown split.
@@ -171,4 +256,10 @@ class ByteText:
         starts = torch.randint(0, len(data) - S, (batch_size,), generator=g)
         idx = starts[:, None] + torch.arange(S + 1)  # (B, S + 1)
         seq = data[idx]
-        return Batch(seq[:, :S].contiguous(), seq[:, 1:].contiguous(), None)
+        inputs, labels = seq[:, :S].contiguous(), seq[:, 1:].contiguous()
+        if self.doc_separator is None:
+            return Batch(inputs, labels, None)
+        ends = (self.train_ends if split == "train" else self.eval_ends)[idx[:, :S]]  # (B, S): input ends a document
+        doc_starts = torch.ones_like(ends)
+        doc_starts[:, 1:] = ends[:, :-1]  # (B, S): the byte after a separator starts a document
+        return Batch(inputs, labels, ~ends, doc_starts)

@@ -7,6 +7,7 @@
     longctx train --save runs/x --resume            # continue from runs/x/checkpoint.pt
     torchrun --nproc-per-node 2 -m longctx train --context-parallel 2
     torchrun --nproc-per-node 8 -m longctx train --data-parallel 4 --context-parallel 2
+    longctx train --data book.txt --doc-separator '\n\n'   # packed documents: attention and RoPE per document
 
 AdamW with linear warmup and cosine decay to ``min_lr``, gradient clipping, bf16 autocast on CUDA, evaluation
 on held-out data, a progress line (loss, tokens/s, peak memory), checkpoints written atomically, and
@@ -48,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from longctx.api import explain
+from longctx.layers.attention import DocumentAttention
 from longctx.models.gpt import GPT, GPTConfig, lm_loss
 from longctx.training.checkpoint import (
     CheckpointError,
@@ -59,7 +61,14 @@ from longctx.training.checkpoint import (
     save_training_state,
 )
 from longctx.training.config import TrainConfig, parse_config
-from longctx.training.data import Batch, ByteText, RecallTask
+from longctx.training.data import (
+    Batch,
+    ByteText,
+    RecallTask,
+    document_positions,
+    packed_cu_seqlens,
+    parse_separator,
+)
 from longctx.training.metrics import (
     MetricsLog,
     Progress,
@@ -71,6 +80,7 @@ from longctx.training.metrics import (
 )
 
 if TYPE_CHECKING:
+    from longctx.distributed.documents import DocumentParallel
     from longctx.distributed.model import ContextParallel
 
 __all__ = [
@@ -236,12 +246,27 @@ class Trainer:
         self.model = GPT(mcfg).to(self.device)
         self.backend = _chosen_backend(self.model, self.device, self.compute_dtype)
         self.cp: ContextParallel | None = None
+        self.cp_docs: DocumentParallel | None = None  # context parallelism over packed documents
+        self.doc_attention: DocumentAttention | None = None  # packed documents in one process (or cp size 1)
         self.dp_strategy: str | None = None  # "fsdp2" or "allreduce" under a mesh
+        documents = cfg.doc_separator is not None
+        if documents and not (self.distributed and cfg.context_parallel > 1):
+            self.doc_attention = DocumentAttention(mcfg.attention_backend)
+            self.model.set_core_attention(self.doc_attention)
+            self.backend = f"packed documents (flash_attn_varlen_func, {self.doc_attention.varlen_backend})"
         if self.distributed:
             from longctx.distributed.mesh import apply_fsdp, cp_group
             from longctx.distributed.model import setup_context_parallel
 
-            if cfg.context_parallel > 1:  # every rank holds the same initial weights: the seed is agreed
+            if cfg.context_parallel > 1 and documents:  # the dispatcher plans every batch's documents
+                from longctx.distributed.documents import setup_document_parallel
+
+                self.cp_docs = setup_document_parallel(self.model, group=cp_group(self.mesh), method=cfg.cp_method)
+                self.backend = (
+                    f"context-parallel {cfg.cp_method} over packed documents (dispatch_plan) over "
+                    f"{cfg.context_parallel} ranks ({self.cp_docs.cp_backend})"
+                )
+            elif cfg.context_parallel > 1:  # every rank holds the same initial weights: the seed is agreed
                 self.cp = setup_context_parallel(
                     self.model, group=cp_group(self.mesh), method=cfg.cp_method, layout=cfg.cp_layout,
                     broadcast=False,
@@ -328,8 +353,9 @@ class Trainer:
     def forward_backward(self, batch: Batch) -> torch.Tensor:
         """Loss of the global ``batch`` and its gradients; returns the loss over the whole batch (detached)."""
         if not self.distributed:
+            inputs, labels, mask, pos = self._local_batch(batch.inputs, batch.labels, batch.loss_mask, batch.doc_starts)
             with self.autocast():  # the loss without the (B, S, V) logits: longctx.linear_cross_entropy
-                loss = self.model(batch.inputs, labels=batch.labels, loss_mask=batch.loss_mask)
+                loss = self.model(inputs, position_ids=pos, labels=labels, loss_mask=mask)
             loss.backward()
             return loss.detach()
         from longctx.distributed.mesh import reduce_gradients, share_of_mean
@@ -337,7 +363,7 @@ class Trainer:
         # This dp rank's sequences; under CP this rank's shard of each, at its global positions. The loss this
         # rank differentiates is its part of the token mean over the global batch; the one it reports is that
         # mean itself.
-        inputs, labels, mask, pos = self._local_batch(batch.inputs, batch.labels, batch.loss_mask)
+        inputs, labels, mask, pos = self._local_batch(batch.inputs, batch.labels, batch.loss_mask, batch.doc_starts)
         with self.autocast():
             local_sum = self.model(inputs, position_ids=pos, labels=labels, loss_mask=mask, reduction="sum")
         count = labels.numel() if mask is None else mask.sum()
@@ -347,13 +373,27 @@ class Trainer:
         return loss_report.detach()
 
     def _local_batch(
-        self, inputs: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        mask: torch.Tensor | None,
+        doc_starts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """This rank's part of a global (B, S) batch: its dp rank's rows, then its cp shard of them (with the
-        (S/P,) global positions; None without CP)."""
-        from longctx.distributed.mesh import batch_rows
+        (S/P,) global positions; None without CP).
 
-        inputs, labels, mask = (batch_rows(t, self.mesh) for t in (inputs, labels, mask))
+        With documents (``doc_starts``): under CP the rows packed end to end and dispatched by mask area, each
+        tensor (1, B S / P) with document-local positions; otherwise the rows themselves with their (B, S)
+        document-local positions, the document attention set to their boundaries."""
+        if self.distributed:
+            from longctx.distributed.mesh import batch_rows
+
+            inputs, labels, mask, doc_starts = (batch_rows(t, self.mesh) for t in (inputs, labels, mask, doc_starts))
+        if doc_starts is not None:
+            if self.cp_docs is not None:
+                return self.cp_docs.shard_batch(inputs, labels, mask, doc_starts)
+            self.doc_attention.set_documents(packed_cu_seqlens(doc_starts))
+            return inputs, labels, mask, document_positions(doc_starts)
         if self.cp is None:
             return inputs, labels, mask, None
         return self.cp.shard_batch(inputs, labels, mask)
@@ -369,8 +409,8 @@ class Trainer:
             b = self.task.batch(cfg.micro_batch_size * cfg.data_parallel, i, cfg.seed, "eval").to(self.device)
             mask = b.loss_mask if b.loss_mask is not None else torch.ones_like(b.labels, dtype=torch.bool)
             inputs, labels, pos = b.inputs, b.labels, None
-            if self.distributed:
-                inputs, labels, mask, pos = self._local_batch(inputs, labels, mask)
+            if self.distributed or b.doc_starts is not None:
+                inputs, labels, mask, pos = self._local_batch(inputs, labels, mask, b.doc_starts)
             with self.autocast():
                 logits = model(inputs, position_ids=pos)
             total_loss += float(lm_loss(logits, labels, mask, reduction="sum"))
@@ -553,6 +593,8 @@ class Trainer:
         cfg, mcfg = self.cfg, self.model_config
         if cfg.data:
             what = f"byte-level LM on {cfg.data}"
+            if cfg.doc_separator is not None:
+                what += f" (packed documents ending in {cfg.doc_separator!r})"
         else:
             what = (
                 f"recall: {cfg.num_pairs} key-value pairs in {mcfg.seq_length} tokens, {cfg.num_queries} queries "
@@ -674,7 +716,8 @@ def _device(name: str) -> torch.device:
 def _build_task(cfg: TrainConfig) -> tuple[RecallTask | ByteText, GPTConfig]:
     """The data and the model configuration that fits it (byte-level text sets the vocabulary to 256)."""
     if cfg.data:
-        task = ByteText(cfg.data, cfg.model_config().seq_length)
+        sep = None if cfg.doc_separator is None else parse_separator(cfg.doc_separator)
+        task = ByteText(cfg.data, cfg.model_config().seq_length, doc_separator=sep)
         return task, cfg.model_config(vocab_size=ByteText.vocab_size)
     mcfg = cfg.model_config()
     recall = RecallTask(
