@@ -82,13 +82,14 @@ def meta(kind: str, entry: tuple) -> dict[str, bool]:
 
 
 def entries(kind: str, bd: int) -> list[tuple[dict, int, int]]:
-    """The candidates of one kernel (for `dev/tune_tiles.py` and the ``autotune`` override) at padded head dim ``bd``: ``(constexprs, num_warps, num_stages)``."""
+    """The candidates of one kernel at padded head dim ``bd`` (for `dev/tune_tiles.py` and the ``autotune``
+    override): ``(constexprs, num_warps, num_stages)``."""
     return [({"BLOCK_M": e[0], "BLOCK_N": e[1], **meta(kind, e)}, e[2], e[3]) for e in table(kind)[bd]]
 
 
 def seq_bucket(n: int) -> int:
-    """Length bucket of the tile-table key (and of the ``autotune`` override's key): one per power of two from <=1K to <=16K, then longer (coarser buckets let
-    the first length tuned decide for the next, and the best tile differs between 2K and 4K, 8K and 16K)."""
+    """Length bucket of the tile-table key (and of the ``autotune`` override's key): one per power of two from <=1K
+    to <=16K, then longer (the best tile differs between 2K and 4K, 8K and 16K)."""
     return 0 if n <= 1024 else min(5, (n - 1).bit_length() - 10)
 
 
