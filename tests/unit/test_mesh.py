@@ -114,3 +114,17 @@ def test_train_without_torchrun_says_how_many_processes(no_process_group, tmp_pa
     with pytest.raises(ValueError, match=r"needs 2 processes, got world size 1"):
         Trainer(cfg)
     assert not (tmp_path / "run").exists()  # nothing was written
+
+
+def test_context_parallel_without_init_process_group_says_so():
+    """Built without torch.distributed, ContextParallel raises at construction, not at the first forward."""
+    import torch.distributed as dist
+
+    from longctx.distributed import SINGLE_PROCESS, ContextParallel
+
+    if dist.is_initialized():
+        pytest.skip("needs a process without torch.distributed initialised")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ContextParallel()
+    cp = ContextParallel(group=SINGLE_PROCESS)
+    assert (cp.rank, cp.world) == (0, 1)

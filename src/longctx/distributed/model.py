@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from longctx.distributed.attention import METHODS, cp_attention
-from longctx.distributed.comm import comm_device, group_info
+from longctx.distributed.comm import comm_device, cp_group_info, group_info
 from longctx.distributed.sharding import LAYOUTS, check_divisible, local_positions, shard, unshard
 from longctx.launchers.select import BACKENDS
 
@@ -161,7 +161,7 @@ class ContextParallel:
             raise ValueError(f"context-parallel layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"context-parallel backend must be one of {BACKENDS}, got {self.backend!r}")
-        info = group_info(self.group)
+        info = cp_group_info(self.group, "ContextParallel")
         self.rank, self.world = info.rank, info.world
 
     # -- the core attention each layer calls --
@@ -314,6 +314,7 @@ def setup_context_parallel(
     Raises:
         ValueError: an unknown method/layout/backend, ``attention_dropout > 0`` (its dense path cannot see
             the other ranks' keys), or heads Ulysses cannot split.
+        RuntimeError: torch.distributed is not initialised (and ``group`` is not ``SINGLE_PROCESS``).
     """
     cfg = getattr(model, "config", None)
     if backend is None:
