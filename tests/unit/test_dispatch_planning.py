@@ -152,3 +152,64 @@ def test_missing_init_process_group_raises() -> None:
     for method in ("ring", "allgather", "ulysses"):
         out = plan.undispatch(plan.attention(*(plan.dispatch(t) for t in (q, k, v)), method=method, backend="tiled"))
         assert torch.allclose(out, ref, atol=1e-12), method
+
+
+@pytest.mark.parametrize("cu", CUS)
+@pytest.mark.parametrize("mask", ["full", "causal", "causal_win", "win2"])
+@pytest.mark.parametrize("world,chunk_size", [(2, 4), (4, 3), (4, 1)])
+def test_p2p_needs_are_the_visible_chunks(cu, mask, world, chunk_size) -> None:
+    """``needs[r][s]`` is exactly the set of rank s's chunks holding a key that some query of rank r sees (the dense
+    document mask, brute force), ascending, nothing from rank r itself."""
+    from longctx.distributed.dispatch import plan_needs
+
+    kw = {"full": {}, "causal": dict(causal=True), "causal_win": dict(causal=True, window=(5, 0)),
+          "win2": dict(window=(3, 4))}[mask]  # fmt: skip
+    band = Band.from_args(1, 1, causal=kw.get("causal", False), window=kw.get("window"))
+    dense = _dense_doc_mask(cu, band)
+    layout, _, cs = plan_layout(cu, world, chunk_size=chunk_size, **kw)
+    needs = plan_needs(cu, layout, cs, **kw)
+    n_chunks = cu[-1] // cs
+    owner = {g // cs + i: r for r, runs in enumerate(layout.chunks) for _, n, g in runs for i in range(n // cs)}
+    for r in range(world):
+        qpos = torch.cat([torch.arange(g, g + n) for _, n, g in layout.chunks[r]])
+        seen = dense[qpos].any(0)  # (total,): keys some query of rank r sees
+        for s in range(world):
+            expect = [c for c in range(n_chunks) if owner[c] == s != r and bool(seen[c * cs : (c + 1) * cs].any())]
+            assert list(needs[r][s]) == expect, (r, s, needs[r][s], expect)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("mask", ["causal", "causal_window", "full"])
+def test_p2p_traffic_at_most_ring(world: int, mask: str) -> None:
+    """On long-tailed mixes every rank sends and receives at most what the ring moves (forward and backward), and
+    the counts are the plan's chunks times the bytes per token."""
+    from longctx.distributed.comm import GroupInfo
+    from longctx.distributed.dispatch import DispatchPlan, plan_needs
+
+    total = 8192 * world
+    kw = dict(causal=mask != "full", window=(1023, 0) if mask == "causal_window" else None)
+    for seed in range(2):
+        cu = _sample_cu(total, seed, total // 4)
+        layout, areas, cs = plan_layout(cu, world, **kw)
+        needs = plan_needs(cu, layout, cs, **kw)
+        info = GroupInfo(None, 0, world, "none")
+        win = (-1, -1) if kw["window"] is None else kw["window"]
+        plan = DispatchPlan(tuple(cu), kw["causal"], win, cs, layout, tuple(areas), needs, info)
+        tr = {m: plan.traffic(m, kv_heads=8, head_dim=128) for m in ("p2p", "ring", "allgather")}
+        ring = tr["ring"]
+        for field in ("forward_sent", "forward_received", "backward_sent", "backward_received"):
+            assert all(a <= b for a, b in zip(getattr(tr["p2p"], field), getattr(ring, field))), field
+        assert sum(tr["p2p"].forward_sent) == sum(tr["p2p"].forward_received)
+        per_tok = 2 * 8 * 128 * 2
+        assert tr["p2p"].forward_received[1] == sum(len(ids) for ids in needs[1]) * cs * per_tok
+        assert ring.forward_sent[0] == (world - 1) * (total // world) * per_tok == tr["allgather"].forward_sent[0]
+        if mask == "causal_window":  # a query chunk of 512 sees at most 3 chunks of 512 before it
+            assert tr["p2p"].max_per_rank() < ring.max_per_rank()
+
+
+def test_p2p_traffic_rejects_other_methods() -> None:
+    from longctx.distributed import SINGLE_PROCESS, dispatch_plan
+
+    plan = dispatch_plan([0, 8], causal=True, group=SINGLE_PROCESS)
+    with pytest.raises(ValueError, match="traffic is counted for"):
+        plan.traffic("ulysses")

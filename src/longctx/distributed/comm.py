@@ -18,6 +18,7 @@ __all__ = [
     "comm_device",
     "cpu_group",
     "RingComm",
+    "exchange",
     "gather_seq",
     "reduce_scatter_seq",
     "all_to_all",
@@ -159,6 +160,26 @@ class RingComm:
     def wait(reqs: list) -> None:
         for r in reqs:
             r.wait()
+
+
+def exchange(
+    info: GroupInfo, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], tag: int = 0
+) -> list:
+    """Start point-to-point transfers with any ranks of the group in one batch; returns the requests (wait with
+    `RingComm.wait`).
+
+    ``sends``: (group rank, contiguous tensor) pairs; ``recvs``: (group rank, contiguous buffer) pairs. Both sides
+    must plan the same transfers (one message per pair of ranks and ``tag``). A rank with nothing to send or
+    receive issues nothing: the transfers are pairwise, so nobody waits for it.
+    """
+    ops = []
+    for peer, t in sends:
+        assert t.is_contiguous() and peer != info.rank, (peer, info.rank)
+        ops.append(dist.P2POp(dist.isend, t, _global_rank(info, peer), info.group, tag))
+    for peer, buf in recvs:
+        assert buf.is_contiguous() and peer != info.rank, (peer, info.rank)
+        ops.append(dist.P2POp(dist.irecv, buf, _global_rank(info, peer), info.group, tag))
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 def gather_seq(x: torch.Tensor, dim: int, info: GroupInfo, layout) -> torch.Tensor:

@@ -21,18 +21,40 @@ reaches in its document, Ulysses attends over the whole packed sequence one docu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
-from longctx.distributed.attention import _collective_check, _crc, _exchange_rows, check_cu_seqlens, run_method
-from longctx.distributed.blocks import Documents, doc_token_areas
-from longctx.distributed.comm import GroupInfo, cp_group_info, gather_seq
+from longctx.distributed.attention import (
+    METHODS,
+    _crc,
+    _describe,
+    _exchange_rows,
+    _local_checks,
+    _meta,
+    check_cu_seqlens,
+    run_method,
+)
+from longctx.distributed.blocks import Call, Documents, doc_token_areas, gather_calls, merge_into, plan_calls
+from longctx.distributed.comm import GroupInfo, RingComm, cp_group_info, exchange, gather_seq
 from longctx.distributed.sharding import ChunkLayout
 from longctx.launchers.select import resolve_launchers
 from longctx.masks import Band, normalize_window
 
-__all__ = ["dispatch_plan", "DispatchPlan", "plan_layout", "default_chunk_size", "balance_chunks"]
+__all__ = [
+    "dispatch_plan",
+    "DispatchPlan",
+    "PLAN_METHODS",
+    "Traffic",
+    "plan_layout",
+    "plan_needs",
+    "default_chunk_size",
+    "balance_chunks",
+]
+
+# "p2p" exists only here: it needs the chunk plan to know which K/V chunks each rank's queries can see.
+PLAN_METHODS = (*METHODS, "p2p")
 
 
 def _divisors(n: int) -> list[int]:
@@ -114,6 +136,237 @@ def plan_layout(
     return ChunkLayout(total, tuple(chunks)), rank_areas, chunk_size
 
 
+def plan_needs(
+    cu: list[int] | tuple[int, ...], layout: ChunkLayout, chunk_size: int, *, causal: bool = False,
+    window: tuple[int, int] | None = None,
+) -> tuple[tuple[tuple[int, ...], ...], ...]:  # fmt: skip
+    """Which K/V chunks each rank needs from each other rank: ``needs[r][s]`` holds the ids (ascending; chunk c is
+    tokens [c * chunk_size, (c + 1) * chunk_size)) of the chunks rank s owns in which some query of rank r sees at
+    least one key (same document, band inside it); ``needs[r][r]`` is empty.
+
+    A query piece (a run of rank r cut at document boundaries) sees the contiguous keys
+    [max(doc start, first + lo), min(doc end, last + hi + 1)) (`blocks.gather_calls`): the union of its rows' bands
+    is contiguous and every key in it is seen by some row, so a chunk overlapping that range is needed and no other.
+    O(pieces + chunks) per rank.
+    """
+    total, world = layout.total, layout.world
+    mask = Documents(tuple(cu), _doc_band(causal, normalize_window(window)))
+    owner = [0] * (total // chunk_size)
+    for r, runs in enumerate(layout.chunks):
+        for _, n, g in runs:
+            owner[g // chunk_size : (g + n) // chunk_size] = [r] * (n // chunk_size)
+    needs = []
+    for r in range(world):
+        spans = sorted(
+            (c.k0 // chunk_size, (c.k1 - 1) // chunk_size + 1)
+            for c in gather_calls(mask, list(layout.chunks[r]), total)
+        )
+        row: list[list[int]] = [[] for _ in range(world)]
+        end = 0  # chunks below `end` are already listed
+        for a, b in spans:
+            for c in range(max(a, end), b):
+                if owner[c] != r:
+                    row[owner[c]].append(c)
+            end = max(end, b)
+        needs.append(tuple(tuple(x) for x in row))
+    return tuple(needs)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes each rank sends and receives in one attention call of a method (per rank, in rank order).
+
+    ``forward_*``: K/V of the forward; ``backward_*``: K/V again (no method saves what it received) and the dK/dV
+    partial sums (``grad_itemsize`` each). Collectives count what a bandwidth-optimal algorithm moves per rank
+    (all-gather, reduce-scatter: (P - 1) / P of the whole).
+    """
+
+    forward_sent: tuple[int, ...]
+    forward_received: tuple[int, ...]
+    backward_sent: tuple[int, ...]
+    backward_received: tuple[int, ...]
+
+    def max_per_rank(self, *, backward: bool = True) -> int:
+        """The largest number of bytes a rank sends or receives (forward, plus the backward unless False)."""
+        fs, fr = self.forward_sent, self.forward_received
+        if backward:
+            fs = tuple(a + b for a, b in zip(fs, self.backward_sent))
+            fr = tuple(a + b for a, b in zip(fr, self.backward_received))
+        return max(max(fs), max(fr))
+
+
+@functools.lru_cache(maxsize=256)
+def _p2p_routes(plan_key: tuple, rank: int) -> _Routes:
+    layout, needs, chunk_size, mask = plan_key
+    return _Routes.build(layout, needs, chunk_size, mask, rank)
+
+
+@dataclass(frozen=True)
+class _Routes:
+    """Rank ``rank``'s part of a p2p plan.
+
+    ``sends``: (peer, runs of local rows [(local_start, length)], tokens) for every peer that needs some of this
+    rank's chunks; ``recvs``: (peer, offset in the received buffer, tokens) for every peer this rank needs chunks
+    from, in rank order (the received buffer holds them one peer after another, each peer's chunks ascending).
+    ``local_calls`` / ``remote_calls``: the launcher calls of the local queries against the local K/V and
+    against the received buffer (`blocks.plan_calls`: only the document pieces whose band meets).
+    """
+
+    sends: tuple[tuple[int, tuple[tuple[int, int], ...], int], ...]
+    recvs: tuple[tuple[int, int, int], ...]
+    n_recv: int
+    local_calls: tuple[Call, ...]
+    remote_calls: tuple[Call, ...]
+
+    @staticmethod
+    def build(layout: ChunkLayout, needs, chunk_size: int, mask: Documents, rank: int) -> _Routes:
+        local_of = {}  # global chunk id -> its local start on its owner
+        for runs in layout.chunks:
+            for ls, n, g in runs:
+                for i in range(n // chunk_size):
+                    local_of[g // chunk_size + i] = ls + i * chunk_size
+        sends = []
+        for peer in range(layout.world):
+            ids = needs[peer][rank]
+            if ids:
+                runs: list[list[int]] = []
+                for c in ids:
+                    a = local_of[c]
+                    if runs and runs[-1][0] + runs[-1][1] == a:
+                        runs[-1][1] += chunk_size
+                    else:
+                        runs.append([a, chunk_size])
+                sends.append((peer, tuple((a, n) for a, n in runs), len(ids) * chunk_size))
+        recvs, k_chunks, off = [], [], 0  # k_chunks: runs of the received buffer, (start, length, global start)
+        for peer in range(layout.world):
+            ids = needs[rank][peer]
+            if not ids:
+                continue
+            recvs.append((peer, off, len(ids) * chunk_size))
+            for c in ids:
+                g = c * chunk_size
+                if k_chunks and k_chunks[-1][0] + k_chunks[-1][1] == off and k_chunks[-1][2] + k_chunks[-1][1] == g:
+                    k_chunks[-1][1] += chunk_size
+                else:
+                    k_chunks.append([off, chunk_size, g])
+                off += chunk_size
+        q_chunks = list(layout.chunks[rank])
+        remote = plan_calls(mask, q_chunks, [tuple(c) for c in k_chunks]) if k_chunks else []
+        return _Routes(tuple(sends), tuple(recvs), off, tuple(plan_calls(mask, q_chunks, q_chunks)), tuple(remote))
+
+
+def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([p.reshape(-1) for p in parts])
+
+
+def _rows(x: torch.Tensor, runs) -> torch.Tensor:
+    """The local rows ``runs`` [(start, length)] of a (B, H, S, D) tensor, concatenated along S."""
+    return torch.cat([x[:, :, a : a + n] for a, n in runs], dim=2)
+
+
+def _fetch_kv(k: torch.Tensor, v: torch.Tensor, routes: _Routes, info: GroupInfo, tag: int):
+    """Start the K/V exchange of a p2p plan; returns (requests, receive buffers). `_unpack_kv` once waited."""
+    sends = [(peer, _pack([_rows(k, runs), _rows(v, runs)])) for peer, runs, _ in routes.sends]
+    per_tok = k[:, :, :1].numel() + v[:, :, :1].numel()
+    bufs = [(peer, torch.empty(n * per_tok, dtype=k.dtype, device=k.device)) for peer, _, n in routes.recvs]
+    return exchange(info, sends, bufs, tag), bufs
+
+
+def _unpack(bufs, counts: list[int], like: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """Split flat per-peer buffers (each holding, per tensor of ``like``, ``count`` rows along S) into tensors of
+    ``like``'s shapes with the rows of every peer concatenated along S, in peer order."""
+    outs: list[list[torch.Tensor]] = [[] for _ in like]
+    for (_, buf), n in zip(bufs, counts):
+        pos = 0
+        for i, t in enumerate(like):
+            B, H, _, D = t.shape
+            outs[i].append(buf[pos : pos + B * H * n * D].view(B, H, n, D))
+            pos += B * H * n * D
+    return [torch.cat(o, dim=2) for o in outs]
+
+
+class P2PAttention(torch.autograd.Function):
+    """Attention of the local queries against the local K/V and the K/V chunks they can see on other ranks.
+
+    forward: start the batched point-to-point exchange of the planned chunks (`_Routes`), compute the local calls
+    while it runs, then the calls against the received chunks; partial results merge by their lse in the
+    accumulation dtype (float32, float64 for float64 inputs). backward: the chunks are exchanged again (saving them
+    would keep every layer's received K/V alive), dQ stays local, the dK/dV of received chunks go back to their
+    owners in the accumulation dtype and are added there.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, info: GroupInfo, routes: _Routes, scale: float, launchers):
+        B, Hq, S_loc, D = q.shape
+        adt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        k, v = k.contiguous(), v.contiguous()
+        reqs, bufs = _fetch_kv(k, v, routes, info, tag=0)
+        out_acc = torch.zeros(B, Hq, S_loc, D, device=q.device, dtype=adt)
+        lse_acc = torch.full((B, Hq, S_loc), float("-inf"), device=q.device, dtype=adt)
+        for c in routes.local_calls:
+            o, l = launchers.forward(q[:, :, c.q0 : c.q1], k[:, :, c.k0 : c.k1], v[:, :, c.k0 : c.k1], scale=scale,
+                                     band=c.band)  # fmt: skip
+            merge_into(out_acc[:, :, c.q0 : c.q1], lse_acc[:, :, c.q0 : c.q1], o, l)
+        RingComm.wait(reqs)
+        if routes.remote_calls:
+            k_r, v_r = _unpack(bufs, [n for _, _, n in routes.recvs], (k, v))  # (B, Hkv, n_recv, D)
+            for c in routes.remote_calls:
+                o, l = launchers.forward(q[:, :, c.q0 : c.q1], k_r[:, :, c.k0 : c.k1], v_r[:, :, c.k0 : c.k1],
+                                         scale=scale, band=c.band)  # fmt: skip
+                merge_into(out_acc[:, :, c.q0 : c.q1], lse_acc[:, :, c.q0 : c.q1], o, l)
+        del bufs
+        out = out_acc.to(q.dtype)
+        lse = lse_acc if q.dtype == torch.float64 else lse_acc.float()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.info, ctx.routes, ctx.scale, ctx.launchers = info, routes, scale, launchers
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse = ctx.saved_tensors
+        info, routes, scale, launchers = ctx.info, ctx.routes, ctx.scale, ctx.launchers
+        adt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        do = do.contiguous()
+        reqs, bufs = _fetch_kv(k, v, routes, info, tag=1)
+        dq = torch.zeros(q.shape, device=q.device, dtype=adt)
+        dk = torch.zeros(k.shape, device=q.device, dtype=adt)
+        dv = torch.zeros(v.shape, device=q.device, dtype=adt)
+
+        def run(calls, kk, vv, dkk, dvv):
+            for c in calls:
+                qs, ks = slice(c.q0, c.q1), slice(c.k0, c.k1)
+                dq_b, dk_b, dv_b = launchers.backward(
+                    do[:, :, qs], q[:, :, qs], kk[:, :, ks], vv[:, :, ks], out[:, :, qs], lse[:, :, qs], scale=scale,
+                    band=c.band,
+                )  # fmt: skip
+                dq[:, :, qs] += dq_b
+                dkk[:, :, ks] += dk_b
+                dvv[:, :, ks] += dv_b
+
+        run(routes.local_calls, k, v, dk, dv)
+        RingComm.wait(reqs)
+        back, back_bufs = [], []
+        if routes.recvs:
+            k_r, v_r = _unpack(bufs, [n for _, _, n in routes.recvs], (k, v))
+            dk_r = torch.zeros(k_r.shape, device=q.device, dtype=adt)  # (B, Hkv, n_recv, D)
+            dv_r = torch.zeros(v_r.shape, device=q.device, dtype=adt)
+            run(routes.remote_calls, k_r, v_r, dk_r, dv_r)
+            back = [(peer, _pack([dk_r[:, :, o : o + n], dv_r[:, :, o : o + n]])) for peer, o, n in routes.recvs]
+        del bufs
+        per_tok = k[:, :, :1].numel() + v[:, :, :1].numel()
+        back_bufs = [(peer, torch.empty(n * per_tok, dtype=adt, device=q.device)) for peer, _, n in routes.sends]
+        RingComm.wait(exchange(info, back, back_bufs, tag=2))
+        if routes.sends:
+            dk_in, dv_in = _unpack(back_bufs, [n for _, _, n in routes.sends], (dk, dv))
+            pos = 0
+            for _, runs, _ in routes.sends:
+                for a, n in runs:
+                    dk[:, :, a : a + n] += dk_in[:, :, pos : pos + n]
+                    dv[:, :, a : a + n] += dv_in[:, :, pos : pos + n]
+                    pos += n
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
 class _Undispatch(torch.autograd.Function):
     """All-gather in global order; the backward keeps this rank's rows of the incoming gradient."""
 
@@ -139,6 +392,8 @@ class DispatchPlan:
         cu_seqlens: the document boundaries (list of ints). causal, window: the mask inside each document.
         chunk_size: tokens per chunk. layout: the `ChunkLayout` (runs per rank, in local order).
         areas: mask area (visible (query, key) pairs of its query rows) per rank.
+        needs: ``needs[r][s]``, the ids of rank s's chunks some query of rank r sees (`plan_needs`): what
+            method "p2p" moves.
     """
 
     cu_seqlens: tuple[int, ...]
@@ -147,6 +402,7 @@ class DispatchPlan:
     chunk_size: int
     layout: ChunkLayout
     areas: tuple[int, ...]
+    needs: tuple[tuple[tuple[int, ...], ...], ...] = field(repr=False)
     info: GroupInfo = field(repr=False)
 
     @property
@@ -169,6 +425,40 @@ class DispatchPlan:
         """max / mean of the per-rank mask area (1.0: perfectly balanced)."""
         mean = sum(self.areas) / len(self.areas)
         return max(self.areas) / mean if mean > 0 else 1.0
+
+    def traffic(
+        self, method: str = "p2p", *, kv_heads: int = 1, head_dim: int = 1, itemsize: int = 2, grad_itemsize: int = 4
+    ) -> Traffic:
+        """Bytes each rank sends and receives in one `attention` call of ``method``, from the plan alone.
+
+        Args:
+            method: "p2p" (the planned chunks), "ring" (every rank's K/V passes every other rank; the backward
+                sends K/V again and the dK/dV partial sums around a second ring, P hops) or "allgather" (all-gather
+                of K/V, again in the backward, and a reduce-scatter of dK/dV).
+            kv_heads, head_dim: of K and V (each token moves ``2 * kv_heads * head_dim`` values).
+            itemsize: bytes per K/V value (2 for bf16). grad_itemsize: bytes per dK/dV value sent (the
+                accumulation dtype: 4 for float32).
+
+        Raises:
+            ValueError: another method.
+        """
+        P, n = self.world, self.local_len
+        kv, gr = 2 * kv_heads * head_dim * itemsize, 2 * kv_heads * head_dim * grad_itemsize  # per token
+        if method == "ring":
+            f, b = ((P - 1) * n * kv,) * P, ((P - 1) * n * kv + (P * n * gr if P > 1 else 0),) * P
+            return Traffic(f, f, b, b)
+        if method == "allgather":
+            f, b = ((P - 1) * n * kv,) * P, ((P - 1) * n * (kv + gr),) * P
+            return Traffic(f, f, b, b)
+        if method != "p2p":
+            raise ValueError(f"traffic is counted for 'p2p', 'ring' and 'allgather', got {method!r}")
+        cs = self.chunk_size
+        recv = [sum(len(ids) for ids in self.needs[r]) * cs for r in range(P)]  # tokens
+        sent = [sum(len(self.needs[r][s]) for r in range(P)) * cs for s in range(P)]
+        return Traffic(
+            tuple(t * kv for t in sent), tuple(t * kv for t in recv),
+            tuple(s * kv + r * gr for s, r in zip(sent, recv)), tuple(r * kv + s * gr for s, r in zip(sent, recv)),
+        )  # fmt: skip
 
     def positions(self, device=None) -> torch.Tensor:
         """Global positions (int64, (total / P,)) of this rank's tokens, in local order."""
@@ -210,8 +500,9 @@ class DispatchPlan:
             q: (total / P, Hq, D) this rank's queries (``plan.dispatch(q_packed)``); k, v: (total / P, Hkv, D).
             method: "ring" (K/V around the ring; pairs of chunks with no visible entry are not computed),
                 "allgather" (gather K/V; each local document piece attends only the keys it can see),
-                "ulysses" (all-to-all to heads, attention over the whole packed sequence per document) or
-                "ulysses_ring" (all-to-all inside groups of ``ulysses_size`` ranks, ring across them).
+                "ulysses" (all-to-all to heads, attention over the whole packed sequence per document),
+                "ulysses_ring" (all-to-all inside groups of ``ulysses_size`` ranks, ring across them) or "p2p"
+                (only the K/V chunks some local query can see, point to point: ``plan.needs``; `traffic`).
             scale: softmax scale (default 1/sqrt(D)). backend: "auto", "tiled" or "triton" (as `cp_attention`).
 
         Returns:
@@ -219,20 +510,68 @@ class DispatchPlan:
 
         Raises:
             ValueError / TypeError on every rank (checked collectively): bad tensors, a local length other than
-            the plan's, inputs that differ across ranks, heads the method cannot split.
+            the plan's, inputs that differ across ranks, heads the method cannot split, an unknown method.
         """
         q4, k4, v4 = (_to_bhsd(t) for t in (q, k, v))  # (1, H, total / P, D)
-        scale, _, _ = _collective_check(
-            q4, k4, v4, info=self.info, method=method, layout=self.layout, causal=self.causal, window=self.window,
-            scale=scale, backend=backend, ulysses_size=ulysses_size, where="DispatchPlan.attention",
-        )  # fmt: skip
+        scale = self._check(q4, k4, v4, method=method, scale=scale, backend=backend, ulysses_size=ulysses_size)
         mask = Documents(self.cu_seqlens, _doc_band(self.causal, self.window))
         launchers = resolve_launchers(backend, q4.device, q4.dtype)
-        out = run_method(
-            q4, k4, v4, info=self.info, method=method, layout=self.layout, mask=mask, scale=scale,
-            launchers=launchers, ulysses_size=ulysses_size,
-        )  # fmt: skip
+        if method == "p2p":
+            routes = _p2p_routes((self.layout, self.needs, self.chunk_size, mask), self.rank)
+            out = P2PAttention.apply(q4, k4, v4, self.info, routes, scale, launchers)
+        else:
+            out = run_method(
+                q4, k4, v4, info=self.info, method=method, layout=self.layout, mask=mask, scale=scale,
+                launchers=launchers, ulysses_size=ulysses_size,
+            )  # fmt: skip
         return out[0].permute(1, 0, 2).contiguous()  # (total / P, Hq, D)
+
+    def _check(self, q4, k4, v4, *, method, scale, backend, ulysses_size) -> float:
+        """`attention.cp_attention`'s collective check with the plan's methods (p2p is checked as allgather, which
+        puts no constraint on heads, and told apart by an extra column). Returns the scale."""
+        info, where = self.info, "DispatchPlan.attention"
+        known = isinstance(method, str) and method in PLAN_METHODS
+        base = "allgather" if method == "p2p" else method
+        err: Exception | None = None
+        resolved = None
+        try:
+            if not known:
+                raise ValueError(f"method must be one of {PLAN_METHODS}, got {method!r}")
+            resolved = _local_checks(
+                q4, k4, v4, info=info, method=base, layout=self.layout, causal=self.causal, window=self.window,
+                scale=scale, backend=backend, ulysses_size=ulysses_size,
+            )  # fmt: skip
+        except (TypeError, ValueError) as e:
+            err = e
+        if info.world == 1:
+            if err is not None:
+                raise err
+            return resolved[0]
+        row = _meta(
+            q4, k4, v4, method=base if known else None, layout=self.layout, causal=self.causal, window=self.window,
+            scale=resolved[0] if resolved else scale, backend=backend, err=int(err is not None),
+            ulysses_size=ulysses_size,
+        ) + [PLAN_METHODS.index(method) if known else -1]  # fmt: skip
+        rows = _exchange_rows(row, info, q4)
+
+        def describe(rw: list[int]) -> str:
+            return _describe(rw[:-1]) + f" (method {PLAN_METHODS[rw[-1]] if rw[-1] >= 0 else '?'})"
+
+        bad = [r for r, rw in enumerate(rows) if rw[0]]
+        if bad:
+            if err is not None:
+                raise type(err)(f"{where} on rank {info.rank}: {err}") from err
+            raise ValueError(
+                f"{where}: invalid input on rank(s) {bad} of the context-parallel group (see the error raised "
+                f"there: {describe(rows[bad[0]])}); every rank stops here"
+            )
+        if any(rw != rows[0] for rw in rows):
+            lines = "\n".join(f"  rank {r}: {describe(rw)}" for r, rw in enumerate(rows))
+            raise ValueError(
+                f"{where}: the ranks of the context-parallel group passed different shapes, dtypes or arguments; "
+                f"every rank must pass its share of one packed sequence with the same arguments:\n{lines}"
+            )
+        return resolved[0]
 
 
 def _to_bhsd(t):
@@ -314,4 +653,5 @@ def dispatch_plan(
     if err is not None:
         raise type(err)(f"dispatch_plan on rank {info.rank}: {err}") from err
     cu, win, layout, areas, cs = result
-    return DispatchPlan(tuple(cu), causal, win, cs, layout, tuple(areas), info)
+    needs = plan_needs(cu, layout, cs, causal=causal, window=win)
+    return DispatchPlan(tuple(cu), causal, win, cs, layout, tuple(areas), needs, info)
