@@ -1,16 +1,21 @@
 """`longctx bench attention`: TFLOP/s of forward and backward, and peak memory, of dense attention at the
 FlashAttention benchmark's shapes. Masks, the LongCA conventions and context parallelism: ``longctx bench suite``.
 
+A front end of the suite: every (case, provider) runs through `longctx.bench.suite.kernel.run_cases` and the
+suite's providers, and this module turns the suite's rows into its own report.
+
 Shapes follow the FlashAttention benchmarks: batch x seqlen = 16384 tokens and heads x head_dim = 2048, for
 D in {64, 128, 256} and S in {1K, 2K, 4K, 8K, 16K}, causal and not, plus GQA (Hq=32, Hkv=8, D=128, causal).
 FLOPs: forward ``4 * B * Hq * S * S * D``, halved for causal; backward 2.5x forward, timed alone (the
 forward graph is built once and ``autograd.grad`` is timed with ``retain_graph``). Times are
-`triton.testing.do_bench` medians on random bf16 inputs.
+`triton.testing.do_bench` medians on random bf16 inputs. Peak memory: bytes allocated by one forward + backward
+above the inputs, the upstream gradient included.
 
-Providers: ``triton`` (ours), ``cudnn`` and ``fa2`` (SDPA pinned to SDPBackend.CUDNN_ATTENTION /
-FLASH_ATTENTION), ``flex`` (compiled FlexAttention, dynamo's recompile limit raised so it never falls back to
-eager), ``tiled`` (longctx's PyTorch FlashAttention; only up to 2K, it is slow) and ``math`` (the dense
-reference, up to 4K where its S x S scores fit in memory).
+Providers (the suite's, under their names in this report): ``triton`` (``longctx_triton``, ours), ``cudnn`` and
+``fa2`` (SDPA pinned to cuDNN / FlashAttention-2), ``flex`` (compiled FlexAttention), ``tiled`` (longctx's
+PyTorch FlashAttention, up to S=2K here) and ``math`` (the dense reference, up to 4K where its scores fit); any
+other suite provider by its suite name. ``--device cpu`` runs the same code on tiny shapes (256 tokens, heads x
+head_dim = 64, fp32; flex eager, tiled, math) with ``perf_counter`` medians.
 
 Writes ``<out-dir>/attention_<gpu>[<tag>].json``, ``.md`` and ``.png`` (overwriting the previous run on that
 GPU) with the GPU name and the torch, triton and cuDNN versions. ``--masks`` also runs ``longctx.bench.masks``
@@ -18,6 +23,7 @@ GPU) with the GPU name and the torch, triton and cuDNN versions. ``--masks`` als
 
     longctx bench attention --quick                      # D=128, S in {2K, 8K}, ours vs cudnn/fa2
     longctx bench attention --d 128 --s 4096,16384 --providers triton,cudnn --no-bwd
+    longctx bench attention --device cpu --quick --out-dir /tmp/att      # the CPU version (CI)
 """
 
 from __future__ import annotations
@@ -25,7 +31,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import math
 import os
 import sys
 from dataclasses import asdict, dataclass, field
@@ -33,10 +38,45 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from longctx.bench import result_stem
+from longctx.bench.suite.case import DTYPES, OK, SKIPPED, UNSUPPORTED, KernelCase
+from longctx.bench.suite.kernel import SuiteConfig, run_cases
+from longctx.bench.suite.providers import provider_names
+from longctx.masks import make_mask
 
 PROVIDERS = ("triton", "cudnn", "fa2", "flex", "tiled", "math")
-TOKENS = 16384
-HIDDEN = 2048
+SUITE_NAMES = {"triton": "longctx_triton"}  # this report's name -> the suite's; the others are the same
+REPORT_NAMES = {v: k for k, v in SUITE_NAMES.items()}
+S_CAPS = {"tiled": 2048, "math": 4096}  # the slow references: longer S is skipped
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The sweep's shapes and defaults on one kind of device."""
+
+    tokens: int  # batch x S
+    hidden: int  # heads x head dim
+    gqa: tuple[int, int, int]  # (Hq, Hkv, D) of the GQA cases (causal; run when D is among --d)
+    d: list[int]
+    s: list[int]
+    quick_d: list[int]
+    quick_s: list[int]
+    providers: tuple[str, ...]
+    quick_providers: tuple[str, ...]
+    dtype: str
+    warmup: int
+    rep: int
+    quick_warmup: int
+    quick_rep: int
+
+
+GPU = Profile(
+    16384, 2048, (32, 8, 128), [64, 128, 256], [1024, 2048, 4096, 8192, 16384], [128], [2048, 8192],
+    PROVIDERS, ("triton", "cudnn", "fa2"), "bf16", 25, 100, 10, 50,
+)  # fmt: skip
+CPU = Profile(
+    256, 64, (4, 2, 32), [16, 32], [64, 128], [32], [64],
+    ("flex", "tiled", "math"), ("flex", "tiled", "math"), "fp32", 1, 2, 1, 2,
+)  # fmt: skip
 
 
 @dataclass
@@ -71,146 +111,92 @@ class Result:
     extra: dict = field(default_factory=dict)
 
 
-def build_cases(ds: list[int], ss: list[int], causal: list[bool], gqa: bool) -> list[Case]:
+def build_cases(ds: list[int], ss: list[int], causal: list[bool], gqa: bool, profile: Profile = GPU) -> list[Case]:
+    """MHA cases by head dim, length and causal-ness (heads = hidden // D, batch = tokens // S), then GQA."""
     cases = []
     for d in ds:
         for s in ss:
             for c in causal:
-                cases.append(Case(d, s, c, HIDDEN // d, HIDDEN // d, max(1, TOKENS // s)))
+                h = profile.hidden // d
+                cases.append(Case(d, s, c, h, h, max(1, profile.tokens // s)))
     if gqa:
+        hq, hkv, d = profile.gqa
         for s in ss:
-            cases.append(Case(128, s, True, 32, 8, max(1, TOKENS // s)))
+            cases.append(Case(d, s, True, hq, hkv, max(1, profile.tokens // s)))
     return cases
 
 
-def _provider_fn(name: str, case: Case):
-    """A callable (q, k, v) -> out for one provider, or raises RuntimeError('skip: why')."""
-    import torch.nn.functional as F
-
-    scale = 1.0 / math.sqrt(case.d)
-    gqa = case.hq != case.hkv
-    if name == "triton":
-        from longctx.masks import Band
-        from longctx.ops.flash import triton_attention
-
-        band = Band.from_args(case.s, case.s, causal=case.causal)
-        return lambda q, k, v: triton_attention(q, k, v, scale=scale, band=band)[0]
-    if name in ("cudnn", "fa2"):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        which = SDPBackend.CUDNN_ATTENTION if name == "cudnn" else SDPBackend.FLASH_ATTENTION
-
-        def fn(q, k, v):
-            with sdpa_kernel(which):
-                kw = {"enable_gqa": True} if gqa else {}
-                return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, scale=scale, **kw)
-
-        return fn
-    if name == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        dyn = torch._dynamo.config
-        dyn.cache_size_limit = max(dyn.cache_size_limit, 1024)
-        if hasattr(dyn, "recompile_limit"):
-            dyn.recompile_limit = max(dyn.recompile_limit, 1024)
-        if hasattr(dyn, "accumulated_recompile_limit"):
-            dyn.accumulated_recompile_limit = max(dyn.accumulated_recompile_limit, 4096)
-        compiled = torch.compile(flex_attention, dynamic=False)
-        bm = None
-        if case.causal:
-            bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, case.s, case.s, device="cuda")
-        kw = {"enable_gqa": True} if gqa else {}
-        return lambda q, k, v: compiled(q, k, v, block_mask=bm, scale=scale, **kw)
-    if name == "tiled":
-        if case.s > 2048:
-            raise RuntimeError("skip: tiled (PyTorch loops) only up to S=2048")
-        import longctx
-
-        return lambda q, k, v: longctx.attention(q, k, v, causal=case.causal, scale=scale, backend="tiled")
-    if name == "math":
-        # scores, probabilities and their grads in float32: about 4 S x S tensors per head
-        need = 4 * 4 * case.b * case.hq * case.s * case.s
-        free = torch.cuda.mem_get_info()[0]
-        if case.s > 4096 or need > 0.6 * free:
-            raise RuntimeError(f"skip: math needs ~{need / 2**30:.0f} GiB")
-        import longctx
-
-        return lambda q, k, v: longctx.attention(q, k, v, causal=case.causal, scale=scale, backend="math")
-    raise ValueError(f"unknown provider {name!r}; expected one of {PROVIDERS}")
+def kernel_case(case: Case, dtype: str, device: str, layout: str = "bhsd") -> KernelCase:
+    """The suite's case for one of this sweep's: the full or causal mask at (B, Hq, Hkv, D)."""
+    mask = make_mask("causal" if case.causal else "full", case.s)
+    return KernelCase(mask, case.b, case.hq, case.hkv, case.d, dtype, device, layout)
 
 
-def _bench(fn, warmup: int, rep: int) -> float:
-    import triton
-
-    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-
-
-def _inputs(case: Case, layout: str, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random q (B, Hq, S, D), k and v (B, Hkv, S, D). ``layout="bshd"``: the memory is flash_attn_func's
-    (B, S, H, D) and the tensors are transposed views of it (every provider takes strided inputs)."""
-    torch.manual_seed(0)
-
-    def make(h: int) -> torch.Tensor:
-        if layout == "bshd":
-            return torch.randn(case.b, case.s, h, case.d, device="cuda", dtype=dtype).transpose(1, 2)
-        return torch.randn(case.b, h, case.s, case.d, device="cuda", dtype=dtype)
-
-    return make(case.hq), make(case.hkv), make(case.hkv)
-
-
-def run_case(
-    case: Case, provider: str, *, bwd: bool, warmup: int, rep: int, dtype=torch.bfloat16, layout: str = "bhsd"
-) -> Result:
-    res = Result(case, provider)
-    try:
-        fn = _provider_fn(provider, case)
-    except RuntimeError as exc:
-        res.note = str(exc)
-        return res
-    q, k, v = _inputs(case, layout, dtype)  # q (B, Hq, S, D); k, v (B, Hkv, S, D)
-    try:
-        with torch.no_grad():
-            fn(q, k, v)  # compile / autotune outside the timing
-        torch.cuda.synchronize()
-        with torch.no_grad():
-            res.fwd_ms = _bench(lambda: fn(q, k, v), warmup, rep)
+def to_result(row: dict) -> Result:
+    """A suite row as this report's result: the case read back from the row's shape, TFLOP/s by this sweep's FLOP
+    convention (causal halves S x S), the peak with the upstream gradient (B, Hq, S, D) counted in, and the
+    result code as a note."""
+    case = Case(row["D"], row["S"], row["mask"] == "causal", row["Hq"], row["Hkv"], row["B"])
+    provider = REPORT_NAMES.get(row["provider"], row["provider"])
+    res = Result(case, provider, extra={"code": row["code"], "backend": row.get("backend") or ""})
+    if row.get("fwd_ms"):
+        res.fwd_ms = row["fwd_ms"]
         res.fwd_tflops = case.fwd_flops() / res.fwd_ms * 1e-9
-        if bwd:
-            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            out = fn(qg, kg, vg)
-            do = torch.randn_like(out)
-            torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)
-            torch.cuda.synchronize()
-            res.peak_extra_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
-            res.bwd_ms = _bench(lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True), warmup, rep)
-            res.bwd_tflops = 2.5 * case.fwd_flops() / res.bwd_ms * 1e-9
-            del out, do, qg, kg, vg
-    except Exception as exc:  # a peer without a kernel for this case, out of memory, ...
-        res.note = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-    torch.cuda.empty_cache()
+    if row.get("bwd_ms"):
+        res.bwd_ms = row["bwd_ms"]
+        res.bwd_tflops = 2.5 * case.fwd_flops() / res.bwd_ms * 1e-9
+        if row.get("peak_extra_mib") is not None:
+            grad_bytes = case.b * case.hq * case.s * case.d * DTYPES[row["dtype"]].itemsize
+            res.peak_extra_mib = row["peak_extra_mib"] + grad_bytes / 2**20
+    if row["code"] in (SKIPPED, UNSUPPORTED):
+        res.note = f"skip: {row['reason']}"
+    elif row["code"] != OK:
+        res.note = f"error: {row['reason']}"
+    else:
+        res.note = row.get("reason") or ""
     return res
 
 
-def _versions() -> dict:
-    import triton
+def run_sweep(
+    cases: list[Case], providers: list[str], cfg: SuiteConfig, layout: str = "bhsd", on_result=None
+) -> list[Result]:
+    """Every provider (this report's names) on every case, through the suite's runner with ``cfg``'s timing and
+    device; ``on_result(results)`` after each one."""
+    cfg.providers = [SUITE_NAMES.get(p, p) for p in providers]
+    results: list[Result] = []
 
-    props = torch.cuda.get_device_properties(0)
+    def on_row(rows: list[dict]) -> None:
+        results.append(to_result(rows[-1]))
+        if on_result is not None:
+            on_result(results)
+
+    run_cases([kernel_case(c, cfg.dtype, cfg.device, layout) for c in cases], cfg, on_row=on_row)
+    return results
+
+
+def _versions(device: str) -> dict:
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = None
+    cuda = device.startswith("cuda")
+    props = torch.cuda.get_device_properties(0) if cuda else None
     return {
-        "gpu": props.name,
-        "sms": props.multi_processor_count,
+        "gpu": props.name if cuda else "cpu",
+        "sms": props.multi_processor_count if cuda else None,
         "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cudnn": torch.backends.cudnn.version(),
-        "cuda": torch.version.cuda,
+        "triton": tv,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "cuda": torch.version.cuda if cuda else None,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
 
 def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.0f}"
+    """Whole numbers from 1 up (a GPU's TFLOP/s and MiB); two significant figures below (a CPU's)."""
+    return "-" if x is None else f"{x:.0f}" if x >= 1 else f"{x:.2g}"
 
 
 def markdown(results: list[Result], providers: list[str], meta: dict) -> str:
@@ -218,8 +204,10 @@ def markdown(results: list[Result], providers: list[str], meta: dict) -> str:
         f"# Attention benchmark: {meta['gpu']}",
         "",
         f"torch {meta['torch']}, triton {meta['triton']}, cuDNN {meta['cudnn']}, CUDA {meta['cuda']}; {meta['date']}.",
-        "bf16, batch x S = 16384 tokens, heads x D = 2048; forward TFLOP/s / backward TFLOP/s (backward timed alone,",
-        "2.5x forward FLOPs, causal halves them); `triton.testing.do_bench` median.",
+        f"{meta.get('dtype', 'bf16')}, batch x S = {meta.get('tokens', GPU.tokens)} tokens, heads x D = "
+        f"{meta.get('hidden', GPU.hidden)}; forward TFLOP/s / backward TFLOP/s (backward timed alone,",
+        "2.5x forward FLOPs, causal halves them); "
+        + ("`triton.testing.do_bench` median." if meta["gpu"] != "cpu" else "`time.perf_counter` median."),
         "Input memory layout: "
         + ("(B, S, H, D), viewed as (B, H, S, D)." if meta.get("layout") == "bshd" else "(B, H, S, D)."),
         "",
@@ -357,18 +345,32 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
+def _provider_list(ap: argparse.ArgumentParser, text: str) -> list[str]:
+    """This report's provider names from ``--providers`` (the suite's names are taken too)."""
+    known = set(PROVIDERS) | set(provider_names())
+    out = []
+    for p in (x.strip() for x in text.split(",")):
+        if not p:
+            continue
+        if p not in known:
+            ap.error(f"unknown provider {p!r}; expected a subset of {','.join(PROVIDERS)} (or suite providers)")
+        out.append(REPORT_NAMES.get(p, p))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="longctx bench attention", description=" ".join(__doc__.splitlines()[:2]))
-    ap.add_argument("--d", type=_ints, default=[64, 128, 256], help="head dims, e.g. 64,128")
-    ap.add_argument("--s", type=_ints, default=[1024, 2048, 4096, 8192, 16384], help="sequence lengths")
+    ap.add_argument("--d", type=_ints, default=None, help="head dims, e.g. 64,128 (default 64,128,256)")
+    ap.add_argument("--s", type=_ints, default=None, help="sequence lengths (default 1024,...,16384)")
     ap.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     ap.add_argument("--no-gqa", action="store_true", help="skip the GQA case (Hq=32, Hkv=8, D=128, causal)")
     ap.add_argument("--gqa-only", action="store_true", help="only the GQA cases (Hq=32, Hkv=8, D=128, causal)")
-    ap.add_argument("--providers", default=",".join(PROVIDERS), help=f"subset of {','.join(PROVIDERS)}")
+    ap.add_argument("--providers", default=None, help=f"subset of {','.join(PROVIDERS)} (default all of them)")
     ap.add_argument("--no-bwd", action="store_true", help="forward only")
     ap.add_argument("--quick", action="store_true", help="D=128, S in {2K, 8K}, triton/cudnn/fa2, short timing")
-    ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
-    ap.add_argument("--rep", type=int, default=100, help="do_bench repetitions (ms)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: tiny shapes, fp32 (CI)")
+    ap.add_argument("--warmup", type=int, default=None, help="do_bench warmup (ms; default 25)")
+    ap.add_argument("--rep", type=int, default=None, help="do_bench repetitions (ms; default 100)")
     ap.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
     ap.add_argument("--tag", default="", help="suffix naming what the run covers (e.g. _d64), not when")
     ap.add_argument("--masks", action="store_true", help="also run longctx.bench.masks")
@@ -383,35 +385,41 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.merge:
         return _merge(args.merge, args.out_dir, args.tag, args.note)
-    if not torch.cuda.is_available():
-        print("longctx bench attention: needs a CUDA GPU", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("longctx bench attention: needs a CUDA GPU (--device cpu runs tiny shapes on the CPU)", file=sys.stderr)
         return 1
-    providers = [p.strip() for p in args.providers.split(",") if p.strip()]
-    for p in providers:
-        if p not in PROVIDERS:
-            ap.error(f"unknown provider {p!r}; expected a subset of {','.join(PROVIDERS)}")
-    if args.quick:
-        args.d, args.s, args.rep, args.warmup = [128], [2048, 8192], 50, 10
-        if args.providers == ",".join(PROVIDERS):
-            providers = ["triton", "cudnn", "fa2"]
+    prof = GPU if args.device == "cuda" else CPU
+    if args.providers is not None:
+        providers = _provider_list(ap, args.providers)
+    else:
+        providers = list(prof.quick_providers if args.quick else prof.providers)
+    ds = args.d or (prof.quick_d if args.quick else prof.d)
+    ss = args.s or (prof.quick_s if args.quick else prof.s)
     causal = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
-    cases = build_cases(args.d, args.s, causal, gqa=not args.no_gqa and 128 in args.d)
+    gqa_d = prof.gqa[2]
+    cases = build_cases(ds, ss, causal, gqa=not args.no_gqa and gqa_d in ds, profile=prof)
     if args.gqa_only:
-        cases = [c for c in build_cases([128], args.s, [True], gqa=True) if c.hq != c.hkv]
-    meta = _versions()
-    meta["layout"] = args.layout
+        cases = [c for c in build_cases([gqa_d], ss, [True], gqa=True, profile=prof) if c.hq != c.hkv]
+    cfg = SuiteConfig(
+        seqs=ss, masks=[], providers=[], dtype=prof.dtype, device=args.device, bwd=not args.no_bwd,
+        warmup=args.warmup if args.warmup is not None else (prof.quick_warmup if args.quick else prof.warmup),
+        rep=args.rep if args.rep is not None else (prof.quick_rep if args.quick else prof.rep),
+        build_timing=False, s_caps=dict(S_CAPS),
+    )  # fmt: skip
+    meta = _versions(args.device)
+    meta.update(layout=args.layout, dtype=prof.dtype, tokens=prof.tokens, hidden=prof.hidden)
     print(f"{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  cuDNN {meta['cudnn']}", flush=True)
-    results = []
-    for case in cases:
-        for p in providers:
-            r = run_case(case, p, bwd=not args.no_bwd, warmup=args.warmup, rep=args.rep, layout=args.layout)
-            results.append(r)
-            print(
-                f"{case.label:28s} {p:7s} fwd {_fmt(r.fwd_tflops):>5s} bwd {_fmt(r.bwd_tflops):>5s} TFLOP/s"
-                f"  mem {_fmt(r.peak_extra_mib):>6s} MiB {r.note}",
-                flush=True,
-            )
-            _partial(results, meta, args.out_dir, args.tag)  # a run cut short still leaves its numbers
+
+    def on_result(results: list[Result]) -> None:
+        r = results[-1]
+        print(
+            f"{r.case.label:28s} {r.provider:7s} fwd {_fmt(r.fwd_tflops):>5s} bwd {_fmt(r.bwd_tflops):>5s} TFLOP/s"
+            f"  mem {_fmt(r.peak_extra_mib):>6s} MiB {r.note}",
+            flush=True,
+        )
+        _partial(results, meta, args.out_dir, args.tag)  # a run cut short still leaves its numbers
+
+    results = run_sweep(cases, providers, cfg, layout=args.layout, on_result=on_result)
     print(_write(results, providers, meta, args.out_dir, args.tag))
     if args.masks:
         from longctx.bench import masks

@@ -20,40 +20,31 @@ kernels' compilation). Writes ``memory_<gpu>[tag].json``, ``.md`` and ``.png`` (
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from longctx.bench import result_stem
+from longctx.bench.steps import adamw, time_steps, training_step
 
 __all__ = ["main"]
 
 
 def _gpt_step_runner(config, S: int, device: torch.device):
+    """A training step of the longctx GPT of ``config`` on one sequence of S tokens."""
     from longctx.models.gpt import GPT
 
     torch.manual_seed(0)
     model = GPT(config).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     x = torch.randint(0, config.vocab_size, (1, S), generator=torch.Generator().manual_seed(S)).to(device)
-
-    def step() -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(x, labels=x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step, (model, opt)
+    return training_step(lambda: model(x, labels=x), adamw(model, device), device)
 
 
 def _hf_step_runner(config, S: int, device: torch.device):
+    """A training step of transformers' LlamaForCausalLM (SDPA, gradient checkpointing) of ``config``'s shape."""
     from longctx.bench.transformers import build
 
     shape = dict(
@@ -62,46 +53,17 @@ def _hf_step_runner(config, S: int, device: torch.device):
         num_key_value_heads=config.kv_heads,
     )  # fmt: skip
     model = build("hf-sdpa-ckpt", shape, S, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     x = torch.randint(0, config.vocab_size, (1, S), generator=torch.Generator().manual_seed(S)).to(device)
-
-    def step() -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step, (model, opt)
+    return training_step(lambda: model(input_ids=x, labels=x).loss, adamw(model, device), device)
 
 
 def _measure(make, config, S: int, steps: int, warmup: int, device: torch.device) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    held = None
-    try:
-        step, held = make(config, S, device)
-        for _ in range(warmup):
-            step()
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        times = []
-        for _ in range(steps):
-            torch.cuda.synchronize(device)
-            t = time.perf_counter()
-            step()
-            torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t)
-        med = statistics.median(times)
-        return {"s": S, "status": "ok", "step_s": med, "tokens_per_s": S / med,
-                "peak_bytes": torch.cuda.max_memory_allocated(device), "secs": time.perf_counter() - t0}  # fmt: skip
-    except Exception as e:  # noqa: BLE001 - an out-of-memory error is a result
-        oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
-        return {"s": S, "status": "oom" if oom else "error", "error": f"{type(e).__name__}: {str(e)[:300]}",
-                "secs": time.perf_counter() - t0}  # fmt: skip
-    finally:
-        del held
-        gc.collect()
-        torch.cuda.empty_cache()
+    """One row's cell: `time_steps` of ``make(config, S, device)`` as a dict (status ok / oom / error)."""
+    r = time_steps(lambda: make(config, S, device), tokens=S, steps=steps, warmup=warmup, device=device)
+    if r.ok:
+        return {"s": S, "status": "ok", "step_s": r.step_s, "tokens_per_s": r.tokens_per_s,
+                "peak_bytes": r.peak_bytes, "secs": r.secs}  # fmt: skip
+    return {"s": S, "status": r.code, "error": r.error, "secs": r.secs}
 
 
 def _gib(b) -> str:

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import gc
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,6 +35,7 @@ from typing import Any
 import torch
 
 from longctx.bench import result_stem
+from longctx.bench.steps import ERROR, OOM, StepResult, adamw, free, is_oom, time_steps, training_step
 
 PROVIDERS = ("hf-sdpa-ckpt", "longctx-apply", "longctx-apply-offload")
 
@@ -74,54 +73,12 @@ def build(provider: str, shape: dict[str, int], max_len: int, device: torch.devi
     return model
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def measure(model, opt: torch.optim.Optimizer, s: int, steps: int, warmup: int, device: torch.device) -> dict[str, Any]:
-    """Median step time and peak memory of ``steps`` training steps at sequence length ``s`` (batch 1)."""
+def measure(model, opt: torch.optim.Optimizer, s: int, steps: int, warmup: int, device: torch.device) -> StepResult:
+    """`time_steps` of ``steps`` training steps of ``model`` at sequence length ``s`` (batch 1)."""
     g = torch.Generator().manual_seed(s)
     x = torch.randint(0, model.config.vocab_size, (1, s), generator=g).to(device)  # (1, S)
-
-    def step() -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(warmup):
-        step()
-    _sync(device)
-    _free(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        from longctx.memory.measure import peak_live_bytes
-
-        peak = peak_live_bytes(step)
-    med = statistics.median(times)
-    return {"s": s, "step_ms": 1e3 * med, "tokens_per_s": s / med, "peak_bytes": peak}
-
-
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+    step = training_step(lambda: model(input_ids=x, labels=x).loss, opt, device)
+    return time_steps(lambda: step, tokens=s, steps=steps, warmup=warmup, device=device)
 
 
 class Runner:
@@ -134,24 +91,29 @@ class Runner:
     def _ensure(self) -> None:
         if self.model is None:
             self.model = build(self.provider, self.shape, self.max_len, self.device)
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, fused=self.device.type == "cuda")
+            self.opt = adamw(self.model, self.device)
 
     def release(self) -> None:
         self.model = self.opt = None
-        _free(self.device)
+        free(self.device)
 
     def run(self, s: int, steps: int, warmup: int, cap_bytes: float | None) -> dict[str, Any]:
+        """One try at ``s``: status ``ok``, ``over`` (out of memory, or a peak above ``cap_bytes``) or ``error``."""
         t0 = time.perf_counter()
         try:
             self._ensure()
+        except Exception as e:  # noqa: BLE001 - building can run out of memory too
+            r = StepResult(s, OOM if is_oom(e) else ERROR, error=f"{type(e).__name__}: {str(e)[:300]}")
+        else:
             r = measure(self.model, self.opt, s, steps, warmup, self.device)
-        except Exception as e:  # noqa: BLE001 - an OOM is a result; anything else is reported as an error
+        secs = time.perf_counter() - t0
+        if not r.ok:
             self.release()
-            status = "over" if _is_oom(e) else "error"
-            return {"s": s, "status": status, "error": f"{type(e).__name__}: {str(e)[:200]}",
-                    "secs": time.perf_counter() - t0, "peak": float("inf")}  # fmt: skip
-        over = cap_bytes is not None and r["peak_bytes"] > cap_bytes
-        return {**r, "status": "over" if over else "ok", "secs": time.perf_counter() - t0, "peak": r["peak_bytes"]}
+            return {"s": s, "status": "over" if r.oom else "error", "error": r.error, "secs": secs,
+                    "peak": float("inf")}  # fmt: skip
+        over = cap_bytes is not None and r.peak_bytes > cap_bytes
+        return {"s": s, "step_ms": 1e3 * r.step_s, "tokens_per_s": r.tokens_per_s, "peak_bytes": r.peak_bytes,
+                "status": "over" if over else "ok", "secs": secs, "peak": r.peak_bytes}  # fmt: skip
 
 
 def _env(device: torch.device) -> dict[str, Any]:

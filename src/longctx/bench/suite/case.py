@@ -52,7 +52,10 @@ class Unsupported(Exception):
 
 @dataclass(eq=False)
 class KernelCase:
-    """One (mask, shape) point of kernel mode: q (B, Hq, S, D), k and v (B, Hkv, S, D) on ``device``."""
+    """One (mask, shape) point of kernel mode: q (B, Hq, S, D), k and v (B, Hkv, S, D) on ``device``.
+
+    ``layout="bshd"`` keeps the inputs in flash_attn_func's (B, S, H, D) memory, as transposed views.
+    """
 
     mask: MaskCase
     B: int
@@ -61,7 +64,12 @@ class KernelCase:
     D: int
     dtype: str
     device: str
+    layout: str = "bhsd"
     _bm: BlockMask | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("bhsd", "bshd"):
+            raise ValueError(f"layout must be 'bhsd' or 'bshd', got {self.layout!r}")
 
     @property
     def S(self) -> int:
@@ -89,11 +97,14 @@ class KernelCase:
         return self._bm
 
     def inputs(self, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Random q (B, Hq, S, D), k and v (B, Hkv, S, D)."""
+        """Random q (B, Hq, S, D), k and v (B, Hkv, S, D) (views of (B, S, H, D) memory for ``layout="bshd"``)."""
         g = torch.Generator(device=self.device).manual_seed(seed)
+        kw = {"generator": g, "device": self.device, "dtype": self.torch_dtype}
 
         def make(h: int) -> torch.Tensor:
-            return torch.randn(self.B, h, self.S, self.D, generator=g, device=self.device, dtype=self.torch_dtype)
+            if self.layout == "bshd":
+                return torch.randn(self.B, self.S, h, self.D, **kw).transpose(1, 2)
+            return torch.randn(self.B, h, self.S, self.D, **kw)
 
         return make(self.Hq), make(self.Hkv), make(self.Hkv)
 

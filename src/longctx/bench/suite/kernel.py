@@ -36,6 +36,7 @@ class SuiteConfig:
     budget_s: float | None = None  # no case starts after this many seconds of the run
     provider_budget_s: float | None = None  # a provider that has used this much stops being run
     build_timing: bool = True
+    s_caps: dict[str, int] = field(default_factory=dict)  # provider -> the largest S it runs (beyond: skipped)
 
 
 def mask_cases(cfg: SuiteConfig, S: int) -> list[MaskCase]:
@@ -108,6 +109,9 @@ def run_one(name: str, case: KernelCase, cfg: SuiteConfig, spent: dict, t_start:
         return case.row(name, code=SKIPPED, reason=f"the run's time budget ({cfg.budget_s:.0f} s) was spent")
     if cfg.provider_budget_s is not None and spent.get(name, 0.0) > cfg.provider_budget_s:
         return case.row(name, code=SKIPPED, reason=f"{name} used its time budget ({cfg.provider_budget_s:.0f} s)")
+    cap = cfg.s_caps.get(name)
+    if cap is not None and cap < case.S:
+        return case.row(name, code=SKIPPED, reason=f"capped at S <= {cap} in this run")
     prov = get_provider(name)
     reason = prov.supports(case)
     if reason:
@@ -136,26 +140,40 @@ def run_one(name: str, case: KernelCase, cfg: SuiteConfig, spent: dict, t_start:
     return row
 
 
-def run_kernel(cfg: SuiteConfig, on_row: Callable[[list[dict]], None] | None = None, stream=None) -> list[dict]:
-    """Kernel mode over ``cfg.seqs`` x masks x providers; ``on_row(rows)`` after every row (partial reports)."""
+def kernel_cases(cfg: SuiteConfig) -> list[KernelCase]:
+    """The run's cases: every length x every mask case (`mask_cases`) at the config's one (B, Hq, Hkv, D)."""
+    return [
+        KernelCase(m, cfg.B, cfg.Hq, cfg.Hkv, cfg.D, cfg.dtype, cfg.device)
+        for S in cfg.seqs
+        for m in mask_cases(cfg, S)
+    ]
+
+
+def run_cases(
+    cases: list[KernelCase], cfg: SuiteConfig, on_row: Callable[[list[dict]], None] | None = None, stream=None
+) -> list[dict]:
+    """Every provider of ``cfg`` on each case, in order; the cases may differ in shape (B, Hq, Hkv, D) and layout.
+    Timing, budgets and the device come from ``cfg``; ``on_row(rows)`` after every row (partial reports)."""
     rows: list[dict] = []
-    n_masks = {S: len(mask_cases(cfg, S)) for S in cfg.seqs}
-    prog = Progress(sum(n_masks.values()) * len(cfg.providers), stream)
+    prog = Progress(len(cases) * len(cfg.providers), stream)
     spent: dict[str, float] = {}
     t_start = time.perf_counter()
-    for S in cfg.seqs:
-        for mcase in mask_cases(cfg, S):
-            case = KernelCase(mcase, cfg.B, cfg.Hq, cfg.Hkv, cfg.D, cfg.dtype, cfg.device)
-            for name in cfg.providers:
-                row = run_one(name, case, cfg, spent, t_start)
-                rows.append(row)
-                tf = row["fwd_tflops"]
-                prog.step(f"S={S} {mcase.label} {name}: {row['code']}" + (f" {tf:.3g} TFLOP/s" if tf else ""))
-                if on_row is not None:
-                    on_row(rows)
-            case._bm = None
-            free_memory(cfg.device)
+    for case in cases:
+        for name in cfg.providers:
+            row = run_one(name, case, cfg, spent, t_start)
+            rows.append(row)
+            tf = row["fwd_tflops"]
+            prog.step(f"S={case.S} {case.mask.label} {name}: {row['code']}" + (f" {tf:.3g} TFLOP/s" if tf else ""))
+            if on_row is not None:
+                on_row(rows)
+        case._bm = None
+        free_memory(cfg.device)
     return rows
+
+
+def run_kernel(cfg: SuiteConfig, on_row: Callable[[list[dict]], None] | None = None, stream=None) -> list[dict]:
+    """Kernel mode over ``cfg.seqs`` x masks x providers; ``on_row(rows)`` after every row (partial reports)."""
+    return run_cases(kernel_cases(cfg), cfg, on_row, stream)
 
 
 def run_build_timing(cfg: SuiteConfig, providers: list[str]) -> list[dict]:

@@ -1,0 +1,120 @@
+"""One training-step timer for the model benchmarks (`longctx bench memory`, `longctx bench transformers`).
+
+`time_steps` builds a step, runs the warm-up steps, times ``steps`` more one by one (synchronising CUDA around
+each) and reports the median step, tokens/s and the peak memory: ``torch.cuda.max_memory_allocated`` since the
+warm-up ended on CUDA; on the CPU the peak of live tensors of one more step (`longctx.memory.measure`). An error
+is a result, never a raise: ``oom`` for an allocator failure, ``error`` for anything else, with the message.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["OK", "OOM", "ERROR", "StepResult", "adamw", "free", "is_oom", "time_steps", "training_step"]
+
+OK, OOM, ERROR = "ok", "oom", "error"
+
+
+@dataclass
+class StepResult:
+    """What ``steps`` timed training steps gave: a code (``ok`` / ``oom`` / ``error``) and, when ok, the figures."""
+
+    tokens: int  # tokens per step
+    code: str
+    step_s: float | None = None  # median seconds per step
+    tokens_per_s: float | None = None
+    peak_bytes: int | None = None
+    error: str = ""  # "<exception type>: <message>" unless ok
+    secs: float = 0.0  # wall seconds of the whole measurement, building the step included
+
+    @property
+    def ok(self) -> bool:
+        return self.code == OK
+
+    @property
+    def oom(self) -> bool:
+        return self.code == OOM
+
+
+def is_oom(exc: BaseException) -> bool:
+    """An allocator failure: ``torch.OutOfMemoryError`` or a RuntimeError saying "out of memory"."""
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free(device: torch.device) -> None:
+    """Collect garbage and return the CUDA allocator's cached blocks."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    """The benchmarks' optimizer: AdamW, lr 1e-5, fused on CUDA."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+
+
+def training_step(
+    loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, device: torch.device
+) -> Callable[[], None]:
+    """A step: ``loss_fn()`` under bf16 autocast, backward, the optimizer step, gradients set to None."""
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = loss_fn()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def time_steps(
+    make_step: Callable[[], Callable[[], None]], *, tokens: int, steps: int, warmup: int, device: torch.device
+) -> StepResult:
+    """Build the step with ``make_step()`` and measure it (see the module doc); ``tokens`` per step give tokens/s.
+
+    What ``make_step`` builds is released (and the CUDA cache emptied) before returning, unless the caller
+    keeps a reference to it.
+    """
+    t0 = time.perf_counter()
+    step = None
+    try:
+        step = make_step()
+        for _ in range(warmup):
+            step()
+        _sync(device)
+        free(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for _ in range(steps):
+            _sync(device)
+            t = time.perf_counter()
+            step()
+            _sync(device)
+            times.append(time.perf_counter() - t)
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+        else:
+            from longctx.memory.measure import peak_live_bytes
+
+            peak = peak_live_bytes(step)
+        med = statistics.median(times)
+        return StepResult(tokens, OK, med, tokens / med, peak, secs=time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - an out-of-memory error is a result; anything else is reported
+        code = OOM if is_oom(e) else ERROR
+        return StepResult(tokens, code, error=f"{type(e).__name__}: {str(e)[:300]}", secs=time.perf_counter() - t0)
+    finally:
+        del step
+        free(device)
