@@ -162,6 +162,20 @@ class RingComm:
             r.wait()
 
 
+# id(group) -> group, for the NCCL groups whose communicator a collective has initialised (kept alive: ids stay unique)
+_NCCL_READY: dict[int, object] = {}
+
+
+def _nccl_ready(info: GroupInfo) -> None:
+    """One all-reduce on a group's first `exchange`: NCCL requires every rank to take part in the first
+    ``batch_isend_irecv`` of a group, and a rank with nothing to move would otherwise issue nothing."""
+    group = dist.group.WORLD if info.group is None else info.group
+    if id(group) in _NCCL_READY:
+        return
+    dist.all_reduce(torch.zeros(1, device=comm_device(info)), group=info.group)
+    _NCCL_READY[id(group)] = group
+
+
 def exchange(
     info: GroupInfo, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], tag: int = 0
 ) -> list:
@@ -170,8 +184,11 @@ def exchange(
 
     ``sends``: (group rank, contiguous tensor) pairs; ``recvs``: (group rank, contiguous buffer) pairs. Both sides
     must plan the same transfers (one message per pair of ranks and ``tag``). A rank with nothing to send or
-    receive issues nothing: the transfers are pairwise, so nobody waits for it.
+    receive issues nothing: the transfers are pairwise, so nobody waits for it. Every rank of the group calls it
+    (so that on NCCL the first call can initialise the communicator with every rank: `_nccl_ready`).
     """
+    if info.is_nccl:
+        _nccl_ready(info)
     ops = []
     for peer, t in sends:
         assert t.is_contiguous() and peer != info.rank, (peer, info.rank)

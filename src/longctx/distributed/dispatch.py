@@ -16,7 +16,10 @@ number of tokens: the rest of the model is balanced by tokens).
 A rank's tokens are its chunks in global order, merged where adjacent (a `sharding.ChunkLayout`); every method
 of `cp_attention` runs on that layout with the `blocks.Documents` mask: the ring skips the (query, key) chunk
 pairs that have no visible entry, all-gather attends each local document piece only to the keys its band
-reaches in its document, Ulysses attends over the whole packed sequence one document at a time.
+reaches in its document, Ulysses attends over the whole packed sequence one document at a time. The plan's own
+method, "p2p" (`P2PAttention`), moves only the K/V chunks some local query can see: ``plan.needs`` lists them per
+pair of ranks when the plan is built (`plan_needs`), and ``plan.traffic`` counts the bytes per rank against the
+ring and all-gather.
 """
 
 from __future__ import annotations
