@@ -155,6 +155,29 @@ def test_time_budget_skips_the_rest():
     assert [r["code"] for r in rows] == [SKIPPED, SKIPPED] and "budget" in rows[0]["reason"]
 
 
+def test_one_run_holds_several_shapes_layouts_and_length_caps():
+    cases = [
+        KernelCase(make_mask("full", 32), 2, 4, 4, 16, "fp32", "cpu"),
+        KernelCase(make_mask("causal", 64), 1, 4, 2, 32, "fp32", "cpu", "bshd"),
+    ]
+    q, k, v = cases[1].inputs()
+    assert q.shape == (1, 4, 64, 32) and k.shape == (1, 2, 64, 32) and q.transpose(1, 2).is_contiguous()
+    with pytest.raises(ValueError, match="layout"):
+        KernelCase(make_mask("full", 32), 1, 1, 1, 16, "fp32", "cpu", "sbhd")
+    cfg = SuiteConfig(
+        seqs=[], masks=[], providers=["math", "tiled"], dtype="fp32", device="cpu", rep=1, warmup=1,
+        s_caps={"tiled": 32},
+    )  # fmt: skip
+    rows = kernel.run_cases(cases, cfg, stream=io.StringIO())
+    got = [(r["provider"], r["S"], r["B"], r["Hq"], r["Hkv"], r["D"], r["code"]) for r in rows]
+    assert got == [
+        ("math", 32, 2, 4, 4, 16, OK), ("tiled", 32, 2, 4, 4, 16, OK),
+        ("math", 64, 1, 4, 2, 32, OK), ("tiled", 64, 1, 4, 2, 32, SKIPPED),
+    ]  # fmt: skip
+    assert rows[3]["reason"] == "capped at S <= 32 in this run"
+    assert rows[2]["fwd_tflops"] == pytest.approx(4 * (64 * 65 // 2) * 4 * 32 / rows[2]["fwd_ms"] * 1e-9)
+
+
 def test_gpu_providers_say_why_not_on_the_cpu():
     case = KernelCase(make_mask("causal", 128), 1, 4, 2, 32, "fp32", "cpu")
     for name in ("longctx_triton", "longctx_triton_sparse", "cudnn", "fa2", "flash_attn"):

@@ -1,0 +1,110 @@
+"""The training-step timer shared by `longctx bench memory` and `longctx bench transformers` (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longctx.bench import memory, steps
+from longctx.bench import transformers as bench_tf
+
+CPU = torch.device("cpu")
+
+
+def _linear_step():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    x = torch.randn(32, 16)
+    return steps.training_step(lambda: model(x).square().mean(), steps.adamw(model, CPU), CPU)
+
+
+def test_time_steps_gives_tokens_per_s_and_the_cpu_peak():
+    r = steps.time_steps(_linear_step, tokens=32, steps=3, warmup=1, device=CPU)
+    assert r.ok and not r.oom and r.code == steps.OK and r.error == ""
+    assert r.step_s > 0 and r.tokens_per_s == pytest.approx(32 / r.step_s)
+    assert r.peak_bytes > 0  # live tensors of one step: activations and gradients
+    assert r.secs >= 3 * r.step_s
+
+
+def test_training_step_updates_the_parameters():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    before = model.weight.detach().clone()
+    step = steps.training_step(lambda: model(torch.randn(8, 4)).sum(), steps.adamw(model, CPU), CPU)
+    step()
+    assert not torch.equal(before, model.weight) and model.weight.grad is None
+
+
+class _Fails:
+    """A step that raises ``exc`` on call number ``at`` (0: when it is built)."""
+
+    def __init__(self, exc: BaseException, at: int):
+        self.exc, self.at, self.calls = exc, at, 0
+
+    def __call__(self):
+        if self.at == 0:
+            raise self.exc
+        return self.step
+
+    def step(self):
+        self.calls += 1
+        if self.calls == self.at:
+            raise self.exc
+
+
+@pytest.mark.parametrize("at", [0, 1, 3])  # building, warm-up, timing
+def test_out_of_memory_is_a_result_code(at):
+    r = steps.time_steps(_Fails(torch.OutOfMemoryError("CUDA out of memory. Tried"), at), tokens=8, steps=3,
+                         warmup=1, device=CPU)  # fmt: skip
+    assert r.code == steps.OOM and r.oom and not r.ok
+    assert r.error.startswith("OutOfMemoryError: CUDA out of memory")
+    assert r.step_s is None and r.tokens_per_s is None and r.peak_bytes is None
+
+
+def test_other_errors_are_recorded_with_their_message():
+    r = steps.time_steps(_Fails(ValueError("bad shape"), 2), tokens=8, steps=2, warmup=1, device=CPU)
+    assert r.code == steps.ERROR and r.error == "ValueError: bad shape"
+    allocator = RuntimeError("DefaultCPUAllocator: not enough memory: out of memory")
+    assert steps.time_steps(_Fails(allocator, 1), tokens=8, steps=1, warmup=0, device=CPU).oom
+
+
+def test_bench_memory_cells_through_the_step_timer():
+    from longctx.models.gpt import GPTConfig
+
+    cfg = GPTConfig.preset("tiny")
+    cell = memory._measure(memory._gpt_step_runner, cfg, 32, 2, 1, CPU)
+    assert set(cell) == {"s", "status", "step_s", "tokens_per_s", "peak_bytes", "secs"}
+    assert cell["status"] == "ok" and cell["tokens_per_s"] > 0 and cell["peak_bytes"] > 0
+    hf = memory._measure(memory._hf_step_runner, cfg, 32, 1, 0, CPU)
+    assert hf["status"] == "ok" and hf["tokens_per_s"] > 0
+
+    def oom(config, S, device):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    cell_oom = memory._measure(oom, cfg, 32, 1, 0, CPU)
+    assert cell_oom["status"] == "oom" and set(cell_oom) == {"s", "status", "error", "secs"}
+    meta = {"preset": "tiny", "env": {"gpu": "cpu", "torch": torch.__version__}, "steps": 2, "warmup": 1,
+            "command": "longctx bench memory"}  # fmt: skip
+    md = memory.report(meta, [{"s": 32, "plan": "p", "longctx": cell, "hf": hf}, {"s": 64, "longctx": cell_oom}])
+    assert "| 32 | p | " in md and "| 64 | - | oom | - |" in md
+
+
+def test_bench_transformers_runner_through_the_step_timer(monkeypatch):
+    runner = bench_tf.Runner("longctx-apply", bench_tf.SHAPE_QUICK, 128, CPU)
+    r = runner.run(64, 1, 0, None)
+    assert set(r) == {"s", "step_ms", "tokens_per_s", "peak_bytes", "status", "secs", "peak"}
+    assert r["status"] == "ok" and r["tokens_per_s"] > 0 and r["peak"] == r["peak_bytes"] > 0
+    assert runner.run(64, 1, 0, cap_bytes=1)["status"] == "over"  # a peak above the cap does not fit
+    assert runner.model is not None  # kept for the next length
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(bench_tf, "measure", lambda *a, **k: steps.time_steps(oom, tokens=64, steps=1, warmup=0,
+                                                                              device=CPU))  # fmt: skip
+    r = runner.run(64, 1, 0, None)
+    assert r["status"] == "over" and r["peak"] == float("inf") and r["error"].startswith("OutOfMemoryError")
+    assert runner.model is None  # released after running out of memory
+    monkeypatch.setattr(bench_tf, "build", lambda *a, **k: (_ for _ in ()).throw(ValueError("no such model")))
+    r = runner.run(64, 1, 0, None)
+    assert r["status"] == "error" and r["error"] == "ValueError: no such model"
