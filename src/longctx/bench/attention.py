@@ -33,7 +33,7 @@ import datetime as _dt
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -51,32 +51,27 @@ S_CAPS = {"tiled": 2048, "math": 4096}  # the slow references: longer S is skipp
 
 @dataclass(frozen=True)
 class Profile:
-    """The sweep's shapes and defaults on one kind of device."""
+    """The sweep's shapes and defaults on one kind of device (``--quick``: a smaller one)."""
 
     tokens: int  # batch x S
     hidden: int  # heads x head dim
     gqa: tuple[int, int, int]  # (Hq, Hkv, D) of the GQA cases (causal; run when D is among --d)
     d: list[int]
     s: list[int]
-    quick_d: list[int]
-    quick_s: list[int]
     providers: tuple[str, ...]
-    quick_providers: tuple[str, ...]
     dtype: str
     warmup: int
     rep: int
-    quick_warmup: int
-    quick_rep: int
 
 
-GPU = Profile(
-    16384, 2048, (32, 8, 128), [64, 128, 256], [1024, 2048, 4096, 8192, 16384], [128], [2048, 8192],
-    PROVIDERS, ("triton", "cudnn", "fa2"), "bf16", 25, 100, 10, 50,
-)  # fmt: skip
-CPU = Profile(
-    256, 64, (4, 2, 32), [16, 32], [64, 128], [32], [64],
-    ("flex", "tiled", "math"), ("flex", "tiled", "math"), "fp32", 1, 2, 1, 2,
-)  # fmt: skip
+GPU = Profile(16384, 2048, (32, 8, 128), [64, 128, 256], [1024, 2048, 4096, 8192, 16384], PROVIDERS, "bf16", 25, 100)
+CPU = Profile(256, 64, (4, 2, 32), [16, 32], [64, 128], ("flex", "tiled", "math"), "fp32", 1, 2)
+PROFILES = {  # (device, --quick) -> profile
+    ("cuda", False): GPU,
+    ("cuda", True): replace(GPU, d=[128], s=[2048, 8192], providers=("triton", "cudnn", "fa2"), warmup=10, rep=50),
+    ("cpu", False): CPU,
+    ("cpu", True): replace(CPU, d=[32], s=[64]),
+}
 
 
 @dataclass
@@ -388,13 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("longctx bench attention: needs a CUDA GPU (--device cpu runs tiny shapes on the CPU)", file=sys.stderr)
         return 1
-    prof = GPU if args.device == "cuda" else CPU
-    if args.providers is not None:
-        providers = _provider_list(ap, args.providers)
-    else:
-        providers = list(prof.quick_providers if args.quick else prof.providers)
-    ds = args.d or (prof.quick_d if args.quick else prof.d)
-    ss = args.s or (prof.quick_s if args.quick else prof.s)
+    prof = PROFILES[(args.device, args.quick)]
+    providers = _provider_list(ap, args.providers) if args.providers is not None else list(prof.providers)
+    ds, ss = args.d or prof.d, args.s or prof.s
     causal = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     gqa_d = prof.gqa[2]
     cases = build_cases(ds, ss, causal, gqa=not args.no_gqa and gqa_d in ds, profile=prof)
@@ -402,8 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = [c for c in build_cases([gqa_d], ss, [True], gqa=True, profile=prof) if c.hq != c.hkv]
     cfg = SuiteConfig(
         seqs=ss, masks=[], providers=[], dtype=prof.dtype, device=args.device, bwd=not args.no_bwd,
-        warmup=args.warmup if args.warmup is not None else (prof.quick_warmup if args.quick else prof.warmup),
-        rep=args.rep if args.rep is not None else (prof.quick_rep if args.quick else prof.rep),
+        warmup=prof.warmup if args.warmup is None else args.warmup, rep=prof.rep if args.rep is None else args.rep,
         build_timing=False, s_caps=dict(S_CAPS),
     )  # fmt: skip
     meta = _versions(args.device)
