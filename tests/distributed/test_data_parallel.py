@@ -40,7 +40,12 @@ BASE = dict(
 MODEL = {"attention_backend": "tiled"}
 
 # (name, data_parallel, context_parallel) of the valid cases per world
-MESHES = {2: [("dp2cp1", 2, 1), ("dp1cp2", 1, 2)], 4: [("dp2cp2", 2, 2), ("dp4cp1", 4, 1)]}
+MESHES = {
+    2: [("dp2cp1", 2, 1), ("dp1cp2", 1, 2)],
+    4: [("dp2cp2", 2, 2), ("dp4cp1", 4, 1), ("dp1cp4-ulysses_ring", 1, 4)],
+}
+# extra settings of a mesh case, by name
+MESH_KW = {"dp1cp4-ulysses_ring": {"cp_method": "ulysses_ring", "cp_ulysses_size": 2}}
 BAD = {
     2: ["bad-num-layers", "bad-seed", "bad-world-size", "bad-seq-length", "bad-rank-absent"],
     4: ["bad-ulysses-heads"],
@@ -60,12 +65,12 @@ def _cfg(**kw):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _oracle_case(dp: int, cp: int) -> dict:
+def _oracle_case(dp: int, cp: int, **kw) -> dict:
     """One step's loss and full gradients against a plain model on the global batch; then STEPS steps' losses."""
     from longctx.models.gpt import GPT
     from longctx.training.trainer import Trainer
 
-    trainer = Trainer(_cfg(data_parallel=dp, context_parallel=cp))
+    trainer = Trainer(_cfg(data_parallel=dp, context_parallel=cp, **kw))
     torch.manual_seed(trainer.cfg.seed)
     ref = GPT(trainer.model_config)  # the same initial weights as the trainer's (same seed, same order)
     batch = trainer.task.batch(MBS * dp, 0, trainer.cfg.seed, "train")
@@ -157,7 +162,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, shared: str = 
     for name in _cases(world):
         try:
             if name in meshes:
-                results[name] = _oracle_case(*meshes[name])
+                results[name] = _oracle_case(*meshes[name], **MESH_KW.get(name, {}))
             elif name == "save-dp2":
                 results[name] = _save_case(shared)
             elif name in resumes:

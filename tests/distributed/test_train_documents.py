@@ -33,7 +33,7 @@ SEP = r"\n\n"
 MBS = 2
 STEPS = 2
 S = 24  # tokens per row of the library cases
-METHODS = {2: ("ring", "allgather", "ulysses"), 4: ("ring", "ulysses")}
+METHODS = {2: ("ring", "allgather", "ulysses", "p2p"), 4: ("ring", "ulysses", "ulysses_ring", "p2p")}
 MESHES = {2: [("dp1cp2", 1, 2)], 4: [("dp2cp2", 2, 2), ("dp1cp4", 1, 4)]}
 BAD = ("bad-rows-differ", "bad-not-divisible", "bad-empty-separator")
 
@@ -167,7 +167,7 @@ def _plan_case(method: str) -> dict:
     ref_loss = _single_process(ref, inputs, labels, mask, starts)
     torch.manual_seed(0)
     model = GPT(_model_config())
-    cp = setup_document_parallel(model, method=method)
+    cp = setup_document_parallel(model, method=method, ulysses_size=2 if method == "ulysses_ring" else None)
     x, y, m, pos = cp.shard_batch(inputs, labels, mask, starts)
     local_sum = model(x, position_ids=pos, labels=y, loss_mask=m, reduction="sum")
     loss, value = share_of_mean(local_sum, m.sum())

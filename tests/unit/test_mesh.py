@@ -128,3 +128,22 @@ def test_context_parallel_without_init_process_group_says_so():
         ContextParallel()
     cp = ContextParallel(group=SINGLE_PROCESS)
     assert (cp.rank, cp.world) == (0, 1)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(cp_method="p2p", context_parallel=2), "needs --doc-separator"),
+        (dict(cp_method="ulysses_ring", context_parallel=4), "goes with cp_method 'ulysses_ring'"),
+        (dict(cp_ulysses_size=2, context_parallel=4), "goes with cp_method 'ulysses_ring'"),
+        (dict(cp_method="ulysses_ring", cp_ulysses_size=3, context_parallel=4), "must divide context_parallel"),
+        (dict(cp_method="ulysses_ring", cp_ulysses_size=4, context_parallel=4), "smaller than it"),
+    ],
+)
+def test_train_config_cp_methods(kw, match):
+    from longctx.training.config import TrainConfig
+
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kw)
+    ok = TrainConfig(cp_method="ulysses_ring", cp_ulysses_size=2, context_parallel=4)
+    assert ok.cp_ulysses_size == 2

@@ -24,7 +24,7 @@ from longctx.training.data import document_positions, packed_cu_seqlens
 
 __all__ = ["DocumentParallel", "setup_document_parallel"]
 
-_PLAN_METHODS = ("ring", "allgather", "ulysses")
+_PLAN_METHODS = ("ring", "allgather", "ulysses", "ulysses_ring", "p2p")
 
 
 class DocumentParallel:
@@ -32,13 +32,16 @@ class DocumentParallel:
 
     Args:
         group: the context-parallel process group (None: the world).
-        method: "ring", "allgather" or "ulysses" (`DispatchPlan.attention`).
+        method: "ring", "allgather", "ulysses", "ulysses_ring" (with ``ulysses_size``) or "p2p"
+            (`DispatchPlan.attention`).
         backend: "auto", "tiled" or "triton" (the launchers of `DispatchPlan.attention`).
     """
 
     unfused = False  # as a core attention: fused (ring over flash launchers)
 
-    def __init__(self, group=None, method: str = "ring", backend: str = "auto") -> None:
+    def __init__(
+        self, group=None, method: str = "ring", backend: str = "auto", ulysses_size: int | None = None
+    ) -> None:
         if method not in _PLAN_METHODS:
             raise ValueError(
                 f"context-parallel method {method!r} cannot run packed documents; expected one of {_PLAN_METHODS}"
@@ -46,6 +49,7 @@ class DocumentParallel:
         self.group = group
         self.method = method
         self.cp_backend = backend
+        self.ulysses_size = ulysses_size
         info = cp_group_info(group, "DocumentParallel")
         self.rank, self.world = info.rank, info.world
         self.plan: DispatchPlan | None = None
@@ -96,11 +100,15 @@ class DocumentParallel:
                 f"{q.shape[0]}; pass the tensors returned by shard_batch"
             )
         q_LHD, k_LHD, v_LHD = (t[0].transpose(0, 1) for t in (q, k, v))  # (L, H, D)
-        out = self.plan.attention(q_LHD, k_LHD, v_LHD, method=self.method, backend=self.cp_backend)  # (L, Hq, D)
+        out = self.plan.attention(
+            q_LHD, k_LHD, v_LHD, method=self.method, backend=self.cp_backend, ulysses_size=self.ulysses_size
+        )  # (L, Hq, D)
         return out.transpose(0, 1).unsqueeze(0)  # (1, Hq, L, D)
 
 
-def setup_document_parallel(model, group=None, method: str = "ring", backend: str | None = None) -> DocumentParallel:
+def setup_document_parallel(
+    model, group=None, method: str = "ring", backend: str | None = None, ulysses_size: int | None = None
+) -> DocumentParallel:
     """Install a `DocumentParallel` as the core attention of every layer of a `longctx.GPT` and return it.
 
     ``backend`` defaults to the model's ``attention_backend`` when that is "tiled" or "triton", else "auto".
@@ -114,16 +122,16 @@ def setup_document_parallel(model, group=None, method: str = "ring", backend: st
     cfg = getattr(model, "config", None)
     if backend is None:
         backend = _cp_backend(getattr(cfg, "attention_backend", "auto"))
-    cp = DocumentParallel(group=group, method=method, backend=backend)
+    cp = DocumentParallel(group=group, method=method, backend=backend, ulysses_size=ulysses_size)
     if cfg is not None:
         if getattr(cfg, "attention_dropout", 0.0) > 0:
             raise ValueError(
                 "context parallelism needs attention_dropout == 0: the dropout path is a dense local attention "
                 "that cannot see the keys of the other ranks"
             )
-        if method == "ulysses":
+        if method in ("ulysses", "ulysses_ring"):
             from longctx.distributed.ulysses import kv_replication
 
-            kv_replication(cfg.num_attention_heads, cfg.kv_heads, cp.world)
+            kv_replication(cfg.num_attention_heads, cfg.kv_heads, cp.world if method == "ulysses" else ulysses_size)
     model.set_core_attention(cp)
     return cp

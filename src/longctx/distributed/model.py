@@ -153,6 +153,7 @@ class ContextParallel:
     method: str = "ring"
     layout: str = "zigzag"
     backend: str = "auto"
+    ulysses_size: int | None = None  # "ulysses_ring": ranks per all-to-all group
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -170,8 +171,9 @@ class ContextParallel:
 
         def cp_core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return cp_attention(
-                q, k, v, group=self.group, method=self.method, layout=self.layout, causal=True, backend=self.backend
-            )
+                q, k, v, group=self.group, method=self.method, layout=self.layout, causal=True, backend=self.backend,
+                ulysses_size=self.ulysses_size,
+            )  # fmt: skip
 
         cp_core_attention.unfused = False  # fused launchers: selective recomputation leaves it alone
         cp_core_attention.context_parallel = self  # type: ignore[attr-defined]
@@ -304,6 +306,7 @@ def setup_context_parallel(
     layout: str = "zigzag",
     backend: str | None = None,
     broadcast: bool = True,
+    ulysses_size: int | None = None,
 ) -> ContextParallel:
     """Configure a `longctx.GPT` for context parallelism over ``group`` and return the `ContextParallel`.
 
@@ -319,7 +322,7 @@ def setup_context_parallel(
     cfg = getattr(model, "config", None)
     if backend is None:
         backend = _cp_backend(getattr(cfg, "attention_backend", "auto"))
-    cp = ContextParallel(group=group, method=method, layout=layout, backend=backend)
+    cp = ContextParallel(group=group, method=method, layout=layout, backend=backend, ulysses_size=ulysses_size)
     if cfg is not None:
         if getattr(cfg, "attention_dropout", 0.0) > 0:
             raise ValueError(

@@ -39,7 +39,7 @@ __all__ = [
     "ON_NONFINITE",
 ]
 
-CP_METHODS = ("ring", "allgather", "ulysses")
+CP_METHODS = ("ring", "allgather", "ulysses", "ulysses_ring", "p2p")
 CP_LAYOUTS = ("zigzag", "contiguous")
 ON_NONFINITE = ("stop", "skip")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -92,6 +92,7 @@ class TrainConfig:
     context_parallel: int = 1
     cp_method: str = "ring"
     cp_layout: str = "zigzag"
+    cp_ulysses_size: int | None = None  # ulysses_ring: ranks per all-to-all group
     device: str = "auto"  # auto: cuda if available
     bf16: bool | None = None  # autocast to bfloat16; default: on CUDA only
     quiet: bool = False
@@ -137,6 +138,23 @@ class TrainConfig:
             parse_separator(self.doc_separator)  # an empty separator or a bad escape: ValueError naming it
         _choice("cp_method", self.cp_method, CP_METHODS)
         _choice("cp_layout", self.cp_layout, CP_LAYOUTS)
+        if self.cp_method == "p2p" and self.doc_separator is None:
+            raise ValueError(
+                "cp_method 'p2p' moves the K/V chunks of packed documents that other ranks' queries see; it needs "
+                "--doc-separator (documents in --data); use ring, allgather, ulysses or ulysses_ring otherwise"
+            )
+        if (self.cp_method == "ulysses_ring") != (self.cp_ulysses_size is not None):
+            raise ValueError(
+                f"cp_ulysses_size ({self.cp_ulysses_size!r}) goes with cp_method 'ulysses_ring' (got "
+                f"{self.cp_method!r}): pass both --cp-method ulysses_ring and --cp-ulysses-size U, or neither"
+            )
+        if self.cp_ulysses_size is not None and (
+            self.context_parallel % self.cp_ulysses_size or self.cp_ulysses_size >= self.context_parallel
+        ):
+            raise ValueError(
+                f"cp_ulysses_size ({self.cp_ulysses_size}) must divide context_parallel ({self.context_parallel}) "
+                "and be smaller than it (all-to-all inside groups of that many ranks, a ring across the groups)"
+            )
         _choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         if not _DEVICE.fullmatch(self.device):
             hint = " (use 'cuda' for an NVIDIA GPU)" if self.device.lower() in ("gpu", "nvidia", "cuda:") else ""
@@ -175,6 +193,7 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "context_parallel": (1, False),
     "log_interval": (1, False),
     "halt_after": (1, False),
+    "cp_ulysses_size": (2, False),
     "num_pairs": (1, False),
     "num_queries": (1, False),
     "num_keys": (1, False),
@@ -448,6 +467,7 @@ _TRAIN_HELP: dict[str, str] = {
     "context_parallel": "ranks sharing each sequence (torchrun: data_parallel * context_parallel processes)",
     "cp_method": "context-parallel method: " + ", ".join(CP_METHODS),
     "cp_layout": "context-parallel sequence layout: " + " or ".join(CP_LAYOUTS),
+    "cp_ulysses_size": "ulysses_ring: ranks per all-to-all group (a ring across the groups)",
     "device": "auto (cuda if available), cpu, cuda or cuda:N",
     "bf16": "bf16 autocast",
     "data": "text file for byte-level language modelling instead of the recall task",

@@ -261,7 +261,9 @@ class Trainer:
             if cfg.context_parallel > 1 and documents:  # the dispatcher plans every batch's documents
                 from longctx.distributed.documents import setup_document_parallel
 
-                self.cp_docs = setup_document_parallel(self.model, group=cp_group(self.mesh), method=cfg.cp_method)
+                self.cp_docs = setup_document_parallel(
+                    self.model, group=cp_group(self.mesh), method=cfg.cp_method, ulysses_size=cfg.cp_ulysses_size
+                )
                 self.backend = (
                     f"context-parallel {cfg.cp_method} over packed documents (dispatch_plan) over "
                     f"{cfg.context_parallel} ranks ({self.cp_docs.cp_backend})"
@@ -269,7 +271,7 @@ class Trainer:
             elif cfg.context_parallel > 1:  # every rank holds the same initial weights: the seed is agreed
                 self.cp = setup_context_parallel(
                     self.model, group=cp_group(self.mesh), method=cfg.cp_method, layout=cfg.cp_layout,
-                    broadcast=False,
+                    broadcast=False, ulysses_size=cfg.cp_ulysses_size,
                 )  # fmt: skip
                 self.cp.check_seq_len(mcfg.seq_length)
                 self.backend = (
@@ -679,8 +681,9 @@ def _model_error(cfg: TrainConfig) -> str | None:
     mcfg = cfg.model_config()
     try:
         check_divisible(mcfg.seq_length, cfg.context_parallel, cfg.cp_layout, what="context-parallel sequence length")
-        if cfg.cp_method == "ulysses":
-            kv_replication(mcfg.num_attention_heads, mcfg.kv_heads, cfg.context_parallel)
+        if cfg.cp_method in ("ulysses", "ulysses_ring"):
+            size = cfg.context_parallel if cfg.cp_method == "ulysses" else cfg.cp_ulysses_size
+            kv_replication(mcfg.num_attention_heads, mcfg.kv_heads, size)
     except ValueError as e:
         return str(e)
     if mcfg.attention_dropout > 0:
