@@ -52,12 +52,19 @@ class LiveBytesTracker(TorchDispatchMode):
         self._refs: dict[tuple[str, int], list] = {}
         self._sizes: dict[tuple[str, int], int] = {}
         self.segments: dict[str, int] = {}  # label -> peak bytes while that label was current (`mark`)
+        # the marks in order: [label, bytes live at the mark, peak bytes until the next mark]
+        self.timeline: list[list] = []
+        # (timeline index at allocation, timeline index at release) -> bytes freed in a later segment than made
+        self.released: dict[tuple[int, int], int] = {}
+        self._born: dict[tuple[str, int], int] = {}
         self._label: str | None = None
 
     def mark(self, label: str) -> None:
-        """Start a segment of the timeline; `segments` keeps the peak of each (a repeated label continues it)."""
+        """Start a segment of the timeline; `segments` keeps the peak of each (a repeated label continues it),
+        `timeline` each mark in order with the bytes live at it and the peak until the next mark."""
         self._label = label
         self.segments[label] = max(self.segments.get(label, 0), self.current)
+        self.timeline.append([label, self.current, self.current])
 
     def _release(self, key, ref) -> None:
         refs = self._refs.get(key)
@@ -66,7 +73,11 @@ class LiveBytesTracker(TorchDispatchMode):
         refs[:] = [r for r in refs if r is not ref and r() is not None]
         if not refs:
             del self._refs[key]
-            self.current -= self._sizes.pop(key)
+            nbytes = self._sizes.pop(key)
+            self.current -= nbytes
+            born, now = self._born.pop(key), len(self.timeline) - 1
+            if born != now:
+                self.released[born, now] = self.released.get((born, now), 0) + nbytes
 
     def _track(self, t: torch.Tensor, input_keys: set) -> None:
         if t.numel() == 0 or (t.is_meta and not is_fake(t)):
@@ -81,10 +92,12 @@ class LiveBytesTracker(TorchDispatchMode):
                 return
             self._refs[key] = []
             self._sizes[key] = nbytes
+            self._born[key] = len(self.timeline) - 1
             self.current += nbytes
             self.peak = max(self.peak, self.current)
             if self._label is not None:
                 self.segments[self._label] = max(self.segments[self._label], self.current)
+                self.timeline[-1][2] = max(self.timeline[-1][2], self.current)
         self._refs[key].append(weakref.ref(t, lambda r, key=key: self._release(key, r)))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -18,11 +18,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 from dataclasses import dataclass
 from unittest import mock
 
 import torch
 
+from longctx.layers.recompute import plan_layers
 from longctx.memory.measure import LiveBytesTracker
 from longctx.models.gpt import GPT, GPTConfig
 
@@ -185,8 +187,65 @@ def _traced(
     autocast_dtype: torch.dtype | None,
     optimizer_bytes_per_parameter: int,
     overhead: int,
+    whole: bool = False,
 ) -> tuple[StepMemory, dict[str, int]]:
-    """One trace at ``seq_length``: the `StepMemory` and the peak of each segment of the step's timeline."""
+    """One trace at ``seq_length``: the `StepMemory` and the peak of each segment of the step's timeline.
+
+    Unless ``whole``, a model whose runs of identical layers are longer than `RUN_LAYERS` is traced with each run
+    cut to that many layers and the timeline is lengthened back (`_lengthen`): the same bytes, in a fraction of the
+    time. Where the cut model's middle layers do not hold the same bytes, the whole model is traced instead.
+    """
+    trace_kw = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, autocast_dtype=autocast_dtype)
+    cut = None if whole else _cut_runs(config)
+    timeline = None
+    if cut is not None:
+        short, copies = cut
+        short_timeline, released, counts = _trace(short, **trace_kw)
+        timeline = _lengthen(short_timeline, released, copies)
+        extra = config.num_layers - short.num_layers
+        n_params = counts["parameters"] + extra * counts["layer parameters"]
+        param_bytes = counts["parameter bytes"] + extra * counts["layer parameter bytes"]
+    if timeline is None:
+        timeline, _, counts = _trace(config, **trace_kw)
+        n_params, param_bytes = counts["parameters"], counts["parameter bytes"]
+    segments: dict[str, int] = {}
+    for label, _, top in timeline:
+        segments[label] = max(segments.get(label, 0), top)
+    peak = max(segments.values(), default=0)
+
+    c = config
+    B, S, h = micro_batch_size, seq_length, c.hidden_size
+    resid_bytes = counts["residual element bytes"]
+    chunks = plan_layers(c.recompute_granularity, c.recompute_method, c.recompute_num_layers, c.num_layers)
+    n_offload = (c.cpu_offloading_num_layers or c.num_layers) if c.cpu_offloading else 0
+    checkpointed = [ch for ch in chunks if ch.checkpointed]
+    offloaded = [ch for ch in checkpointed if ch.end <= n_offload]
+    checkpoint_bytes = (len(checkpointed) - len(offloaded)) * B * S * h * resid_bytes
+    kept_layers = sum(ch.end - ch.start for ch in checkpointed) if c.recompute_skip_core_attention else 0
+    half = 2 if autocast_dtype is not None else resid_bytes
+    kept = kept_layers * B * S * c.num_attention_heads * (c.head_dim * half + 4)
+    grads = param_bytes
+    working = max(0, peak - grads - checkpoint_bytes - kept)
+    return StepMemory(
+        seq_length=S,
+        micro_batch_size=B,
+        parameters=param_bytes,
+        gradients=grads,
+        optimizer_states=n_params * optimizer_bytes_per_parameter,
+        checkpoints=checkpoint_bytes,
+        kept_attention=kept,
+        working_set=working,
+        overhead=overhead,
+        host_offloaded=len(offloaded) * B * S * h * resid_bytes,
+        traced=grads + checkpoint_bytes + kept + working,
+    ), segments
+
+
+def _trace(
+    config: GPTConfig, *, seq_length: int, micro_batch_size: int, autocast_dtype: torch.dtype | None
+) -> tuple[list[list], dict[tuple[int, int], int], dict[str, int]]:
+    """Trace one step of ``GPT(config)``: the tracker's timeline and released bytes, and the parameters counted
+    (the model's and one layer's, in numbers and bytes; the residual stream's element size)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import longctx.layers.attention as attention_layer
@@ -206,50 +265,136 @@ def _traced(
             tracker.mark("embedding")
             with autocast:
                 loss = model(tokens, labels=tokens)
+                tracker.mark("forward end")  # leaving autocast frees its cache (each layer's low-precision weights)
             tracker.mark("loss backward")
             model._trace_phase = "backward"
             loss.backward()
             del loss
-        n_params = sum(p.numel() for p in model.parameters())
-        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        resid_bytes = torch.empty((), dtype=model.embedding.weight.dtype).element_size()
+        params = list(model.parameters())
+        layer_params = list(model.layers[0].parameters())
+        counts = {
+            "parameters": sum(p.numel() for p in params),
+            "parameter bytes": sum(p.numel() * p.element_size() for p in params),
+            "layer parameters": sum(p.numel() for p in layer_params),
+            "layer parameter bytes": sum(p.numel() * p.element_size() for p in layer_params),
+            "residual element bytes": model.embedding.weight.element_size(),
+        }
+    return tracker.timeline, tracker.released, counts
 
-    c = config
-    B, S, h = micro_batch_size, seq_length, c.hidden_size
-    segments = dict(tracker.segments)
-    chunks = model._chunks
-    checkpointed = [ch for ch in chunks if ch.checkpointed]
-    offloaded = [ch for ch in checkpointed if c.cpu_offloading and ch.end <= model._offload_layers]
-    checkpoint_bytes = (len(checkpointed) - len(offloaded)) * B * S * h * resid_bytes
-    kept_layers = sum(ch.end - ch.start for ch in checkpointed) if c.recompute_skip_core_attention else 0
-    half = 2 if autocast_dtype is not None else resid_bytes
-    kept = kept_layers * B * S * c.num_attention_heads * (c.head_dim * half + 4)
-    grads = param_bytes
-    working = max(0, tracker.peak - grads - checkpoint_bytes - kept)
-    return StepMemory(
-        seq_length=S,
-        micro_batch_size=B,
-        parameters=param_bytes,
-        gradients=grads,
-        optimizer_states=n_params * optimizer_bytes_per_parameter,
-        checkpoints=checkpoint_bytes,
-        kept_attention=kept,
-        working_set=working,
-        overhead=overhead,
-        host_offloaded=len(offloaded) * B * S * h * resid_bytes,
-        traced=grads + checkpoint_bytes + kept + working,
-    ), segments
+
+# A run of identical layers (the same recompute and offloading) longer than this is traced cut to this many: the
+# first, two middle ones (their equality checks that a layer's bytes do not depend on its place) and the last.
+RUN_LAYERS = 4
+
+
+def _layer_kinds(c: GPTConfig) -> list[tuple[bool, bool]] | None:
+    """(checkpointed, offloaded) of each layer; None where a recompute chunk holds several layers."""
+    chunks = plan_layers(c.recompute_granularity, c.recompute_method, c.recompute_num_layers, c.num_layers)
+    if any(ch.end - ch.start != 1 for ch in chunks):
+        return None
+    n_offload = (c.cpu_offloading_num_layers or c.num_layers) if c.cpu_offloading else 0
+    return [(ch.checkpointed, ch.checkpointed and ch.end <= n_offload) for ch in chunks]
+
+
+def _cut_runs(c: GPTConfig) -> tuple[GPTConfig, list[int]] | None:
+    """The config with each run of identical layers cut to `RUN_LAYERS`, and how many layers of ``c`` each of its
+    layers stands for (a run's second layer stands for the layers cut); None where nothing is cut."""
+    kinds = _layer_kinds(c)
+    if kinds is None:
+        return None
+    runs = [(kind, len(list(group))) for kind, group in itertools.groupby(kinds)]
+    if all(n <= RUN_LAYERS for _, n in runs):
+        return None
+    copies: list[int] = []
+    for _, n in runs:
+        copies += [1] * n if n <= RUN_LAYERS else [1, n - RUN_LAYERS + 1] + [1] * (RUN_LAYERS - 2)
+
+    def cut(t: int) -> int:  # a run boundary of c -> the same boundary in the cut config
+        start = kept = 0
+        for _, n in runs:
+            if start >= t:
+                break
+            start, kept = start + n, kept + min(n, RUN_LAYERS)
+        return kept
+
+    kw: dict = dict(num_layers=len(copies))
+    if c.recompute_granularity == "full" and c.recompute_method == "block":
+        kw["recompute_num_layers"] = cut(c.recompute_num_layers)
+    if c.cpu_offloading and c.cpu_offloading_num_layers is not None:
+        kw["cpu_offloading_num_layers"] = cut(c.cpu_offloading_num_layers)
+    try:
+        short = dataclasses.replace(c, **kw)
+    except ValueError:
+        return None
+    if _layer_kinds(short) != [kind for kind, n in runs for _ in range(min(n, RUN_LAYERS))]:
+        return None
+    return short, copies
+
+
+def _lengthen(timeline: list[list], released: dict[tuple[int, int], int], copies: list[int]) -> list[list] | None:
+    """The timeline of the model whose layer i of the traced (cut) model stands for ``copies[i]`` identical layers.
+
+    Each segment of a repeated layer (its forward, its backward) starts where the previous copy's ended, so the
+    copies' peaks step by the bytes the segment leaves behind (kept activations in the forward, gradients less the
+    freed activations in the backward) and every later segment is shifted by the sum. Bytes that a layer's segment
+    leaves and a segment outside the layers frees (autocast's cache of low-precision weights, freed at the end of
+    the forward) are freed there once per copy. None where the two middle layers of a cut run differ (their bytes
+    would depend on their place).
+    """
+    labels = [row[0] for row in timeline]
+    if len(set(labels)) != len(labels):
+        return None  # a segment that repeats: its layers' work is not contiguous
+    where = {label: t for t, label in enumerate(labels)}
+    ends = [row[1] for row in timeline[1:]] + [timeline[-1][1]]
+    outside = [t for t, label in enumerate(labels) if not _layer_segment(label)]
+
+    def shape(t: int) -> tuple:  # rise to the segment's peak, bytes left at its end, bytes freed outside the layers
+        start, top = timeline[t][1], timeline[t][2]
+        return top - start, ends[t] - start, tuple(released.get((t, f), 0) for f in outside)
+
+    freed_outside = dict.fromkeys(outside, 0)  # extra bytes each outside segment frees in the longer model
+    for i, n in enumerate(copies):
+        if n > 1:
+            for phase in ("forward", "backward"):
+                a, b = where.get(f"{phase} {i}"), where.get(f"{phase} {i + 1}")
+                if a is None or b is None or a == len(labels) - 1 or shape(a) != shape(b):
+                    return None
+                for f in outside:
+                    freed_outside[f] += (n - 1) * released.get((a, f), 0)
+    first = [sum(copies[:i]) for i in range(len(copies))]  # the original index of each traced layer
+    out, shift = [], 0
+    for t, (label, start, top) in enumerate(timeline):
+        if not _layer_segment(label):
+            out.append([label, start + shift, top + shift])
+            shift -= freed_outside[t]
+            continue
+        phase, i = label.split(" ")[0], int(label.split(" ")[1])
+        rise, step, _ = shape(t)
+        order = range(copies[i]) if phase == "forward" else range(copies[i] - 1, -1, -1)  # backward: in reverse
+        for j, k in enumerate(order):
+            s = start + shift + j * step
+            out.append([f"{phase} {first[i] + k}", s, s + rise])
+        shift += (copies[i] - 1) * step
+    return out
+
+
+def _layer_segment(label: str) -> bool:
+    phase, _, num = label.partition(" ")
+    return phase in ("forward", "backward") and num.isdigit()
 
 
 def _mark_segments(model: GPT, tracker: LiveBytesTracker) -> None:
     """Label the trace's timeline: each layer's first forward, the loss, and each layer's backward (from the
-    gradient reaching its output; with recomputation that includes its replayed forward)."""
+    gradient reaching its output, or where the layer's output is made inside a replayed chunk, which autograd does
+    not see, from the start of its replayed forward; with recomputation it includes the replayed forward)."""
     model._trace_phase = "forward"
 
     def pre(i):
         def hook(module, args):
             if model._trace_phase == "forward":
                 tracker.mark(f"forward {i}")
+            elif f"backward {i}" not in tracker.segments:
+                tracker.mark(f"backward {i}")
 
         return hook
 
