@@ -31,9 +31,9 @@ def test_cut_runs_trace_equals_the_whole_model(cfg, autocast_dtype):
               overhead=0)  # fmt: skip
     lengthened = []
     with mock.patch.object(memory_model, "_lengthen", lambda *a: lengthened.append(_lengthen(*a)) or lengthened[-1]):
-        fast = memory_model._traced(cfg, **kw)
+        fast = memory_model._traced.__wrapped__(cfg, **kw)
     assert lengthened and lengthened[0] is not None, "the cut trace fell back to the whole model"
-    whole = memory_model._traced(cfg, whole=True, **kw)
+    whole = memory_model._traced.__wrapped__(cfg, whole=True, **kw)
     assert fast == whole
 
 
@@ -55,3 +55,12 @@ def test_layers_that_differ_by_place_are_traced_whole():
     assert out[4] == ["forward 3", 40, 60]  # the third copy of forward 1
     assert out[7] == ["loss", 70, 100]  # shifted by the two added copies' 10 bytes each
     assert out[-1] == ["backward 0", 55, 80]  # and back by the 5 bytes each of their backwards frees
+
+
+def test_plan_for_llama_350m_at_128k_completes():
+    """The command of the README: a plan for the 336M Llama shape at 128K in 40 GiB, with its breakdown."""
+    from longctx.memory.plan import plan
+
+    p = plan(GPTConfig.preset("llama-350m"), seq_length=131072, budget="40GiB")
+    assert p.memory.total <= 40 << 30
+    assert p.config.recompute_granularity == "full" and p.config.recompute_skip_core_attention

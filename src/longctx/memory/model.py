@@ -116,8 +116,9 @@ def _twin_attention(q, k, v):
 _twin_attention.backend = "twin"  # marks the default (fused) core attention: kept-attention recompute applies
 
 
-# Lengths up to this are traced as they are; longer ones from two traces at shorter lengths (`step_memory`).
-DIRECT_TRACE_TOKENS = 65536
+# Lengths up to this are traced as they are; longer ones from two traces at shorter lengths (`step_memory`): a trace
+# costs time in proportion to its sequence chunks, so the shorter traces keep plans with small chunks to a second.
+DIRECT_TRACE_TOKENS = 16384
 
 
 @functools.lru_cache(maxsize=256)
@@ -179,6 +180,7 @@ def step_memory(
     return dataclasses.replace(b, seq_length=S, working_set=max(0, peak - fixed), traced=max(peak, fixed), **at)
 
 
+@functools.lru_cache(maxsize=256)  # the two shorter traces serve every longer length with the same chunk sizes
 def _traced(
     config: GPTConfig,
     *,

@@ -190,27 +190,44 @@ def plan(
         raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
     S, B = seq_length, micro_batch_size
     cands = sorted(_candidates(config, S), key=lambda c: _added_seconds(c, B, S))
-    frugal_mem = step_memory(_frugal(config, S), seq_length=S, micro_batch_size=B)
-    static = frugal_mem.parameters + frugal_mem.gradients + frugal_mem.optimizer_states
+    n_params, param_bytes = _num_parameters(config)
+    static = 2 * param_bytes + 8 * n_params  # parameters and their gradients, AdamW's two fp32 states
     if limit < static:
         raise ValueError(
             f"budget {limit / 2**30:.2f} GiB is below the parameters, gradients and optimizer states alone "
-            f"({static / 2**30:.2f} GiB for {frugal_mem.parameters // 4:,} parameters in fp32 with AdamW)"
+            f"({static / 2**30:.2f} GiB for {n_params:,} parameters in fp32 with AdamW)"
         )
-    if frugal_mem.total > limit:
-        longest = _longest_fitting(config, limit, B)
-        raise ValueError(
-            f"no plan trains S={S:,} in {limit / 2**30:.2f} GiB: the most frugal one ({describe(_frugal(config, S))}) "
-            f"needs {frugal_mem.total / 2**30:.2f} GiB; the longest sequence this budget trains is about "
-            f"{longest:,} tokens"
-        )
+    # cheapest first; the first that fits is the plan, so the plans after it (the frugal ones, whose traces are the
+    # longest: many sequence chunks) are not traced. Where only offloading plans can fit, the most frugal one is
+    # traced first: if it does not fit, none does.
+    cands = [c for c in cands if static + _kept_lower_bound(c, B, S) <= limit]  # the others' checkpoints do not fit
+    frugal = _frugal(config, S)
+    frugal_mem = None
+    if all(c.cpu_offloading for c in cands):
+        frugal_mem = step_memory(frugal, seq_length=S, micro_batch_size=B)
+        cands = cands if frugal_mem.total <= limit else []
     for cand in cands:
-        if static + _kept_lower_bound(cand, B, S) > limit:  # its checkpoints alone do not fit: no trace needed
-            continue
-        mem = frugal_mem if cand == _frugal(config, S) else step_memory(cand, seq_length=S, micro_batch_size=B)
+        mem = step_memory(cand, seq_length=S, micro_batch_size=B)
         if mem.total <= limit:
             return Plan(cand, mem, _added_seconds(cand, B, S), limit)
-    return Plan(_frugal(config, S), frugal_mem, _added_seconds(_frugal(config, S), B, S), limit)
+    frugal_mem = frugal_mem or step_memory(frugal, seq_length=S, micro_batch_size=B)
+    longest = _longest_fitting(config, limit, B)
+    raise ValueError(
+        f"no plan trains S={S:,} in {limit / 2**30:.2f} GiB: the most frugal one ({describe(frugal)}) "
+        f"needs {frugal_mem.total / 2**30:.2f} GiB; the longest sequence this budget trains is about "
+        f"{longest:,} tokens"
+    )
+
+
+def _num_parameters(config: GPTConfig) -> tuple[int, int]:
+    """The parameters of ``GPT(config)`` and their bytes, counted on a model without storage."""
+    import torch
+
+    from longctx.models.gpt import GPT
+
+    with torch.device("meta"):
+        params = list(GPT(config).parameters())
+    return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
 
 
 def _longest_fitting(config: GPTConfig, limit: int, B: int) -> int:
