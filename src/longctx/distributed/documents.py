@@ -20,7 +20,7 @@ import torch
 
 from longctx.distributed.comm import cp_group_info
 from longctx.distributed.dispatch import DispatchPlan, dispatch_plan
-from longctx.training.data import document_positions, packed_cu_seqlens
+from longctx.masks.packing import document_positions, packed_cu_seqlens
 
 __all__ = ["DocumentParallel", "setup_document_parallel"]
 

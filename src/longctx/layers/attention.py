@@ -89,7 +89,7 @@ class DocumentAttention:
 
     ``fn = DocumentAttention(backend); model.set_core_attention(fn)``; before each forward,
     ``fn.set_documents(cu_seqlens)`` with the boundaries of the batch's B rows packed end to end (B * S tokens;
-    `longctx.training.data.packed_cu_seqlens`). Every call runs ``flash_attn_varlen_func(causal=True)`` over
+    `longctx.masks.packing.packed_cu_seqlens`). Every call runs ``flash_attn_varlen_func(causal=True)`` over
     that packed sequence, which is the per-row computation when every row starts a document.
 
     It deliberately has no ``backend`` attribute: layers treat it as a fused replacement (the kept-attention
