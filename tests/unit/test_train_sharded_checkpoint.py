@@ -88,3 +88,22 @@ def test_corrupt_metadata_and_missing_or_foreign_checkpoints_are_named(tmp_path)
     torch.save(data, meta)
     with pytest.raises(ck.CheckpointError, match=r"is corrupt: the checksum of its non-tensor data"):
         ck.read_sharded_meta(tmp_path)
+
+
+def test_a_damaged_shard_file_is_named_and_nothing_loads(tmp_path):
+    """A byte flipped in a shard, or a shard removed, is caught by its CRC-32 before any tensor loads."""
+    model, opt = _model_and_optimizer(0)
+    final = _save(tmp_path, 2, model, opt)
+    shards = sorted(p for p in final.iterdir() if p.suffix == ".distcp")
+    assert shards and set(ck.read_sharded_meta(tmp_path)["shard_files"]) >= {p.name for p in shards}
+    raw = bytearray(shards[0].read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shards[0].write_bytes(bytes(raw))
+    other, other_opt = _model_and_optimizer(1)
+    before = [p.detach().clone() for p in other.parameters()]
+    with pytest.raises(ck.CheckpointError, match=rf"{shards[0].name} \(checksum mismatch\)"):
+        ck.load_sharded_state(tmp_path, other, other_opt, {"h": 7})
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters(), strict=True))
+    shards[0].unlink()
+    with pytest.raises(ck.CheckpointError, match=rf"{shards[0].name} \(missing\)"):
+        ck.load_sharded_state(tmp_path, other, other_opt, {"h": 7})

@@ -21,10 +21,13 @@ states and the step in one file, and on loading a check that the checkpoint was 
 Under a DeviceMesh (data or context parallelism) the trainer writes sharded checkpoints instead
 (`save_sharded_state`, `torch.distributed.checkpoint`): a folder ``<save>/checkpoint/`` holding one complete
 checkpoint ``step-00000012/`` (every rank's shards, DCP's ``.metadata``, and ``longctx.pt``: the step, the RNG
-states, both configurations and the other data, with its checksums). Every rank writes into ``step-N.tmp/``; once
-all have finished, the first rank writes ``longctx.pt``, renames the folder to ``step-N`` (atomic) and only then
-deletes the previous one, so a crash at any point leaves the previous complete checkpoint. `load_sharded_state`
-reads the newest complete one on any number of ranks (DCP reshards), a single process included.
+states, both configurations and the other data, with its checksums, and a CRC-32 of every shard file). Every rank
+writes into ``step-N.tmp/``; once all have finished, the first rank writes ``longctx.pt``, renames the folder to
+``step-N`` (atomic) and only then deletes the previous one, so a crash at any point leaves the previous complete
+checkpoint. `load_sharded_state`
+reads the newest complete one on any number of ranks (DCP reshards), a single process included, after the first
+rank has checked every shard file against its CRC-32 (a flipped or truncated shard is an error on every rank that
+names the file, not weights that load and train to NaN).
 """
 
 from __future__ import annotations
@@ -330,6 +333,31 @@ def _any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
+def _file_crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def shard_file_crcs(folder: Path) -> dict[str, int]:
+    """CRC-32 of every file of a sharded checkpoint folder but ``longctx.pt`` (which carries its own checksums)."""
+    return {p.name: _file_crc(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != SHARDED_META}
+
+
+def _bad_shard_files(folder: Path, expected: dict[str, int]) -> list[str]:
+    """The files of ``folder`` that are missing or whose CRC-32 differs from ``expected``."""
+    bad = []
+    for name, crc in expected.items():
+        path = folder / name
+        if not path.is_file():
+            bad.append(f"{name} (missing)")
+        elif _file_crc(path) != crc:
+            bad.append(f"{name} (checksum mismatch)")
+    return bad
+
+
 def _local_tensors(state: Any) -> Any:
     """The state with every DTensor replaced by this rank's shard (for finiteness checks)."""
     if isinstance(state, dict):
@@ -445,6 +473,7 @@ def save_sharded_state(
             "model_config": model_config,
             "train_config": train_config,
             "extra": extra or {},
+            "shard_files": shard_file_crcs(tmp),
         }
         save_checkpoint(tmp / SHARDED_META, meta)
         if final.exists():  # the same step saved again: put the old copy aside until the new one is in place
@@ -472,8 +501,9 @@ def load_sharded_state(
         model_config: the current ``GPTConfig.to_dict()``; it must match the saved one except for `HOW_FIELDS`.
 
     Raises:
-        CheckpointError: no complete checkpoint, a corrupt ``longctx.pt``, another model configuration (the
-            differing fields are named), or shards that do not fit ``model``/``optimizer``.
+        CheckpointError: no complete checkpoint, a corrupt ``longctx.pt``, a shard file missing or failing its
+            CRC-32 (named), another model configuration (the differing fields are named), or shards that do not
+            fit ``model``/``optimizer``.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -485,6 +515,16 @@ def load_sharded_state(
         raise CheckpointError(
             f"checkpoint {meta['path']!r} was written for another model configuration ({'; '.join(diff)}); "
             "pass the same model settings, or start a new run in another --save directory"
+        )
+    dist = _dist()
+    bad = []
+    if dist is None or dist.get_rank() == 0:  # one rank reads the files: the others would read the same bytes
+        bad = _bad_shard_files(Path(meta["path"]), meta.get("shard_files", {}))
+    if _any_rank(bool(bad)):
+        where = ", ".join(bad[:5]) if bad else "files the first rank checked"
+        raise CheckpointError(
+            f"checkpoint {meta['path']!r} is damaged: {where}; restore a good copy of the folder, or start a new "
+            "run in another --save directory"
         )
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
