@@ -28,7 +28,7 @@ from longctx.layers.recompute import plan_layers
 from longctx.memory.measure import LiveBytesTracker
 from longctx.models.gpt import GPT, GPTConfig
 
-__all__ = ["StepMemory", "step_memory", "CUDA_OVERHEAD_BYTES"]
+__all__ = ["StepMemory", "step_memory", "step_segments", "CUDA_OVERHEAD_BYTES"]
 
 # What the CUDA libraries and the caching allocator add to the tensors a step holds (cuBLAS and cuDNN workspaces,
 # 512-byte rounding): calibrated against torch.cuda.max_memory_allocated on the H100 (docs/memory.md).
@@ -121,7 +121,6 @@ _twin_attention.backend = "twin"  # marks the default (fused) core attention: ke
 DIRECT_TRACE_TOKENS = 16384
 
 
-@functools.lru_cache(maxsize=256)
 def step_memory(
     config: GPTConfig,
     *,
@@ -152,6 +151,26 @@ def step_memory(
     Returns:
         A `StepMemory`.
     """
+    return step_segments(config, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                         autocast_dtype=autocast_dtype, optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
+                         overhead=overhead, exact=exact)[0]  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)  # step_memory's cache: step_memory.cache_clear() clears it
+def step_segments(
+    config: GPTConfig,
+    *,
+    seq_length: int,
+    micro_batch_size: int = 1,
+    autocast_dtype: torch.dtype | None = torch.bfloat16,
+    optimizer_bytes_per_parameter: int = 8,
+    overhead: int = CUDA_OVERHEAD_BYTES,
+    exact: bool = False,
+) -> tuple[StepMemory, dict[str, int]]:
+    """`step_memory`'s prediction and the peak of each segment of the step's timeline at ``seq_length`` that it is
+    read from (``"embedding"``, ``"forward i"``, ``"loss"``, ``"forward end"``, ``"loss backward"``,
+    ``"backward i"``): traced bytes, without the parameters, optimizer states and overhead. The predicted
+    ``traced`` is at least the largest of them."""
     if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length < 1:
         raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
     if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
@@ -165,19 +184,23 @@ def step_memory(
     loss_chunk = loss_module.default_chunk_size(micro_batch_size * S, config.hidden_size, config.vocab_size)
     s1 = max(DIRECT_TRACE_TOKENS // 2, 4 * (config.sequence_chunk_size or 0), -(-loss_chunk // micro_batch_size))
     if exact or 2 * s1 >= S:
-        return _traced(config, seq_length=S, **kw)[0]
-    with mock.patch.object(loss_module, "default_chunk_size", lambda *a: min(loss_chunk, a[0])):
-        a, seg_a = _traced(config, seq_length=s1, **kw)
-        b, seg_b = _traced(config, seq_length=2 * s1, **kw)
+        return _traced(config, seq_length=S, **kw)
+    a, seg_a = _traced(config, seq_length=s1, loss_chunk=loss_chunk, **kw)
+    b, seg_b = _traced(config, seq_length=2 * s1, loss_chunk=loss_chunk, **kw)
     if list(seg_a) != list(seg_b):  # the timelines differ in shape: trace the length itself
-        return _traced(config, seq_length=S, **kw)[0]
+        return _traced(config, seq_length=S, **kw)
     # each segment of the timeline (a layer's forward, the loss, a layer's backward) is affine in S; the peak is
     # the largest of them at S, whichever segment that is
-    peak = max(round(seg_a[k] + (seg_b[k] - seg_a[k]) * (S - s1) / s1) for k in seg_a)
+    segments = {k: round(seg_a[k] + (seg_b[k] - seg_a[k]) * (S - s1) / s1) for k in seg_a}
+    peak = max(segments.values())
     fields = ("gradients", "checkpoints", "kept_attention", "host_offloaded")
     at = {f: round(getattr(a, f) + (getattr(b, f) - getattr(a, f)) * (S - s1) / s1) for f in fields}
     fixed = at["gradients"] + at["checkpoints"] + at["kept_attention"]
-    return dataclasses.replace(b, seq_length=S, working_set=max(0, peak - fixed), traced=max(peak, fixed), **at)
+    mem = dataclasses.replace(b, seq_length=S, working_set=max(0, peak - fixed), traced=max(peak, fixed), **at)
+    return mem, segments
+
+
+step_memory.cache_clear = step_segments.cache_clear  # type: ignore[attr-defined]
 
 
 @functools.lru_cache(maxsize=256)  # the two shorter traces serve every longer length with the same chunk sizes
@@ -190,13 +213,23 @@ def _traced(
     optimizer_bytes_per_parameter: int,
     overhead: int,
     whole: bool = False,
+    loss_chunk: int | None = None,
 ) -> tuple[StepMemory, dict[str, int]]:
     """One trace at ``seq_length``: the `StepMemory` and the peak of each segment of the step's timeline.
 
     Unless ``whole``, a model whose runs of identical layers are longer than `RUN_LAYERS` is traced with each run
     cut to that many layers and the timeline is lengthened back (`_lengthen`): the same bytes, in a fraction of the
     time. Where the cut model's middle layers do not hold the same bytes, the whole model is traced instead.
+    ``loss_chunk``: the loss's chunk of tokens (at most ``seq_length``) instead of its default for this length (a
+    part of the cache's key: a shorter trace for a longer length holds the longer length's loss chunk).
     """
+    if loss_chunk is not None:
+        from longctx.layers import loss as loss_module
+
+        with mock.patch.object(loss_module, "default_chunk_size", lambda *a: min(loss_chunk, a[0])):
+            return _traced.__wrapped__(config, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                                       autocast_dtype=autocast_dtype, overhead=overhead, whole=whole,
+                                       optimizer_bytes_per_parameter=optimizer_bytes_per_parameter)  # fmt: skip
     trace_kw = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, autocast_dtype=autocast_dtype)
     cut = None if whole else _cut_runs(config)
     timeline = None
@@ -215,17 +248,8 @@ def _traced(
         segments[label] = max(segments.get(label, 0), top)
     peak = max(segments.values(), default=0)
 
-    c = config
-    B, S, h = micro_batch_size, seq_length, c.hidden_size
-    resid_bytes = counts["residual element bytes"]
-    chunks = plan_layers(c.recompute_granularity, c.recompute_method, c.recompute_num_layers, c.num_layers)
-    n_offload = (c.cpu_offloading_num_layers or c.num_layers) if c.cpu_offloading else 0
-    checkpointed = [ch for ch in chunks if ch.checkpointed]
-    offloaded = [ch for ch in checkpointed if ch.end <= n_offload]
-    checkpoint_bytes = (len(checkpointed) - len(offloaded)) * B * S * h * resid_bytes
-    kept_layers = sum(ch.end - ch.start for ch in checkpointed) if c.recompute_skip_core_attention else 0
-    half = 2 if autocast_dtype is not None else resid_bytes
-    kept = kept_layers * B * S * c.num_attention_heads * (c.head_dim * half + 4)
+    B, S = micro_batch_size, seq_length
+    checkpoint_bytes, kept, host = kept_bytes(config, S, B, counts["residual element bytes"], autocast_dtype)
     grads = param_bytes
     working = max(0, peak - grads - checkpoint_bytes - kept)
     return StepMemory(
@@ -238,9 +262,25 @@ def _traced(
         kept_attention=kept,
         working_set=working,
         overhead=overhead,
-        host_offloaded=len(offloaded) * B * S * h * resid_bytes,
+        host_offloaded=host,
         traced=grads + checkpoint_bytes + kept + working,
     ), segments
+
+
+def kept_bytes(
+    c: GPTConfig, S: int, B: int, resid_bytes: int, autocast_dtype: torch.dtype | None
+) -> tuple[int, int, int]:
+    """(checkpoints on the device, kept attention outputs and lse, checkpoints in host memory) of a plan, in bytes:
+    a checkpoint is a chunk's input in the residual stream's dtype (``resid_bytes`` an element)."""
+    chunks = plan_layers(c.recompute_granularity, c.recompute_method, c.recompute_num_layers, c.num_layers)
+    n_offload = (c.cpu_offloading_num_layers or c.num_layers) if c.cpu_offloading else 0
+    checkpointed = [ch for ch in chunks if ch.checkpointed]
+    offloaded = [ch for ch in checkpointed if ch.end <= n_offload]
+    one = B * S * c.hidden_size * resid_bytes
+    kept_layers = sum(ch.end - ch.start for ch in checkpointed) if c.recompute_skip_core_attention else 0
+    half = 2 if autocast_dtype is not None else resid_bytes
+    kept = kept_layers * B * S * c.num_attention_heads * (c.head_dim * half + 4)
+    return (len(checkpointed) - len(offloaded)) * one, kept, len(offloaded) * one
 
 
 def _trace(

@@ -23,7 +23,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from longctx.memory.model import StepMemory, step_memory
+from longctx.layers.recompute import plan_layers
+from longctx.memory.model import StepMemory, kept_bytes, step_memory, step_segments
 from longctx.models.gpt import GPTConfig
 
 __all__ = ["Plan", "plan", "parse_bytes", "format_plan", "describe"]
@@ -159,6 +160,53 @@ def _kept_lower_bound(c: GPTConfig, B: int, S: int) -> int:
     return max(0, on_device) * B * S * c.hidden_size * 4 + kept
 
 
+class _PeakBound:
+    """A lower bound on a candidate's predicted peak without its trace, from two traced plans of the same length:
+    no recompute (N) and full uniform recompute (U, nothing kept, nothing offloaded).
+
+    The predicted peak is at least the top of the step's "loss" segment (the loss's working set, after the whole
+    forward). There the forward has left, from each layer, what that layer keeps for its backward: its activations
+    if not recomputed (a bytes), its checkpoint (the residual stream, r bytes) if checkpointed on the device,
+    nothing of that if offloaded; kept attention outputs wherever they are kept; and the same bytes besides in
+    every plan (autocast's low-precision weights, the final hidden state, the loss's chunk). The layers are
+    identical, so ``loss(U) = R + L r`` and ``loss(N) = R + L a``, and a plan with w layers kept whole and o
+    checkpoints offloaded has ``loss = loss(U) + w (loss(N) - loss(U)) / L - o r + kept``, less 1 MiB of slack
+    (the bytes of the two references are read at S like the plan's own). Checked against every candidate's
+    prediction on small models (`tests/unit/test_memory_bound.py`).
+    """
+
+    SLACK = 1 << 20
+
+    def __init__(self, config: GPTConfig, S: int, B: int) -> None:
+        cands = _candidates(config, S)
+        self.none, self.uniform = cands[0], next(c for c in cands if c.recompute_method == "uniform")
+        self.config, self.S, self.B = config, S, B
+        self._refs: tuple | None = None
+
+    def _references(self) -> tuple:
+        if self._refs is None:
+            n_mem, n_seg = step_segments(self.none, seq_length=self.S, micro_batch_size=self.B)
+            u_mem, u_seg = step_segments(self.uniform, seq_length=self.S, micro_batch_size=self.B)
+            r = u_mem.checkpoints // self.config.num_layers  # one layer's checkpoint: the residual stream
+            fixed = u_mem.parameters + u_mem.optimizer_states + u_mem.overhead
+            self._refs = (fixed, n_seg["loss"], u_seg["loss"], r)
+        return self._refs
+
+    def lower(self, c: GPTConfig) -> int | None:
+        """A number <= ``step_memory(c).total`` (None where ``c`` is not a plan of the shape above)."""
+        chunks = plan_layers(c.recompute_granularity, c.recompute_method, c.recompute_num_layers, c.num_layers)
+        if any(ch.end - ch.start != 1 for ch in chunks):
+            return None
+        fixed, loss_n, loss_u, r = self._references()
+        L = c.num_layers
+        whole = sum(not ch.checkpointed for ch in chunks)
+        resid = r // (self.B * self.S * c.hidden_size)
+        _, kept, host = kept_bytes(c, self.S, self.B, resid, step_memory.__kwdefaults__["autocast_dtype"])
+        offloaded = host // r if r else 0
+        loss = loss_u + whole * (loss_n - loss_u) // L - offloaded * r + kept
+        return fixed + loss - self.SLACK
+
+
 def _frugal(config: GPTConfig, S: int) -> GPTConfig:
     return _candidates(config, S)[-1]
 
@@ -200,13 +248,21 @@ def plan(
     # cheapest first; the first that fits is the plan, so the plans after it (the frugal ones, whose traces are the
     # longest: many sequence chunks) are not traced. Where only offloading plans can fit, the most frugal one is
     # traced first: if it does not fit, none does.
+    # Every other candidate is traced only if its lower bound (`_PeakBound`: the loss segment's bytes, from the
+    # traces of two plans) fits: the walk is in cost order and stops at the first that fits, so a plan that costs
+    # more than a fitting one is never traced.
     cands = [c for c in cands if static + _kept_lower_bound(c, B, S) <= limit]  # the others' checkpoints do not fit
     frugal = _frugal(config, S)
     frugal_mem = None
     if all(c.cpu_offloading for c in cands):
         frugal_mem = step_memory(frugal, seq_length=S, micro_batch_size=B)
         cands = cands if frugal_mem.total <= limit else []
+    bound = _PeakBound(config, S, B)
     for cand in cands:
+        if cand != bound.none:
+            low = bound.lower(cand)
+            if low is not None and low > limit:
+                continue
         mem = step_memory(cand, seq_length=S, micro_batch_size=B)
         if mem.total <= limit:
             return Plan(cand, mem, _added_seconds(cand, B, S), limit)
