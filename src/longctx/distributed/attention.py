@@ -228,23 +228,36 @@ def _collective_check(
         scale=resolved[0] if resolved else scale, backend=backend, err=int(err is not None),
         cu=resolved[2] if resolved else None, ulysses_size=ulysses_size,
     )  # fmt: skip
-    rows_l = _exchange_rows(row, info, q)
-    bad = [r for r, rw in enumerate(rows_l) if rw[0]]
+    agree_or_raise(
+        row, err, info, q, where=where,
+        same="its shard of one sequence with the same arguments (and the same cu_seqlens)",
+    )  # fmt: skip
+    return resolved
+
+
+def agree_or_raise(
+    row: list[int], err: Exception | None, info: GroupInfo, hint, *, where: str, same: str, describe=None
+) -> None:
+    """Exchange every rank's check row (``row[0]`` set where this rank's own checks failed with ``err``) and raise
+    on every rank if any rank failed or the rows differ: the failing rank re-raises its error, the others a
+    ValueError naming it; differing rows name each rank's arguments (``describe`` of a row, default `_describe`).
+    ``same`` says what every rank must pass."""
+    describe = describe or _describe
+    rows = _exchange_rows(row, info, hint)
+    bad = [r for r, rw in enumerate(rows) if rw[0]]
     if bad:
         if err is not None:
             raise type(err)(f"{where} on rank {info.rank}: {err}") from err
         raise ValueError(
             f"{where}: invalid input on rank(s) {bad} of the context-parallel group (see the error raised "
-            f"there: {_describe(rows_l[bad[0]])}); every rank stops here"
+            f"there: {describe(rows[bad[0]])}); every rank stops here"
         )
-    if any(rw != rows_l[0] for rw in rows_l):
-        lines = "\n".join(f"  rank {r}: {_describe(rw)}" for r, rw in enumerate(rows_l))
+    if any(rw != rows[0] for rw in rows):
+        lines = "\n".join(f"  rank {r}: {describe(rw)}" for r, rw in enumerate(rows))
         raise ValueError(
             f"{where}: the ranks of the context-parallel group passed different shapes, dtypes or arguments; "
-            f"every rank must pass its shard of one sequence with the same arguments (and the same cu_seqlens):\n"
-            f"{lines}"
+            f"every rank must pass {same}:\n{lines}"
         )
-    return resolved
 
 
 def _exchange_rows(row: list[int], info: GroupInfo, hint=None) -> list[list[int]]:

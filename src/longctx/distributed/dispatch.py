@@ -36,6 +36,7 @@ from longctx.distributed.attention import (
     _exchange_rows,
     _local_checks,
     _meta,
+    agree_or_raise,
     check_cu_seqlens,
     run_method,
 )
@@ -555,25 +556,14 @@ class DispatchPlan:
             scale=resolved[0] if resolved else scale, backend=backend, err=int(err is not None),
             ulysses_size=ulysses_size,
         ) + [PLAN_METHODS.index(method) if known else -1]  # fmt: skip
-        rows = _exchange_rows(row, info, q4)
 
         def describe(rw: list[int]) -> str:
             return _describe(rw[:-1]) + f" (method {PLAN_METHODS[rw[-1]] if rw[-1] >= 0 else '?'})"
 
-        bad = [r for r, rw in enumerate(rows) if rw[0]]
-        if bad:
-            if err is not None:
-                raise type(err)(f"{where} on rank {info.rank}: {err}") from err
-            raise ValueError(
-                f"{where}: invalid input on rank(s) {bad} of the context-parallel group (see the error raised "
-                f"there: {describe(rows[bad[0]])}); every rank stops here"
-            )
-        if any(rw != rows[0] for rw in rows):
-            lines = "\n".join(f"  rank {r}: {describe(rw)}" for r, rw in enumerate(rows))
-            raise ValueError(
-                f"{where}: the ranks of the context-parallel group passed different shapes, dtypes or arguments; "
-                f"every rank must pass its share of one packed sequence with the same arguments:\n{lines}"
-            )
+        agree_or_raise(
+            row, err, info, q4, where=where, same="its share of one packed sequence with the same arguments",
+            describe=describe,
+        )  # fmt: skip
         return resolved[0]
 
 
