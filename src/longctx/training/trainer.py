@@ -443,18 +443,10 @@ class Trainer:
         """
         if self.checkpoint_path is None:
             return
-        if self.distributed:
-            save_sharded_state(
-                self.checkpoint_path,
-                step=step,
-                model=self.model,
-                optimizer=self.optimizer,
-                model_config=self.model_config.to_dict(),
-                train_config=self.cfg.to_dict(),
-                extra=extra,
-            )
-        elif self.is_writer:
-            save_training_state(
+        # under a mesh every rank writes its shards; in one process the writer writes the single file
+        save = save_sharded_state if self.distributed else save_training_state if self.is_writer else None
+        if save is not None:
+            save(
                 self.checkpoint_path,
                 step=step,
                 model=self.model,
