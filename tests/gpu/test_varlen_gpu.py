@@ -64,3 +64,24 @@ def test_zero_length_documents(ws, D, causal):
     ref, ref_lse = _reference(q.detach(), k.detach(), v.detach(), lq, lk, causal, D**-0.5)
     torch.testing.assert_close(out[300:1000].double(), ref[300:1000], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse[:, 300:1000].double(), ref_lse[:, 300:1000], atol=2e-2, rtol=2e-2)
+
+
+def test_document_attention_hands_every_layer_one_boundaries_tensor(monkeypatch):
+    """Boundaries set on the CPU reach flash_attn_varlen_func as one CUDA tensor per batch, so their values are
+    read (a device-to-host sync) once per batch, not once per layer; a new batch gets a new tensor."""
+    import longctx.api.varlen as varlen
+    from longctx.layers.attention import DocumentAttention
+
+    seen = []
+    real = varlen._values
+    monkeypatch.setattr(varlen, "_values", lambda cu: seen.append(cu) or real(cu))
+    fn = DocumentAttention("auto")
+    fn.set_documents(torch.tensor([0, 100, 320, 640]))
+    q = torch.randn(2, 4, 320, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 320, 64, device="cuda", dtype=torch.bfloat16)
+    first = fn(q, k, k)
+    torch.testing.assert_close(fn(q, k, k), first)
+    assert len(seen) == 4 and all(t is seen[0] for t in seen) and seen[0].is_cuda  # q and k, two layers
+    fn.set_documents(torch.tensor([0, 640]))
+    fn(q, k, k)
+    assert seen[-1] is not seen[0]

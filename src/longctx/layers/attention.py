@@ -108,6 +108,9 @@ class DocumentAttention:
         self.varlen_backend = backend if backend in _VARLEN_BACKENDS else "auto"
         self.cu_seqlens: torch.Tensor | None = None
         self.max_seqlen = 0
+        # the boundaries on the tensors' device, one tensor for every layer of the batch: flash_attn_varlen_func
+        # reads a cu_seqlens tensor's values once (a device-to-host sync), not once per layer
+        self._on_device: torch.Tensor | None = None
 
     def set_documents(self, cu_seqlens: torch.Tensor) -> None:
         """The boundaries of the next forward(s): int tensor (documents + 1,), 0 then cumulative lengths over the
@@ -127,6 +130,7 @@ class DocumentAttention:
             )
         self.cu_seqlens = cu_seqlens.to(torch.int32)
         self.max_seqlen = int(lengths.max())
+        self._on_device = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (B, Hq, S, D); k, v (B, Hkv, S, D) -> (B, Hq, S, D)."""
@@ -139,7 +143,9 @@ class DocumentAttention:
                 f"DocumentAttention got {B} rows of {S} tokens ({B * S} packed) but {have}; call "
                 "set_documents(packed cu_seqlens of this batch) before the forward"
             )
-        cu = cu.to(q.device)
+        if self._on_device is None or self._on_device.device != q.device:
+            self._on_device = cu.to(q.device)
+        cu = self._on_device
         q_THD = q.transpose(1, 2).reshape(B * S, Hq, D)  # (B S, Hq, D): rows packed end to end
         k_THD = k.transpose(1, 2).reshape(B * S, Hkv, D)  # (B S, Hkv, D)
         v_THD = v.transpose(1, 2).reshape(B * S, Hkv, D)  # (B S, Hkv, D)
