@@ -17,6 +17,7 @@ each (head dim, band kind, length bucket), which stalls training for seconds.
 from __future__ import annotations
 
 import contextlib as _contextlib
+import functools as _functools
 import os as _os
 
 # -- dense Triton kernels (`longctx.launchers.flash`) -------------------------------------------------------------
@@ -279,6 +280,7 @@ def sparse_tile_key(kind: str, bd: int, mask_bs: int, bucket: int) -> str:
     return f"sparse_{kind}:{bd}:{mask_bs}:{bucket}"
 
 
+@_functools.lru_cache(maxsize=4096)  # every kernel launch asks; the table is a constant
 def measured_index(gpu: str, key: str, n: int) -> int:
     """Index of the measured entry for ``key`` on ``gpu`` among ``n`` candidates: the key's own row, else the row of
     the same key at the nearest length bucket (field 3 of every key), else 0 (the list's first entry)."""
