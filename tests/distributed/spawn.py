@@ -1,15 +1,19 @@
 """Spawn a gloo world once and collect each rank's results (shared by the distributed test modules).
 
 The worker, ``worker(rank, world, store_path, out_dir)``, writes its results to ``<out_dir>/rank<r>.json`` (after
-every case, so a hang still leaves the record). Ranks still alive at the deadline are killed.
+every case, so a hang still leaves the record). Ranks still alive at the deadline are killed. `run_case_world` is
+the common worker: every rank runs a test module's named cases in order and records "ok" or the error.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
+import importlib
 import json
 import os
 import tempfile
+import traceback
 from collections.abc import Callable
 
 
@@ -40,3 +44,42 @@ def spawn_world(
             except FileNotFoundError:
                 per_rank.append({})
     return per_rank, hung
+
+
+def _case_worker(module: str, env: dict[str, str], rank: int, world: int, store_path: str, out_dir: str) -> None:
+    """One rank of `run_case_world`: ``env`` set, a gloo group, then ``module``'s ``_run_case(name, rank, world)``
+    for each of its ``case_names(world)``, each recorded as "ok" or its error and traceback."""
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    cases = importlib.import_module(module)
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    results = {}
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    try:
+        for name in cases.case_names(world):
+            try:
+                cases._run_case(name, rank, world)
+                results[name] = "ok"
+            except Exception as e:  # noqa: BLE001 - reported per case
+                results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
+            with open(path + ".tmp", "w") as f:  # written after every case: a hang still leaves the record
+                json.dump(results, f)
+            os.replace(path + ".tmp", path)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_case_world(
+    module: str, world: int, timeout_s: float, env: dict[str, str] | None = None
+) -> dict[str, list[str]]:
+    """Run the cases of test module ``module`` (its ``case_names(world)`` and ``_run_case``) on a gloo world of
+    ``world`` ranks, with ``env`` added to each rank's environment; returns case name -> each rank's "ok" or error
+    text (a case a hung or crashed world never reached says so)."""
+    per_rank, hung = spawn_world(functools.partial(_case_worker, module, env or {}), world, timeout_s)
+    names = importlib.import_module(module).case_names(world)
+    missing = "did not run (the world hung or crashed)" + (f"; ranks {hung} killed" if hung else "")
+    return {name: [pr.get(name, missing) for pr in per_rank] for name in names}

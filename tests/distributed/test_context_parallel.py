@@ -9,17 +9,13 @@ every rank, and the group must still work for the next case (no rank left hangin
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import traceback
 import zlib
 from functools import cache
 
 import pytest
 import torch
 
-from tests.distributed.spawn import spawn_world
+from tests.distributed.spawn import run_case_world
 
 pytestmark = pytest.mark.distributed
 
@@ -388,40 +384,11 @@ def _run_case(name: str, rank: int, world: int) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ["TRITON_INTERPRET"] = "1"  # only the triton case uses it (CPU tensors through the interpreter)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    results = {}
-    path = os.path.join(out_dir, f"rank{rank}.json")
-    try:
-        for name in case_names(world):
-            try:
-                _run_case(name, rank, world)
-                results[name] = "ok"
-            except Exception as e:  # noqa: BLE001 - reported per case
-                results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
-            with open(path + ".tmp", "w") as f:  # written after every case: a hang still leaves the record
-                json.dump(results, f)
-            os.replace(path + ".tmp", path)
-    finally:
-        dist.destroy_process_group()
-
-
 @cache
 def run_world(world: int) -> dict[str, list[str]]:
-    """Spawn ``world`` gloo processes once, run every case; returns {case: [result of each rank]}."""
-    per_rank, hung = spawn_world(_worker, world, WORLD_TIMEOUT_S)
-    out = {}
-    for name in case_names(world):
-        out[name] = [
-            pr.get(name, "did not run (the world hung or crashed)" + (f"; ranks {hung} killed" if hung else ""))
-            for pr in per_rank
-        ]
-    return out
+    """Spawn ``world`` gloo processes once, run every case; returns {case: [result of each rank]}. The interpreter
+    is on in the ranks: only the triton case uses it (CPU tensors through the kernels)."""
+    return run_case_world(__name__, world, WORLD_TIMEOUT_S, env={"TRITON_INTERPRET": "1"})
 
 
 @pytest.mark.parametrize(
