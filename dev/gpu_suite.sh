@@ -1,15 +1,28 @@
 #!/usr/bin/env bash
 # The GPU lane, run by hand on a CUDA machine: versions, the oracle check of every backend, and the GPU test
-# modules (extra arguments go to pytest). Writes logs under ${OUT:-gpu_out}.
+# modules (extra arguments go to pytest). Writes logs under ${OUT:-gpu_out}; the last line of gpu_tests.txt names the
+# tier and part that ran and pytest's summary.
 #
-#   OUT=gpu_out bash dev/gpu_suite.sh [-k hopper]
+#   OUT=gpu_out bash dev/gpu_suite.sh                     # quick tier: every GPU test function, every parameter value
+#   OUT=gpu_out TIER=full PART=1/3 bash dev/gpu_suite.sh  # the full matrix, first of three parts
+#   OUT=gpu_out bash dev/gpu_suite.sh -k hopper           # extra arguments go to pytest
 #
-# Tiers: the whole GPU suite is the quick tier (every kernel path once: dense, block-sparse, warp-specialised,
-# softcap, varlen, CP size 1, memory model, transformers), run with WORKERS xdist workers on one GPU (default 8:
-# 14 workers ran the H100 out of memory once the memory-model tests overlapped the others). Each module also runs
-# alone (`bash dev/gpu_suite.sh tests/gpu/test_flash_kernels.py`) as a part of the matrix.
+# Tiers (tests/conftest.py): quick keeps, per test function, the fewest cases that take every value of every
+# parameter once (every kernel path, head dim, band and dtype); full is every case, split into PART=K/N interleaved
+# parts so each fits a 10-minute call. WORKERS xdist workers share the GPU (default 8: 14 ran the H100 out of memory
+# once the memory-model tests overlapped the others; each test gives its cached memory back, tests/gpu/conftest.py).
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" gpu_out
+TIER="${TIER:-quick}"
+select=(--gpu-tier "$TIER")
+[[ -n "${PART:-}" ]] && select+=(--gpu-part "$PART")
 python3 -m longctx info 2>&1 | tee "$OUT/info.txt"
 python3 -m longctx check 2>&1 | tee "$OUT/check.txt"
-python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" -m gpu "${@:-tests/gpu}" 2>&1 | tee "$OUT/gpu_tests.txt"
+start=$(date +%s)
+python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" -m gpu "${select[@]}" "${@:-tests/gpu}" 2>&1 \
+    | tee "$OUT/gpu_tests.txt"
+status=${PIPESTATUS[0]}
+summary=$(grep -E "(passed|failed|error)" "$OUT/gpu_tests.txt" | tail -1)
+echo "tier=$TIER part=${PART:-all} workers=${WORKERS:-8} seconds=$(( $(date +%s) - start )) rc=$status: $summary" \
+    | tee -a "$OUT/gpu_tests.txt"
+exit "$status"

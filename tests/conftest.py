@@ -6,6 +6,16 @@
     tests/gpu/          a CUDA GPU (marker `gpu`; skipped without one); `hopper` tests need sm_90
 
 Select a lane with ``-m``, e.g. ``pytest -m "not interpreter and not distributed"`` or ``pytest tests/gpu``.
+
+The GPU lane has tiers (`dev/gpu_suite.sh` sets them):
+
+    --gpu-tier quick    every GPU test function with the fewest of its cases that still take every value of every
+                        parameter once (every kernel path, head dim, band and dtype the function covers)
+    --gpu-tier full     every case (the default)
+    --gpu-part K/N      the K-th of N interleaved parts of the selected GPU cases (1 <= K <= N), so that the full
+                        matrix runs in calls that each fit a time limit
+
+Tests of other lanes are never deselected by these options.
 """
 
 from __future__ import annotations
@@ -32,6 +42,58 @@ def _hopper() -> bool:
     return _cuda() and torch.cuda.get_device_capability()[0] == 9
 
 
+def pytest_addoption(parser):
+    group = parser.getgroup("longctx GPU lane")
+    group.addoption("--gpu-tier", choices=("quick", "full"), default="full", help="GPU tests: quick or full tier")
+    group.addoption("--gpu-part", default=None, metavar="K/N", help="GPU tests: run the K-th of N parts")
+
+
+def _gpu_part(text: str) -> tuple[int, int]:
+    k, sep, n = text.partition("/")
+    try:
+        k_i, n_i = int(k), int(n)
+    except ValueError:
+        k_i = n_i = 0
+    if not sep or not 1 <= k_i <= n_i:
+        raise pytest.UsageError(f"--gpu-part expects K/N with 1 <= K <= N, e.g. 2/3; got {text!r}")
+    return k_i, n_i
+
+
+def quick_cases(items: list) -> list:
+    """The quick tier: per test function, in collection order, the cases that bring a (parameter, value) pair not
+    yet seen, so every value of every parameter runs at least once; unparametrised tests all stay."""
+    seen: set = set()
+    kept = []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None:
+            kept.append(item)
+            continue
+        func = (item.nodeid.split("[")[0],)
+        pairs = {func + (name, repr(value)) for name, value in callspec.params.items()}
+        if not pairs <= seen:
+            seen |= pairs
+            kept.append(item)
+    return kept
+
+
+def _select_gpu(config, items: list) -> None:
+    tier, part = config.getoption("--gpu-tier"), config.getoption("--gpu-part")
+    if tier == "full" and part is None:
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    chosen = quick_cases(gpu) if tier == "quick" else gpu
+    if part is not None:
+        k, n = _gpu_part(part)
+        chosen = chosen[k - 1 :: n]
+    keep = {id(item) for item in chosen}
+    dropped = [item for item in gpu if id(item) not in keep]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        gone = {id(item) for item in dropped}
+        items[:] = [item for item in items if id(item) not in gone]
+
+
 def pytest_collection_modifyitems(config, items):
     here = pathlib.Path(__file__).parent
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -44,6 +106,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_gpu)
         elif item.get_closest_marker("hopper") and not _hopper():
             item.add_marker(no_hopper)
+    _select_gpu(config, items)
 
 
 @pytest.fixture
