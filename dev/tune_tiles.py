@@ -32,13 +32,13 @@ def _bench(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=5, rep=25))
 
 
-def _dense_cases():
-    for d in (64, 128, 256):
+def _dense_cases(head_dims):
+    for d in head_dims:
         for causal in (False, True):
             for s in (1024, 2048, 4096, 16384):
                 yield d, causal, s, 2048 // d, 2048 // d
     for causal in (False, True):
-        for s in (1024, 2048, 4096, 16384):
+        for s in (1024, 2048, 4096, 16384) if 128 in head_dims else ():
             yield 128, causal, s, 16, 4
 
 
@@ -66,7 +66,8 @@ def _time_dense(d, causal, s, hq, hkv, rows, times, deadline):
         out = fwd()
         return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
 
-    kinds = [("fwd", None), ("dkdv", False), ("dq", False)] + ([("dkdv_atomic", True)] if bd <= 128 else [])
+    dkdv = [("dv", False), ("dk", False)] if tuning.split_dkdv(bd) else [("dkdv", False)]
+    kinds = [("fwd", None), *dkdv, ("dq", False)] + ([("dkdv_atomic", True)] if bd <= 128 else [])
     for kind, atomic in kinds:
         if time.monotonic() > deadline:
             return
@@ -74,9 +75,11 @@ def _time_dense(d, causal, s, hq, hkv, rows, times, deadline):
         best = None
         for i, entry in enumerate(tuning.table(kind)[bd]):
             forced = {kind: entry}
-            if kind == "dq":  # the dK/dV kernel before it takes its measured entry
-                dk_entry = tuning.table("dkdv")[bd][rows.get(tuning.tile_key("dkdv", bd, band, bucket, grouped), 0)]
-                forced["dkdv"] = dk_entry
+            # the other backward kernels take the entries measured before them (timed as one backward)
+            for other, _ in dkdv:
+                if other != kind and kind != "fwd":
+                    index = rows.get(tuning.tile_key(other, bd, band, bucket, grouped), 0)
+                    forced[other] = tuning.table(other)[bd][index]
             ov = dict(ws=False, ws_bwd=False, tiles=forced)
             if atomic is not None:
                 ov["atomic_dq"] = atomic
@@ -142,37 +145,45 @@ def _time_sparse(d, s, rows, times, deadline):
         print(f"{key}: entry {rows.get(key)}", file=sys.stderr, flush=True)
 
 
-def measure(out: pathlib.Path, budget_s: float) -> None:
+def measure(out: pathlib.Path, budget_s: float, head_dims: tuple[int, ...]) -> None:
     import torch
 
     deadline = time.monotonic() + budget_s
     rows: dict[str, int] = {}
     times: dict[str, object] = {}
-    for case in _dense_cases():
+    for case in _dense_cases(head_dims):
         _time_dense(*case, rows, times, deadline)
     for d in (64, 128):
-        for s in (4096, 16384, 65536):
+        for s in (4096, 16384, 65536) if d in head_dims else ():
             _time_sparse(d, s, rows, times, deadline)
     gpu = torch.cuda.get_device_name()
-    out.write_text(json.dumps({"gpu": gpu, "rows": rows, "times_ms": times}, indent=1))
+    data = {"gpu": gpu, "head_dims": list(head_dims), "rows": rows, "times_ms": times}
+    out.write_text(json.dumps(data, indent=1))
     print(f"{len(rows)} rows for {gpu} -> {out}", file=sys.stderr)
 
 
 def write(path: pathlib.Path, tuning_py: pathlib.Path) -> None:
-    """Put the measured rows of ``path`` into `MEASURED_TILES` (replacing that GPU's previous rows)."""
+    """Put the measured rows of ``path`` into `MEASURED_TILES`: that GPU's previous rows at the head dims the file
+    measured are replaced, its rows at other head dims kept."""
+    sys.path.insert(0, str(tuning_py.parents[1]))
+    from longctx.tuning import MEASURED_TILES
+
     data = json.loads(path.read_text())
     src = tuning_py.read_text()
     i, j = src.index(BEGIN) + len(BEGIN), src.index(END)
     block = src[i:j]
     gpu = data["gpu"]
+    measured = {str(d) for d in data.get("head_dims", (64, 128, 256))}
+    kept = {k: v for k, v in MEASURED_TILES.get(gpu, {}).items() if k.split(":")[1] not in measured}
+    rows = {**kept, **data["rows"]}
     # drop this GPU's previous block
     head = "    " + re.escape(json.dumps(gpu))
     block = re.sub(head + r": \{\n.*?\n    \},\n", "", block, flags=re.S)
     lines = [f"    {json.dumps(gpu)}: {{\n"]
-    lines += [f"        {json.dumps(k)}: {v},\n" for k, v in sorted(data["rows"].items())]
+    lines += [f"        {json.dumps(k)}: {v},\n" for k, v in sorted(rows.items())]
     lines.append("    },\n")
     tuning_py.write_text(src[:i] + block + "".join(lines) + src[j:])
-    print(f"{len(data['rows'])} rows for {gpu} written to {tuning_py}")
+    print(f"{len(data['rows'])} measured rows ({len(kept)} kept) for {gpu} written to {tuning_py}")
 
 
 def main() -> int:
@@ -180,12 +191,13 @@ def main() -> int:
     ap.add_argument("--out", type=pathlib.Path, help="measure on this GPU and write the rows and times here")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop measuring after this many seconds")
     ap.add_argument("--write", type=pathlib.Path, help="a JSON written by --out: put its rows into tuning.py")
+    ap.add_argument("--head-dims", default="64,128,256", help="measure only these head dims (comma-separated)")
     args = ap.parse_args()
     tuning_py = pathlib.Path(__file__).resolve().parents[1] / "src" / "longctx" / "tuning.py"
     if args.write:
         write(args.write, tuning_py)
     elif args.out:
-        measure(args.out, args.budget_s)
+        measure(args.out, args.budget_s, tuple(int(d) for d in args.head_dims.split(",")))
     else:
         ap.error("give --out (measure) or --write (update tuning.py)")
     return 0

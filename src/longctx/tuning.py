@@ -51,18 +51,22 @@ BWD_DKDV_ATOMIC = {
     128: [(64, 128, 8, 3), (32, 128, 8, 3)],  # 4 stages do not fit with the TMA-reduce dQ (248 KB)
     256: [(64, 64, 8, 2), (32, 64, 4, 2)],
 }
+# dK alone and dV alone (`split_dkdv`, D=256): each program holds one fp32 product of a 128-row kv tile, and the query
+# tiles stream. Only head dims that split have lists.
+BWD_DK = {256: [(32, 128, 8, 1), (64, 128, 8, 1), (32, 128, 8, 2), (16, 128, 8, 2), (64, 64, 8, 2)]}
+BWD_DV = {256: [(64, 128, 8, 1), (32, 128, 8, 2), (64, 128, 8, 2), (128, 128, 8, 1), (64, 64, 8, 2)]}
 # dQ (the deterministic path): one query tile stays on chip with its fp32 dQ; K/V tiles stream. 128x128 wins GQA.
 BWD_DQ = {
     16: [(128, 64, 8, 3), (64, 32, 4, 3)],
     32: [(128, 64, 8, 3), (128, 32, 4, 3)],
     64: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 32, 4, 3)],
     128: [(128, 128, 8, 2), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3)],
-    256: [(64, 64, 8, 2), (64, 32, 4, 2)],
+    256: [(64, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (128, 64, 8, 1)],
 }
 # the interpreter runs tiny shapes: small tiles keep the numpy emulation fast and exercise many tiles
 INTERPRET = (16, 16, 4, 1)
 
-KINDS = ("fwd", "dkdv", "dkdv_atomic", "dq")
+KINDS = ("fwd", "dkdv", "dkdv_atomic", "dk", "dv", "dq")
 
 
 def block_d(head_dim: int) -> int:
@@ -71,8 +75,9 @@ def block_d(head_dim: int) -> int:
 
 
 def table(kind: str) -> dict[int, list[tuple]]:
-    """The tile lists of one kernel kind ("fwd", "dkdv", "dkdv_atomic", "dq"), per padded head dim."""
-    return {"fwd": FWD, "dkdv": BWD_DKDV, "dkdv_atomic": BWD_DKDV_ATOMIC, "dq": BWD_DQ}[kind]
+    """The tile lists of one kernel kind (one of `KINDS`), per padded head dim."""
+    lists = {"fwd": FWD, "dkdv": BWD_DKDV, "dkdv_atomic": BWD_DKDV_ATOMIC, "dk": BWD_DK, "dv": BWD_DV, "dq": BWD_DQ}
+    return lists[kind]
 
 
 def meta(kind: str, entry: tuple) -> dict[str, bool]:
@@ -120,6 +125,14 @@ def atomic_dq(bd: int, sq: int, dense_band: bool, grouped: bool) -> bool:
     if bd > 128 or (bd == 128 and grouped):
         return False
     return sq > (4096 if bd <= 64 and dense_band else 2048)
+
+
+def split_dkdv(bd: int) -> bool:
+    """Whether the backward computes dV and dK in two launches of the dK/dV kernel (2 + 3 matmuls per tile pair)
+    instead of one (4): at D=256 the two fp32 accumulators of a 64-row kv tile take 128 of a thread's 255
+    registers, and the chained score matmuls then run on both warpgroups redundantly and spill (docs/performance.md,
+    "The head-dim-256 backward"); alone, each product fits a 128-row kv tile."""
+    return bd > 128
 
 
 def dq_by_tma_reduce(head_dim: int) -> bool:
@@ -377,11 +390,13 @@ _OVERRIDE_DEFAULTS: dict = {}
 # dense kernels (`longctx.launchers.flash`): run-time autotuning (True; None: the measured tile table); the
 # warp-specialised forward / backward forced on or off (None: `ws_fwd_config` / `ws_bwd_config` decide) and their
 # configs forced ("128x3x1", or a tuple in code); the atomic-dQ backward forced on or off (None: `atomic_dq`; never
-# under deterministic); tiles of the Triton kernels forced per kind, no autotuning ("fwd:128x64x8x3x1;dq:128x128x8x2",
-# or a dict kind -> tuple in code); tensor-descriptor loads under the interpreter (tests of the TMA variants)
+# under deterministic); dV and dK in two launches forced on or off (None: `split_dkdv`; on needs "dk" / "dv" tile
+# lists at the head dim, or forced tiles); tiles of the Triton kernels forced per kind, no autotuning
+# ("fwd:128x64x8x3x1;dq:128x128x8x2", or a dict kind -> tuple in code); tensor-descriptor loads under the
+# interpreter (tests of the TMA variants)
 _OVERRIDE_DEFAULTS.update(
-    autotune=None, ws=None, ws_bwd=None, ws_config=None, ws_bwd_config=None, atomic_dq=None, tiles=None,
-    tma_in_interpreter=False,
+    autotune=None, ws=None, ws_bwd=None, ws_config=None, ws_bwd_config=None, atomic_dq=None, split_dkdv=None,
+    tiles=None, tma_in_interpreter=False,
 )  # fmt: skip
 # block-sparse kernels (`longctx.launchers.sparse`): False switches the warp-specialised forward / backward off (the
 # Triton kernels run, as on other GPUs); tiles of the Triton kernels forced per kind, no autotuning ("fwd:128x64x8x3;

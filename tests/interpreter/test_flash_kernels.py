@@ -42,6 +42,9 @@ CASES = {
     # shapes: every case above forces it; these run the separate dK/dV + dQ kernels instead
     "separate_gqa_causal_d32_f16": (1, 4, 2, 37, 53, 32, "float16", {"causal": True}, {"atomic": False}),
     "separate_window_d40_f32": (2, 2, 1, 45, 45, 40, "float32", {"window": (7, 3)}, {"atomic": False}),
+    # head dims past 128: dV and dK in two launches of the dK/dV kernel (`tuning.split_dkdv`), then dQ
+    "split_dkdv_gqa_causal_d256_f32": (1, 4, 2, 21, 29, 256, "float32", {"causal": True}, {"atomic": False}),
+    "split_dkdv_window_d200_f16": (1, 2, 1, 30, 30, 200, "float16", {"window": (5, 2)}, {"atomic": False}),
     # the forward's tensor-descriptor variants (K/V through TMA descriptors built on the host, or in the kernel for
     # broadcast views; the hand-pipelined QK^T); keys scaled up along the sequence (the running max keeps growing)
     "tma_causal_gqa_d16_f32": (1, 4, 2, 50, 50, 16, "float32", {"causal": True}, {"tma": True}),

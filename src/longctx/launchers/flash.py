@@ -13,7 +13,8 @@ read there); this module only applies them:
   `tuning.ws_fwd_config` says it is faster, else the Triton kernel with K/V through TMA descriptors where the
   tensors allow it (`tuning.fwd_kv_loads`).
 - backward: the warp-specialised kernel (dQ by the copy engine's bulk reduction) for fp16/bf16 on Hopper, else the
-  Triton dK/dV kernel with dQ added by atomics where `tuning.atomic_dq` says it is faster, else a separate dQ kernel.
+  Triton dK/dV kernel with dQ added by atomics where `tuning.atomic_dq` says it is faster, else a separate dQ kernel;
+  at D=256 the dK/dV kernel runs twice, for dV and for dK (`tuning.split_dkdv`).
   Atomics add in no fixed order: ``deterministic=True`` always takes the Triton kernels with the separate dQ kernel,
   each gradient element written once (bitwise repeatable). The user switch ``LONGCTX_DETERMINISTIC=1`` is read by
   the backends (`longctx.switches`) and arrives here as ``deterministic``.
@@ -91,6 +92,8 @@ def _kernel(kind: str, bd: int, autotune: bool):
         "fwd": flash_fwd.attn_fwd_kernel,
         "dkdv": flash_bwd.bwd_dkdv_kernel,
         "dkdv_atomic": flash_bwd.bwd_dkdv_kernel,
+        "dk": flash_bwd.bwd_dkdv_kernel,
+        "dv": flash_bwd.bwd_dkdv_kernel,
         "dq": flash_bwd.bwd_dq_kernel,
     }[kind]
     if not autotune:
@@ -98,7 +101,7 @@ def _kernel(kind: str, bd: int, autotune: bool):
     # The key holds every argument that changes which configs fit or win, the kernel variants included (a 128x128
     # forward tile chosen with pointer loads does not fit shared memory with PIPE_QK and TMA); PIPE_QK itself is
     # part of the forward's configs, chosen with the tiles.
-    variants = {"fwd": ["USE_TMA", "TMA_HOST"], "dkdv": [], "dkdv_atomic": ["DQ_TMA"], "dq": []}
+    variants = {"fwd": ["USE_TMA", "TMA_HOST"], "dkdv": [], "dkdv_atomic": ["DQ_TMA"], "dk": [], "dv": [], "dq": []}
     key = ["HEAD_DIM", "HAS_LO", "HAS_HI", "SEQ_BUCKET", "GROUP", *variants[kind]]
     # The atomic-dQ kernel adds into DQA: every timed config run would add its dQ again, so the autotuner zeroes
     # DQA before each run and before the real one.
@@ -469,14 +472,23 @@ def _backward_impl(
     if dq_tma:
         _set_tma_allocator()
     dqa = torch.zeros((B, Hq, Sq, D), device=q.device, dtype=torch.float32) if atomic else dq  # (B, Hq, Sq, D)
-    _launch(
-        "dkdv_atomic" if atomic else "dkdv",
-        bd,
-        lambda bm, bn: (B * Hkv, _cdiv(Sk, bn)),
-        [q, k, v, do, lse2, delta, dk, dv, dqa, *q.stride(), *k.stride(), *v.stride(), *do.stride()]
-        + [*dk.stride(), *dv.stride(), *dqa.stride()[:3]],
-        dict(Hq=Hq, Hkv=Hkv, ATOMIC_DQ=atomic, DQ_TMA=dq_tma, **common),
-    )
+    dkdv_args = [q, k, v, do, lse2, delta, dk, dv, dqa, *q.stride(), *k.stride(), *v.stride(), *do.stride()]
+    dkdv_args += [*dk.stride(), *dv.stride(), *dqa.stride()[:3]]
+    # dV and dK in one launch, or in two where the two accumulators do not fit together (`tuning.split_dkdv`)
+    if atomic:
+        launches = [("dkdv_atomic", {})]
+    elif tuning.split_dkdv(bd) if tuning.get("split_dkdv") is None else tuning.get("split_dkdv"):
+        launches = [("dv", dict(WANT_DK=False)), ("dk", dict(WANT_DV=False))]
+    else:
+        launches = [("dkdv", {})]
+    for kind, want in launches:
+        _launch(
+            kind,
+            bd,
+            lambda bm, bn: (B * Hkv, _cdiv(Sk, bn)),
+            dkdv_args,
+            dict(Hq=Hq, Hkv=Hkv, ATOMIC_DQ=atomic, DQ_TMA=dq_tma, **want, **common),
+        )
     if atomic:
         dq.copy_(dqa)  # the kernel already applied the scale
         return dq, dk, dv

@@ -20,6 +20,9 @@ without SOFTCAP). With SOFTCAP off (the default) the compiled code has no trace 
   the band lets see the kv tile, split like the forward into masked / unmasked / masked runs. With
   ATOMIC_DQ (the fast path) it also adds dS K into a float32 dQ accumulator with atomics: 5 matmuls per tile
   pair, but the order of the additions varies from run to run.
+  WANT_DK / WANT_DV (both on by default) keep only one of the two products: at D=256 the fp32 dK and dV of one kv
+  tile together outgrow the registers (`tuning.split_dkdv`), so the launcher runs the kernel twice, once for dV
+  (2 matmuls per tile pair) and once for dK (3), then the dQ kernel.
 - `bwd_dq_kernel` (the deterministic path): one program per query tile, looping over the kv tiles (same
   runs as the forward); it recomputes P and dP (7 matmuls in all) but writes each dQ element once, so the
   whole backward is bitwise repeatable.
@@ -81,6 +84,7 @@ def _dkdv_inner(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, softcap_scale, SOFTCAP: tl.constexpr,
+    WANT_DK: tl.constexpr = True, WANT_DV: tl.constexpr = True,
 ):
     """Query tiles [start, end) against one kv tile; MASKED applies the band and the ragged end of Sq."""
     offs_mb = tl.arange(0, BLOCK_M)
@@ -131,30 +135,32 @@ def _dkdv_inner(
         else:
             do = tl.load(do_ptrs)
         # -- dV += P^T dO --
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        # -- dP^T = V dO^T, dS^T = P^T * (dP^T - Delta) --
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        dsT = pT * (dpT - delta[None, :])
-        if SOFTCAP:
-            dsT = dsT * (1.0 - tT * tT)  # through the cap: d(softcap * tanh(x / softcap)) / dx = 1 - t^2
-        dsT = dsT.to(q.dtype)
-        # -- dK += dS^T Q (scale applied once at the end) --
-        dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
-        if ATOMIC_DQ:
-            # -- fast path: dQ += dS K straight into the float32 accumulator (atomics: not deterministic) --
-            # (with the softmax scale here, the accumulator needs no extra pass afterwards)
-            dq_part = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * sm_scale
-            dqa_ptrs = DQA_bh + start_m.to(tl.int64) * stride_dqam + dqa_tile
-            if DQ_TMA:
-                # one bulk reduction of the whole tile by the copy engine (rows past Sq are clipped by the
-                # descriptor) instead of BLOCK_M x BLOCK_D scalar red.global.add from the warps
-                desc_dqa.atomic_add([start_m, 0], dq_part)
-            elif MASKED:
-                tl.atomic_add(dqa_ptrs, dq_part, mask=ld_mask, sem="relaxed")
-            elif BLOCK_D != HEAD_DIM:
-                tl.atomic_add(dqa_ptrs, dq_part, mask=d_ok, sem="relaxed")
-            else:
-                tl.atomic_add(dqa_ptrs, dq_part, sem="relaxed")
+        if WANT_DV:
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        if WANT_DK:
+            # -- dP^T = V dO^T, dS^T = P^T * (dP^T - Delta) --
+            dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            dsT = pT * (dpT - delta[None, :])
+            if SOFTCAP:
+                dsT = dsT * (1.0 - tT * tT)  # through the cap: d(softcap * tanh(x / softcap)) / dx = 1 - t^2
+            dsT = dsT.to(q.dtype)
+            # -- dK += dS^T Q (scale applied once at the end) --
+            dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
+            if ATOMIC_DQ:
+                # -- fast path: dQ += dS K straight into the float32 accumulator (atomics: not deterministic) --
+                # (with the softmax scale here, the accumulator needs no extra pass afterwards)
+                dq_part = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * sm_scale
+                dqa_ptrs = DQA_bh + start_m.to(tl.int64) * stride_dqam + dqa_tile
+                if DQ_TMA:
+                    # one bulk reduction of the whole tile by the copy engine (rows past Sq are clipped by the
+                    # descriptor) instead of BLOCK_M x BLOCK_D scalar red.global.add from the warps
+                    desc_dqa.atomic_add([start_m, 0], dq_part)
+                elif MASKED:
+                    tl.atomic_add(dqa_ptrs, dq_part, mask=ld_mask, sem="relaxed")
+                elif BLOCK_D != HEAD_DIM:
+                    tl.atomic_add(dqa_ptrs, dq_part, mask=d_ok, sem="relaxed")
+                else:
+                    tl.atomic_add(dqa_ptrs, dq_part, sem="relaxed")
     return dk, dv
 
 
@@ -174,8 +180,10 @@ def bwd_dkdv_kernel(
     HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ATOMIC_DQ: tl.constexpr = False, DQ_TMA: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    WANT_DK: tl.constexpr = True, WANT_DV: tl.constexpr = True,
 ):
-    """Grid: (B * Hkv, cdiv(Sk, BLOCK_N)). Writes dK and dV of one kv tile, summed over its query heads.
+    """Grid: (B * Hkv, cdiv(Sk, BLOCK_N)). Writes dK and dV of one kv tile, summed over its query heads (only dK
+    without WANT_DV, only dV without WANT_DK; ATOMIC_DQ needs WANT_DK).
 
     With ATOMIC_DQ it also adds scale dS K into DQA, a (B, Hq, Sq, D) float32 accumulator (unit stride on D);
     DQ_TMA (with ATOMIC_DQ) does each tile's addition as one TMA reduce (cp.reduce.async.bulk.tensor) through
@@ -214,23 +222,25 @@ def bwd_dkdv_kernel(
                              stride_qm, stride_qd, stride_dom, stride_dod, stride_dqam,
                              offs_n, offs_d, q_lo, full_lo, Sq, lo, hi, qk_scale, sm_scale,
                              HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LO, HAS_HI, DOT_PRECISION, ATOMIC_DQ, DQ_TMA,
-                             softcap_scale, SOFTCAP)
+                             softcap_scale, SOFTCAP, WANT_DK, WANT_DV)
         dk, dv = _dkdv_inner(dk, dv, k, v, Q_bh, DO_bh, LSE2 + row0, DELTA + row0, DQA_bh, desc_dqa,
                              stride_qm, stride_qd, stride_dom, stride_dod, stride_dqam,
                              offs_n, offs_d, full_lo, full_hi, Sq, lo, hi, qk_scale, sm_scale,
                              HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LO, HAS_HI, DOT_PRECISION, ATOMIC_DQ, DQ_TMA,
-                             softcap_scale, SOFTCAP)
+                             softcap_scale, SOFTCAP, WANT_DK, WANT_DV)
         dk, dv = _dkdv_inner(dk, dv, k, v, Q_bh, DO_bh, LSE2 + row0, DELTA + row0, DQA_bh, desc_dqa,
                              stride_qm, stride_qd, stride_dom, stride_dod, stride_dqam,
                              offs_n, offs_d, full_hi, q_end, Sq, lo, hi, qk_scale, sm_scale,
                              HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LO, HAS_HI, DOT_PRECISION, ATOMIC_DQ, DQ_TMA,
-                             softcap_scale, SOFTCAP)
+                             softcap_scale, SOFTCAP, WANT_DK, WANT_DV)
     # epilogue: dK carries the softmax scale (s = scale * q.k); dV does not
     dk = dk * sm_scale
     DK_bh = DK + off_b.to(tl.int64) * stride_dkb + off_kvh.to(tl.int64) * stride_dkh
     DV_bh = DV + off_b.to(tl.int64) * stride_dvb + off_kvh.to(tl.int64) * stride_dvh
-    tl.store(DK_bh + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV_bh + offs_n[:, None].to(tl.int64) * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    if WANT_DK:
+        tl.store(DK_bh + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    if WANT_DV:
+        tl.store(DV_bh + offs_n[:, None].to(tl.int64) * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
