@@ -32,13 +32,13 @@ def _bench(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=5, rep=25))
 
 
-def _dense_cases(head_dims):
+def _dense_cases(head_dims, lengths):
     for d in head_dims:
         for causal in (False, True):
-            for s in (1024, 2048, 4096, 16384):
+            for s in lengths:
                 yield d, causal, s, 2048 // d, 2048 // d
     for causal in (False, True):
-        for s in (1024, 2048, 4096, 16384) if 128 in head_dims else ():
+        for s in lengths if 128 in head_dims else ():
             yield 128, causal, s, 16, 4
 
 
@@ -145,13 +145,13 @@ def _time_sparse(d, s, rows, times, deadline):
         print(f"{key}: entry {rows.get(key)}", file=sys.stderr, flush=True)
 
 
-def measure(out: pathlib.Path, budget_s: float, head_dims: tuple[int, ...]) -> None:
+def measure(out: pathlib.Path, budget_s: float, head_dims: tuple[int, ...], lengths: tuple[int, ...]) -> None:
     import torch
 
     deadline = time.monotonic() + budget_s
     rows: dict[str, int] = {}
     times: dict[str, object] = {}
-    for case in _dense_cases(head_dims):
+    for case in _dense_cases(head_dims, lengths):
         _time_dense(*case, rows, times, deadline)
     for d in (64, 128):
         for s in (4096, 16384, 65536) if d in head_dims else ():
@@ -186,18 +186,23 @@ def write(path: pathlib.Path, tuning_py: pathlib.Path) -> None:
     print(f"{len(data['rows'])} measured rows ({len(kept)} kept) for {gpu} written to {tuning_py}")
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=pathlib.Path, help="measure on this GPU and write the rows and times here")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop measuring after this many seconds")
     ap.add_argument("--write", type=pathlib.Path, help="a JSON written by --out: put its rows into tuning.py")
     ap.add_argument("--head-dims", default="64,128,256", help="measure only these head dims (comma-separated)")
+    ap.add_argument("--lengths", default="1024,2048,4096,16384", help="dense cases' sequence lengths (comma-separated)")
     args = ap.parse_args()
     tuning_py = pathlib.Path(__file__).resolve().parents[1] / "src" / "longctx" / "tuning.py"
     if args.write:
         write(args.write, tuning_py)
     elif args.out:
-        measure(args.out, args.budget_s, tuple(int(d) for d in args.head_dims.split(",")))
+        measure(args.out, args.budget_s, _ints(args.head_dims), _ints(args.lengths))
     else:
         ap.error("give --out (measure) or --write (update tuning.py)")
     return 0
