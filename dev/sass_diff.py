@@ -8,15 +8,20 @@ Run it on two source trees and compare the lines: a refactor that keeps every ha
 
 Triton compiles for a GPU target without a GPU and ships cuobjdump, so this runs on any machine with the Triton
 the GPU machine uses (the SASS of another Triton version differs). Each line: the case, the SHA-256 (first 16 hex
-digits) of the SASS with addresses and encodings stripped, the instruction count and the shared memory in bytes.
+digits) of the SASS with addresses and encodings stripped, the instruction count and the shared memory in bytes;
+with ``--regs`` also the registers per thread and the stack frame (`cuobjdump -res-usage`) and the number of local
+memory instructions (STL / LDL: register spills) in the SASS.
 
 The cases are the variants the launchers take by default (`longctx.launchers.flash`), each kernel with the first
 (non-autotuned) tile of `longctx.tuning`'s lists: the Triton forward at D = 64 / 128 / 256, causal and dense, with
 K/V through host descriptors (the default), per-program descriptors (broadcast views) and pointer loads (unaligned
 views); the dK/dV kernel with dQ by atomics (TMA reduce at D = 128) and without (the deterministic path); the dQ
-kernel; the Gluon forward and backward at D = 64 / 128, causal and dense. Both source layouts are understood
-(kernels in `longctx/kernels/` or in `longctx/kernels/{triton,gluon}/`); kernel constexprs that a tree no longer has
-are dropped, those it has and the case does not name take their defaults.
+kernel; the Gluon forward and backward at D = 64 / 128, causal and dense; the same Gluon kernels with the logit
+softcap (SOFTCAP), then the block-sparse Gluon forward and backward (`flash_sparse_ws`, causal packed documents) at
+D = 64 / 128, without and with the softcap. Both source layouts are understood (kernels in `longctx/kernels/` or in
+`longctx/kernels/{triton,gluon}/`); kernel constexprs that a tree no longer has are dropped (so a tree without
+SOFTCAP fingerprints its plain kernel under a softcap case's name), those it has and the case does not name take
+their defaults.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ DQ_TILE = {64: (128, 128, 8, 3), 128: (128, 128, 8, 2)}
 WS_FWD = {64: (128, 3, True), 128: (128, 3, True)}
 WS_FWD_SHORT_CAUSAL = {128: (128, 2, True)}
 WS_BWD = {64: (64, 2, False), 128: (64, 2, False)}
+# the block-sparse Gluon kernels' configs (`longctx.tuning.SPARSE_WS_FWD` / `SPARSE_WS_BWD`)
+SPARSE_WS_FWD = {64: (128, 3, True), 128: (128, 3, True)}
+SPARSE_WS_BWD = {64: (64, 2, False), 128: (64, 2, False)}
 
 
 def _module(*names: str):
@@ -49,14 +57,28 @@ def _module(*names: str):
     raise ModuleNotFoundError(f"none of {names}")
 
 
-def _sass(kernel, workdir: str) -> tuple[str, int, int, str]:
+def _cuobjdump(kernel, workdir: str, flag: str) -> str:
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     path = os.path.join(workdir, "k.cubin")
     with open(path, "wb") as f:
         f.write(kernel.asm["cubin"])
-    text = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    return subprocess.run([tool, flag, path], capture_output=True, text=True, check=True).stdout
+
+
+def _regs(kernel, workdir: str, body: str) -> str:
+    """``regs=R stack=S spill_ops=N``: registers per thread and stack frame bytes (cuobjdump -res-usage; R is the
+    kernel's limit where warp specialisation resizes the partitions' register files) and the STL / LDL count."""
+    usage = _cuobjdump(kernel, workdir, "-res-usage")
+    reg = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    spills = len(re.findall(r"\b(?:STL|LDL)\b", body))
+    return f"regs={reg.group(1) if reg else '?'} stack={stack.group(1) if stack else '?'} spill_ops={spills}"
+
+
+def _sass(kernel, workdir: str) -> tuple[str, int, int, str]:
+    text = _cuobjdump(kernel, workdir, "-sass")
     lines = []
     for line in text.splitlines():
         line = re.sub(r"/\*\s*[0-9a-fx]+\s*\*/", "", line)  # addresses and encodings
@@ -162,36 +184,116 @@ def cases():
     except ImportError as exc:  # a Triton without Gluon
         print(f"# Gluon kernels skipped: {exc}", file=sys.stderr)
         return out
-    gopts = {"num_warps": 4, "maxnreg": 168}
     for D in (64, 128):
-        t = torch.empty(1, 1, 256, D, dtype=torch.bfloat16)
         configs = [("dense", False, WS_FWD[D]), ("causal", True, WS_FWD[D])]
         if D in WS_FWD_SHORT_CAUSAL:
             configs.append(("causal short", True, WS_FWD_SHORT_CAUSAL[D]))
-        for label, causal, (block_n, stages, pipe) in configs:
-            consts = dict(HEAD_DIM=D, BLOCK_D=D, HAS_LO=False, HAS_HI=causal, LONGEST_FIRST=causal, BLOCK_N=block_n,
-                          STAGES=stages, PIPE=pipe, CONSUMER_REGS=240, PRODUCER_REGS=24)  # fmt: skip
-            types = {"O": "*bf16", "LSE": "*fp32", "qk_scale": "fp32"}
-            for name, rows in (("desc_q", int(fws.WG_ROWS)), ("desc_k", block_n), ("desc_v", block_n)):
-                types[name] = _desc_type(_gluon_desc(t, [1, 1, rows, D]))
-            out.append((f"gluon fwd D={D} {label}",
-                        lambda c=consts, ty=types: _compile(fws.attn_fwd_ws_kernel, c, ty, gopts, True)))  # fmt: skip
-        block_m, stages, early_dv = WS_BWD[D]
-        block_n = int(bws.WG_ROWS) * int(bws.NUM_CONSUMERS)
-        rows = _gluon_desc(torch.empty(256, dtype=torch.float32), [block_m])
-        dqa = torch.empty(1, 1, 256, D, dtype=torch.float32)
-        dqa_block = [1, 1, 64, D] if block_m == 128 else [1, 1, block_m, D // 2]
+        for label, causal, config in configs:
+            out.append((f"gluon fwd D={D} {label}", _gluon_fwd(fws, D, causal, config, False)))
         for causal in (False, True):
-            consts = dict(BLOCK_D=D, HAS_LO=False, HAS_HI=causal, BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv,
-                          CONSUMER_REGS=240, PRODUCER_REGS=24, DQ_TMA=True)  # fmt: skip
-            types = {"DK": "*bf16", "DV": "*bf16", "DQA": "*fp32", **common}
-            for name, r in (("desc_q", block_m), ("desc_k", block_n), ("desc_v", block_n), ("desc_do", block_m)):
-                types[name] = _desc_type(_gluon_desc(t, [1, 1, r, D]))
-            types["desc_lse2"] = types["desc_delta"] = _desc_type(rows)
-            types["desc_dqa"] = _desc_type(_gluon_desc(dqa, dqa_block))
-            out.append((f"gluon bwd D={D} {'causal' if causal else 'dense'}",
-                        lambda c=consts, ty=types: _compile(bws.attn_bwd_ws_kernel, c, ty, gopts, True)))  # fmt: skip
+            out.append((f"gluon bwd D={D} {'causal' if causal else 'dense'}", _gluon_bwd(bws, D, causal, False)))
+    # the logit softcap (SOFTCAP) at the same configs; a tree without it compiles the plain kernel under these names
+    for D in (64, 128):
+        for causal in (False, True):
+            label = "causal" if causal else "dense"
+            out.append((f"gluon fwd D={D} {label} softcap", _gluon_fwd(fws, D, causal, WS_FWD[D], True)))
+            out.append((f"gluon bwd D={D} {label} softcap", _gluon_bwd(bws, D, causal, True)))
+    try:
+        sws = _module("longctx.kernels.gluon.flash_sparse_ws")
+    except ImportError as exc:  # a tree without the block-sparse Gluon kernels
+        print(f"# block-sparse Gluon kernels skipped: {exc}", file=sys.stderr)
+        return out
+    for softcap in (False, True):
+        for D in (64, 128):
+            tail = " softcap" if softcap else ""
+            out.append((f"gluon sparse fwd D={D} docs{tail}", _gluon_sparse_fwd(sws, D, softcap)))
+            out.append((f"gluon sparse bwd D={D} docs{tail}", _gluon_sparse_bwd(sws, D, softcap)))
     return out
+
+
+GOPTS = {"num_warps": 4, "maxnreg": 168}
+
+
+def _gluon_fwd(fws, D: int, causal: bool, config, softcap: bool):
+    """Thunk compiling `flash_fwd_ws.attn_fwd_ws_kernel` at head dim D with (BLOCK_N, STAGES, PIPE) ``config``."""
+    import torch
+
+    block_n, stages, pipe = config
+    t = torch.empty(1, 1, 256, D, dtype=torch.bfloat16)
+    consts = dict(HEAD_DIM=D, BLOCK_D=D, HAS_LO=False, HAS_HI=causal, LONGEST_FIRST=causal, BLOCK_N=block_n,
+                  STAGES=stages, PIPE=pipe, CONSUMER_REGS=240, PRODUCER_REGS=24, SOFTCAP=softcap)  # fmt: skip
+    types = {"O": "*bf16", "LSE": "*fp32", "qk_scale": "fp32", "softcap_scale": "fp32"}
+    for name, rows in (("desc_q", int(fws.WG_ROWS)), ("desc_k", block_n), ("desc_v", block_n)):
+        types[name] = _desc_type(_gluon_desc(t, [1, 1, rows, D]))
+    return lambda: _compile(fws.attn_fwd_ws_kernel, consts, types, GOPTS, True)
+
+
+def _gluon_bwd(bws, D: int, causal: bool, softcap: bool):
+    """Thunk compiling `flash_bwd_ws.attn_bwd_ws_kernel` at head dim D with the config of WS_BWD."""
+    import torch
+
+    block_m, stages, early_dv = WS_BWD[D]
+    block_n = int(bws.WG_ROWS) * int(bws.NUM_CONSUMERS)
+    t = torch.empty(1, 1, 256, D, dtype=torch.bfloat16)
+    rows = _gluon_desc(torch.empty(256, dtype=torch.float32), [block_m])
+    dqa = torch.empty(1, 1, 256, D, dtype=torch.float32)
+    dqa_block = [1, 1, 64, D] if block_m == 128 else [1, 1, block_m, D // 2]
+    consts = dict(BLOCK_D=D, HAS_LO=False, HAS_HI=causal, BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv,
+                  CONSUMER_REGS=240, PRODUCER_REGS=24, DQ_TMA=True, SOFTCAP=softcap)  # fmt: skip
+    types = {"DK": "*bf16", "DV": "*bf16", "DQA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
+             "softcap_scale": "fp32"}  # fmt: skip
+    for name, r in (("desc_q", block_m), ("desc_k", block_n), ("desc_v", block_n), ("desc_do", block_m)):
+        types[name] = _desc_type(_gluon_desc(t, [1, 1, r, D]))
+    types["desc_lse2"] = types["desc_delta"] = _desc_type(rows)
+    types["desc_dqa"] = _desc_type(_gluon_desc(dqa, dqa_block))
+    return lambda: _compile(bws.attn_bwd_ws_kernel, consts, types, GOPTS, True)
+
+
+# the block-sparse kernels' mask tables (`BlockMask.kernel_tensors`): int32 lists and per-token tensors, uint8 tiles
+_MASK_TYPES = {n: "*i32" for n in ("KV_NUM", "KV_IDX", "Q_NUM", "Q_IDX", "FULL_NUM", "FULL_IDX", "QDOC", "KDOC",
+                                   "QPOS", "KPOS", "TILE_IDS", "SCHED", "CNT")}  # fmt: skip
+_MASK_TYPES["TILES"] = "*u8"
+
+
+def _gluon_sparse_fwd(sws, D: int, softcap: bool):
+    """Thunk compiling `flash_sparse_ws.sparse_fwd_ws_kernel` at head dim D with the config of SPARSE_WS_FWD, for
+    causal packed documents (MASK_KIND 3: their per-token intervals; 128-token blocks, Sk a multiple of them)."""
+    import torch
+
+    block_n, stages, pipe = SPARSE_WS_FWD[D]
+    t = torch.empty(1, 1, 256, D, dtype=torch.bfloat16)
+    consts = dict(BLOCK_D=D, MASK_BS=128, MASK_KIND=3, HAS_DOC=True, HAS_GLOBAL=False, EVEN_SK=True, BLOCK_N=block_n,
+                  STAGES=stages, PIPE=pipe, CONSUMER_REGS=240, PRODUCER_REGS=24, SOFTCAP=softcap)  # fmt: skip
+    types = {**_MASK_TYPES, "LSE": "*fp32", "qk_scale": "fp32", "softcap_scale": "fp32"}
+    for name, rows in (("desc_q", int(sws.WG_ROWS)), ("desc_k", block_n), ("desc_v", block_n),
+                       ("desc_o", int(sws.WG_ROWS))):  # fmt: skip
+        types[name] = _desc_type(_gluon_desc(t, [1, 1, rows, D]))
+    return lambda: _compile(sws.sparse_fwd_ws_kernel, consts, types, GOPTS, True)
+
+
+def _gluon_sparse_bwd(sws, D: int, softcap: bool):
+    """Thunk compiling `flash_sparse_ws.sparse_bwd_ws_kernel` at head dim D with the config of SPARSE_WS_BWD, for
+    the mask of `_gluon_sparse_fwd` (Sq and Sk multiples of the block)."""
+    import torch
+
+    block_m, stages, early_dv = SPARSE_WS_BWD[D]
+    rows = int(sws.CTA_ROWS)
+    t = torch.empty(1, 1, 256, D, dtype=torch.bfloat16)
+    dqa = torch.empty(1, 1, 256, D, dtype=torch.float32)
+    dqa_block = [1, 1, 64, D] if block_m == 128 else [1, 1, block_m, D // 2]
+    consts = dict(BLOCK_D=D, MASK_BS=128, MASK_KIND=3, HAS_DOC=True, HAS_GLOBAL=False, EVEN=True, BLOCK_M=block_m,
+                  STAGES=stages, EARLY_DV=early_dv, CONSUMER_REGS=240, PRODUCER_REGS=24, SOFTCAP=softcap)  # fmt: skip
+    types = {**_MASK_TYPES, "DK": "*bf16", "DV": "*bf16", "DQA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
+             "softcap_scale": "fp32"}  # fmt: skip
+    for name, r in (("desc_q", block_m), ("desc_k", rows), ("desc_v", rows), ("desc_do", block_m)):
+        types[name] = _desc_type(_gluon_desc(t, [1, 1, r, D]))
+    types["desc_lse2"] = types["desc_delta"] = _desc_type(_gluon_desc(torch.empty(256, dtype=torch.float32), [block_m]))
+    types["desc_dqa"] = _desc_type(_gluon_desc(dqa, dqa_block))
+    if block_m != rows:  # dK / dV leave through descriptors with 64-row query tiles (`launchers.sparse._backward_ws`)
+        types["desc_dk"] = types["desc_dv"] = _desc_type(_gluon_desc(t, [1, 1, int(sws.WG_ROWS), D]))
+    else:
+        types["desc_dk"] = types["desc_dv"] = "*bf16"
+    return lambda: _compile(sws.sparse_bwd_ws_kernel, consts, types, GOPTS, True)
 
 
 def main() -> None:
@@ -199,6 +301,7 @@ def main() -> None:
     parser.add_argument("tree", help="a source tree: the folder holding src/longctx")
     parser.add_argument("-k", default="", help="only the cases whose name contains this")
     parser.add_argument("--dump", default="", help="a folder: write each case's stripped SASS there, to diff")
+    parser.add_argument("--regs", action="store_true", help="add registers, stack frame and spill instructions")
     args = parser.parse_args()
     sys.path.insert(0, os.path.join(os.path.abspath(args.tree), "src"))
     import longctx
@@ -209,12 +312,14 @@ def main() -> None:
             if args.k not in name:
                 continue
             try:
-                digest, n, shared, body = _sass(build(), workdir)
+                kernel = build()
+                digest, n, shared, body = _sass(kernel, workdir)
                 if args.dump:
                     os.makedirs(args.dump, exist_ok=True)
                     with open(os.path.join(args.dump, name.replace(" ", "_").replace("=", "") + ".sass"), "w") as f:
                         f.write(body + "\n")
-                print(f"{name:32s} {digest} instr={n} shared={shared}", flush=True)
+                extra = f" {_regs(kernel, workdir, body)}" if args.regs else ""
+                print(f"{name:32s} {digest} instr={n} shared={shared}{extra}", flush=True)
             except Exception as exc:  # reported per case
                 print(f"{name:32s} ERROR {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                       flush=True)  # fmt: skip

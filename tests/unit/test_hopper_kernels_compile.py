@@ -60,6 +60,9 @@ def sm90_compile():
         pytest.skip(f"Triton internals for offline compilation not found: {exc}")
 
     def compile_(fn, consts: dict, descs: dict, types: dict):
+        # constexprs the case does not name take their defaults, as in a launch (e.g. SOFTCAP = False)
+        defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+        consts = {**defaults, **consts}
         sig = {}
         for name in fn.arg_names:
             if name in consts:

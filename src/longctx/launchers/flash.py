@@ -20,9 +20,9 @@ read there); this module only applies them:
   the backends (`longctx.switches`) and arrives here as ``deterministic``.
 - float32 inputs compute their products in tf32 on the GPU (exact under the interpreter); the `triton` backend
   refuses them unless ``LONGCTX_TRITON_TF32=1``.
-- logit softcapping (``softcap > 0``, scores -> ``softcap * tanh(scores / softcap)``): the Triton kernels with
-  SOFTCAP set, forward and backward; the warp-specialised kernels do not implement it, so ``softcap != 0`` always
-  routes to the Triton kernels (`_score_scales` gives the kernels' two score factors).
+- logit softcapping (``softcap > 0``, scores -> ``softcap * tanh(scores / softcap)``): the same kernels as without it
+  (warp-specialised or Triton, chosen by the same rules), compiled with SOFTCAP set, forward and backward
+  (`_score_scales` gives the kernels' two score factors).
 """
 
 from __future__ import annotations
@@ -200,8 +200,9 @@ def _disable_ws(exc: Exception, backward: bool = False) -> None:
     warn_ws_fallback("backward" if backward else "forward", exc)
 
 
-def _forward_ws(q, k, v, out, lse, scale, lo_i, hi_i, has_lo, has_hi, config) -> None:
-    """Launch `flash_fwd_ws.attn_fwd_ws_kernel` (conditions: `_ws_ok`; config from `_ws_config`)."""
+def _forward_ws(q, k, v, out, lse, scale, lo_i, hi_i, has_lo, has_hi, config, softcap=0.0) -> None:
+    """Launch `flash_fwd_ws.attn_fwd_ws_kernel` (conditions: `_ws_ok`; config from `_ws_config`); ``softcap`` != 0
+    compiles it with SOFTCAP."""
     from longctx.kernels.gluon import flash_fwd_ws
 
     B, Hq, Sq, D = q.shape
@@ -211,12 +212,13 @@ def _forward_ws(q, k, v, out, lse, scale, lo_i, hi_i, has_lo, has_hi, config) ->
     rows = flash_fwd_ws.WG_ROWS * flash_fwd_ws.NUM_CONSUMERS
     longest_first = has_hi and not has_lo
     grid = (B * Hq, _cdiv(Sq, rows)) if longest_first else (_cdiv(Sq, rows), B * Hq)
+    qk_scale, softcap_scale = _score_scales(scale, softcap)
     flash_fwd_ws.attn_fwd_ws_kernel[grid](
         _gluon_desc(q, int(flash_fwd_ws.WG_ROWS)), _gluon_desc(k, block_n), _gluon_desc(v, block_n), out, lse,
         *out.stride(),
-        Hq, Sq, Sk, Hq // Hkv, lo_i, hi_i, float(scale) * _LOG2E,
+        Hq, Sq, Sk, Hq // Hkv, lo_i, hi_i, qk_scale, softcap_scale,
         HEAD_DIM=D, BLOCK_D=D, HAS_LO=has_lo, HAS_HI=has_hi, LONGEST_FIRST=longest_first,
-        BLOCK_N=block_n, STAGES=stages, PIPE=pipe, CONSUMER_REGS=240, PRODUCER_REGS=24,
+        BLOCK_N=block_n, STAGES=stages, PIPE=pipe, CONSUMER_REGS=240, PRODUCER_REGS=24, SOFTCAP=softcap != 0,
         num_warps=4, maxnreg=168,
     )  # fmt: skip
 
@@ -240,9 +242,10 @@ def _dqa_desc(dqa: torch.Tensor, block_m: int, D: int):
     return TensorDescriptor(dqa, list(dqa.shape), list(dqa.stride()), block, _shared_layout(tuple(block), dqa.dtype))
 
 
-def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, lo_i, hi_i, has_lo, has_hi, config) -> None:
+def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, lo_i, hi_i, has_lo, has_hi, config, softcap=0.0) -> None:
     """Launch `flash_bwd_ws.attn_bwd_ws_kernel`: dK, dV into ``dk`` / ``dv``, scale * dS K added into ``dqa``
-    (float32, zeroed, contiguous). Conditions: `_ws_inputs_ok` for q, k, v and dO; config from `_ws_bwd_config`."""
+    (float32, zeroed, contiguous). Conditions: `_ws_inputs_ok` for q, k, v and dO; config from `_ws_bwd_config`;
+    ``softcap`` != 0 compiles it with SOFTCAP."""
     from longctx.kernels.gluon import flash_bwd_ws
 
     B, Hq, Sq, D = q.shape
@@ -250,14 +253,15 @@ def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, lo_i, hi_i, has_l
     block_m, stages, early_dv = config
 
     block_n = int(flash_bwd_ws.WG_ROWS) * int(flash_bwd_ws.NUM_CONSUMERS)
+    qk_scale, softcap_scale = _score_scales(scale, softcap)
     flash_bwd_ws.attn_bwd_ws_kernel[(_cdiv(Sk, block_n), B * Hkv)](
         _gluon_desc(q, block_m), _gluon_desc(k, block_n), _gluon_desc(v, block_n), _gluon_desc(do, block_m),
         _gluon_rows_desc(lse2, block_m), _gluon_rows_desc(delta, block_m),
         dk, dv, dqa, _dqa_desc(dqa, block_m, D),
         *dk.stride(), *dv.stride(), *dqa.stride()[:3],
-        Hq, Hkv, Sq, Sk, Hq // Hkv, lo_i, hi_i, lse2.shape[2], float(scale) * _LOG2E, float(scale),
+        Hq, Hkv, Sq, Sk, Hq // Hkv, lo_i, hi_i, lse2.shape[2], qk_scale, float(scale), softcap_scale,
         BLOCK_D=D, HAS_LO=has_lo, HAS_HI=has_hi, BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv,
-        CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168,
+        CONSUMER_REGS=240, PRODUCER_REGS=24, SOFTCAP=softcap != 0, num_warps=4, maxnreg=168,
     )  # fmt: skip
 
 
@@ -292,11 +296,10 @@ def _forward_impl(
         return out, lse
     bd = tuning.block_d(D)
     lo_i, hi_i, has_lo, has_hi = _band_args(Band(lo, hi))
-    # the warp-specialised forward has no softcap: softcap != 0 takes the Triton kernel
-    ws_config = _ws_config(D, Sq, Sk, has_lo, has_hi) if softcap == 0 and _ws_ok(q, k, v) else None
+    ws_config = _ws_config(D, Sq, Sk, has_lo, has_hi) if _ws_ok(q, k, v) else None
     if ws_config is not None:
         try:
-            _forward_ws(q, k, v, out, lse, scale, lo_i, hi_i, has_lo, has_hi, ws_config)
+            _forward_ws(q, k, v, out, lse, scale, lo_i, hi_i, has_lo, has_hi, ws_config, softcap)
             return out, lse
         except Exception as exc:  # Gluon is experimental: a Triton whose Gluon changed fails at compile time
             if type(exc).__name__ != "CompilationError":
@@ -420,7 +423,6 @@ def _backward_impl(
     ws_config = None
     if (
         not deterministic
-        and softcap == 0  # the warp-specialised backward has no softcap: the Triton kernels take it
         and _ws_wanted("bwd") is not False
         and B * Hkv <= 65535  # the second grid dimension
         and _ws_inputs_ok(q, k, v, do)
@@ -457,7 +459,7 @@ def _backward_impl(
     if ws_config is not None:
         dqa = torch.zeros((B, Hq, Sq, D), device=q.device, dtype=torch.float32)
         try:
-            _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, lo_i, hi_i, has_lo, has_hi, ws_config)
+            _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, lo_i, hi_i, has_lo, has_hi, ws_config, softcap)
         except Exception as exc:  # a Triton whose Gluon does not take the kernel: warn once, use the Triton kernels
             if type(exc).__name__ != "CompilationError":
                 raise

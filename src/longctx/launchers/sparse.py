@@ -16,9 +16,8 @@ configs: `longctx.tuning.sparse_ws_config`. Developer overrides
 ``sparse_tiles`` (forced Triton tiles), ``sparse_tma_in_interpreter``. The mask's block size must be a multiple of
 16 (tl.dot's minimum); the backend runs other block sizes on the plain-PyTorch path (`longctx.reference`).
 
-Logit softcapping (``softcap > 0``): the Triton kernels with SOFTCAP set (score factors from
-`launchers.flash._score_scales`); the Gluon kernels do not implement it, so ``softcap != 0`` routes to the Triton
-kernels.
+Logit softcapping (``softcap > 0``): the same kernels as without it (Gluon or Triton, chosen by the same rules),
+compiled with SOFTCAP set (score factors from `launchers.flash._score_scales`).
 """
 
 from __future__ import annotations
@@ -34,8 +33,6 @@ from longctx.launchers import runtime
 from longctx.masks import BlockMask
 
 __all__ = ["sparse_forward", "sparse_backward"]
-
-_LOG2E = 1.4426950408889634
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -254,8 +251,9 @@ def _work_grid(n_items: int, device: torch.device) -> tuple[tuple[int], torch.Te
     return (min(n_items, _num_sms(idx)),), torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs: int, config) -> None:
-    """Launch `flash_sparse_ws.sparse_fwd_ws_kernel` (conditions and config: `_ws_config`)."""
+def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs: int, config, softcap=0.0) -> None:
+    """Launch `flash_sparse_ws.sparse_fwd_ws_kernel` (conditions and config: `_ws_config`); ``softcap`` != 0 compiles
+    it with SOFTCAP."""
     from longctx.kernels.gluon import flash_sparse_ws as sws
 
     B, Hq, Sq, D = q.shape
@@ -264,18 +262,22 @@ def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs
     n_tiles = _cdiv(Sq, int(sws.CTA_ROWS))
     grid, cnt = _work_grid(n_tiles * B * Hq, q.device)
     sched = _schedule_cached(margs[0], margs[2], n_tiles, int(sws.CTA_ROWS), mask_bs, 1)
+    qk_scale, softcap_scale = _tf._score_scales(scale, softcap)
     sws.sparse_fwd_ws_kernel[grid](
         runtime._gluon_desc(q, int(sws.WG_ROWS)), runtime._gluon_desc(k, block_n), runtime._gluon_desc(v, block_n),
         runtime._gluon_desc(out, int(sws.WG_ROWS)), lse, *margs, sched, cnt, n_tiles * B * Hq, n_tiles,
-        Hq=Hq, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, qk_scale=scale * _LOG2E,
+        Hq=Hq, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, qk_scale=qk_scale, softcap_scale=softcap_scale,
         BLOCK_D=D, MASK_BS=mask_bs, EVEN_SK=Sk % mask_bs == 0, BLOCK_N=block_n, STAGES=stages, PIPE=pipe,
-        CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168, **mkw,
+        CONSUMER_REGS=240, PRODUCER_REGS=24, SOFTCAP=softcap != 0, num_warps=4, maxnreg=168, **mkw,
     )  # fmt: skip
 
 
-def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale: float, targs: list, tkw: dict, mask_bs: int, config):
+def _backward_ws(
+    q, k, v, do, delta, lse2, dk, dv, dqa, scale: float, targs: list, tkw: dict, mask_bs: int, config, softcap=0.0
+):
     """Launch `flash_sparse_ws.sparse_bwd_ws_kernel`: dK, dV into ``dk`` / ``dv``, scale * dS K added into ``dqa``
-    (float32, zeroed, contiguous); lse2 / Delta with rows padded to 4 floats (`launchers.flash.bwd_preprocess`)."""
+    (float32, zeroed, contiguous); lse2 / Delta with rows padded to 4 floats (`launchers.flash.bwd_preprocess`);
+    ``softcap`` != 0 compiles it with SOFTCAP."""
     from longctx.kernels.gluon import flash_sparse_ws as sws
 
     B, Hq, Sq, D = q.shape
@@ -289,6 +291,7 @@ def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale: float, targs: lis
     # descriptor slots take unused placeholders
     dkdv_tma = block_m != rows
     desc_dk, desc_dv = [runtime._gluon_desc(t, int(sws.WG_ROWS)) for t in (dk, dv)] if dkdv_tma else [dk, dv]
+    qk_scale, softcap_scale = _tf._score_scales(scale, softcap)
     sws.sparse_bwd_ws_kernel[grid](
         runtime._gluon_desc(q, block_m), runtime._gluon_desc(k, rows), runtime._gluon_desc(v, rows),
         runtime._gluon_desc(do, block_m),
@@ -296,9 +299,9 @@ def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale: float, targs: lis
         dk, dv, dqa, _tf._dqa_desc(dqa, block_m, D),
         desc_dk, desc_dv, *dk.stride(), *dv.stride(), *dqa.stride()[:3], *targs, sched, cnt,
         n_tiles * B * Hkv, n_tiles, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, stride_lse=lse2.shape[2],
-        qk_scale=scale * _LOG2E, sm_scale=scale, BLOCK_D=D, MASK_BS=mask_bs,
+        qk_scale=qk_scale, sm_scale=scale, softcap_scale=softcap_scale, BLOCK_D=D, MASK_BS=mask_bs,
         EVEN=Sq % mask_bs == 0 and Sk % mask_bs == 0, BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv,
-        CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168, **tkw,
+        CONSUMER_REGS=240, PRODUCER_REGS=24, SOFTCAP=softcap != 0, num_warps=4, maxnreg=168, **tkw,
     )  # fmt: skip
 
 
@@ -315,11 +318,10 @@ def _forward_impl(
         return out, lse
     bd = tuning.block_d(D)
     margs, mkw = _mask_args(mt, meta, B, Hq, transposed=False)
-    # the Gluon forward has no softcap: softcap != 0 takes the Triton kernel
-    ws = _ws_config("fwd", B * Hq, mask_bs, q, k, v) if softcap == 0 else None
+    ws = _ws_config("fwd", B * Hq, mask_bs, q, k, v)
     if ws is not None:
         try:
-            _forward_ws(q, k, v, out, lse, scale, margs, mkw, mask_bs, ws)
+            _forward_ws(q, k, v, out, lse, scale, margs, mkw, mask_bs, ws, softcap)
             return out, lse
         except Exception as exc:  # Gluon is experimental: another Triton may not compile the kernel
             _ws_failed("fwd", exc)
@@ -369,15 +371,14 @@ def _backward_impl(
     if runtime._interpret():
         runtime._patch_interpreter_for_numpy2()
     nondet = not deterministic
-    # the Gluon backward has no softcap: softcap != 0 takes the Triton kernels
-    ws = _ws_config("bwd", B * Hkv, mask_bs, q, k, v, do) if nondet and softcap == 0 else None
+    ws = _ws_config("bwd", B * Hkv, mask_bs, q, k, v, do) if nondet else None
     # (B, Hq, Sq) each; for the warp-specialised kernel each head's rows padded to 4 floats (TMA alignment)
     delta, lse2 = _tf.bwd_preprocess(out, do, lse, dlse, bd, _cdiv(Sq, 4) * 4 if ws is not None else None)
     if ws is not None:
         dqa = torch.zeros((B, Hq, Sq, D), device=q.device, dtype=torch.float32)
         targs, tkw = _mask_args(mt, meta, B, Hq, transposed=True)
         try:
-            _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, targs, tkw, mask_bs, ws)
+            _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, targs, tkw, mask_bs, ws, softcap)
         except Exception as exc:
             _ws_failed("bwd", exc)
             delta, lse2 = _tf.bwd_preprocess(out, do, lse, dlse, bd)  # unpadded rows for the Triton kernels

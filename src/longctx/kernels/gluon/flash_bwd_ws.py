@@ -32,6 +32,11 @@ lse2 come from `flash_bwd.bwd_preprocess_kernel` (lse2 = +inf on rows that see n
 added with the softmax scale already applied, dK gets it in the epilogue. Rows past Sq / Sk arrive as zeros from
 TMA: past-Sq query rows are masked in the masked runs (the unmasked run holds whole tiles only), past-Sk key rows
 have K = V = 0, so they add nothing to dQ, and their dK / dV are not stored.
+
+Logit softcapping (SOFTCAP) as in `flash_bwd`: ``t = tanh(S^T * softcap_scale)`` from the raw scores (the forward's
+`flash_fwd_ws._tanh`), ``P^T = exp2(t * qk_scale - lse2)`` (qk_scale = softcap * log2(e)), and dS^T multiplied by
+the derivative of the cap, ``1 - t^2``, before dK and dQ (which carry the softmax scale as without SOFTCAP). With
+SOFTCAP off (the default) the compiled code has no trace of it.
 """
 
 from triton._C.libtriton import ir
@@ -46,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from longctx.kernels.gluon.flash_fwd_ws import wgmma_layout
+from longctx.kernels.gluon.flash_fwd_ws import _tanh, wgmma_layout
 from longctx.kernels.triton.flash_fwd import _tile_ranges
 
 # fmt: off
@@ -129,12 +134,14 @@ def _tile(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_read
           desc_dqa, dq_smem, off_b, off_h, DQ_TMA: gl.constexpr, WG: gl.constexpr,
           s_layout: gl.constexpr, op_layout: gl.constexpr, dq_layout: gl.constexpr, MASKED: gl.constexpr,
           HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-          STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
+          STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, softcap_scale=0.0,
+          SOFTCAP: gl.constexpr = False):
     """One query tile [start_m, start_m + BLOCK_M) against this warpgroup's 64 keys; ``i`` counts query tiles
     in the producer's order (ring slot, barrier phases). MASKED: False (whole tiles inside the band), True (the
     band, Sq and Sk applied here) or 2 (``keep``, a (64, BLOCK_M) visibility tile of the caller: block-sparse
     masks, `flash_sparse_ws`). dQ leaves by the bulk reduction through ``desc_dqa``; DQA_bh, stride_dqam and
-    DQ_TMA (which must be True) stay in the signature for `flash_sparse_ws`'s calls until it drops them."""
+    DQ_TMA (which must be True) stay in the signature for `flash_sparse_ws`'s calls until it drops them. SOFTCAP:
+    the logit softcap (the module docstring)."""
     gl.static_assert(DQ_TMA, "dQ is added by the bulk reduction only")
     dtype: gl.constexpr = q_smem.dtype
     s = i % STAGES
@@ -151,6 +158,10 @@ def _tile(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_read
     mbarrier.wait(do_ready.index(s), ph)
     dpT = warpgroup_mma(v_w, do_buf.permute((1, 0)), zero, use_acc=False, is_async=True)
     sT, _, _ = warpgroup_mma_wait(1, deps=(sT, k_w, q_buf))
+    if SOFTCAP:
+        # the capped scores from the raw ones: t = tanh(scale * q.k / softcap), kept for the chain rule
+        tT = _tanh(sT * softcap_scale)
+        sT = tT
     lse2 = lse2_smem.index(s).load(col_layout)
     pT = gl.exp2(sT * qk_scale - lse2[None, :])
     if MASKED == 2:
@@ -170,13 +181,21 @@ def _tile(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_read
         dpT, _, _ = warpgroup_mma_wait(1, deps=(dpT, v_w, do_buf))
         delta = delta_smem.index(s).load(col_layout)
         p16 = gl.convert_layout(p_op, s_layout).to(gl.float32)
-        dsT = (p16 * (dpT - delta[None, :])).to(dtype)
+        dsT = p16 * (dpT - delta[None, :])
+        if SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)  # through the cap: d(softcap * tanh(x / softcap)) / dx = 1 - t^2
+        dsT = dsT.to(dtype)
     else:
         # dS^T first (the float32 P and dP^T die here), then both products back to back
+        if SOFTCAP:
+            # P^T in bf16 for dV now, and P^T (1 - t^2) for dS^T (through the cap): t dies before dP^T arrives
+            p_op = gl.convert_layout(pT.to(dtype), op_layout)
+            pT = pT * (1.0 - tT * tT)
         dpT, _ = warpgroup_mma_wait(0, deps=(dpT, v_w))
         delta = delta_smem.index(s).load(col_layout)
         dsT = (pT * (dpT - delta[None, :])).to(dtype)
-        p_op = gl.convert_layout(pT.to(dtype), op_layout)
+        if not SOFTCAP:
+            p_op = gl.convert_layout(pT.to(dtype), op_layout)
         dv = warpgroup_mma(p_op, do_buf, dv, is_async=True)
     # -- dV += P^T dO (above); dK += dS^T Q --
     ds_op = gl.convert_layout(dsT, op_layout)
@@ -227,13 +246,13 @@ def _run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready
          desc_dqa, dq_smem, off_b, off_h, WG: gl.constexpr, s_layout: gl.constexpr,
          op_layout: gl.constexpr, dq_layout: gl.constexpr, MASKED: gl.constexpr, HAS_LO: gl.constexpr,
          HAS_HI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-         DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
+         DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, softcap_scale=0.0, SOFTCAP: gl.constexpr = False):
     """Query tiles [start, end) of one query head."""
     for start_m in range(start, end, BLOCK_M):
         dk, dv = _tile(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty, ds_ready,
                        ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, start_m, 0, Sq, Sk, lo, hi,
                        qk_scale, sm_scale, desc_dqa, dq_smem, off_b, off_h, True, WG, s_layout, op_layout, dq_layout,
-                       MASKED, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
+                       MASKED, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV, softcap_scale, SOFTCAP)
         i += 1
     return dk, dv, i
 
@@ -244,9 +263,9 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, k
               stride_dkb, stride_dkh, stride_dkn, stride_dkd,
               stride_dvb, stride_dvh, stride_dvn, stride_dvd,
               stride_dqab, stride_dqah, stride_dqam,
-              Hq, Hkv, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale, WG: gl.constexpr,
+              Hq, Hkv, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale, softcap_scale, WG: gl.constexpr,
               HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-              STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
+              STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, SOFTCAP: gl.constexpr):
     """One warpgroup: dK and dV of 64 keys, summed over the group's query heads; its share of dQ."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_M)
     acc_layout: gl.constexpr = wgmma_layout(BLOCK_D)
@@ -274,15 +293,18 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, k
         dk, dv, i = _run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty, ds_ready,
                          ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, q_lo, full_lo, Sq, Sk, lo, hi,
                          qk_scale, sm_scale, desc_dqa, dq_smem.index(WG), off_b, off_h, WG, s_layout, op_layout,
-                         dq_layout, True, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
+                         dq_layout, True, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV,
+                         softcap_scale, SOFTCAP)
         dk, dv, i = _run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty, ds_ready,
                          ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, full_lo, full_hi, Sq, Sk, lo, hi,
                          qk_scale, sm_scale, desc_dqa, dq_smem.index(WG), off_b, off_h, WG, s_layout, op_layout,
-                         dq_layout, False, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
+                         dq_layout, False, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV,
+                         softcap_scale, SOFTCAP)
         dk, dv, i = _run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty, ds_ready,
                          ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, full_hi, q_end, Sq, Sk, lo, hi,
                          qk_scale, sm_scale, desc_dqa, dq_smem.index(WG), off_b, off_h, WG, s_layout, op_layout,
-                         dq_layout, True, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
+                         dq_layout, True, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV,
+                         softcap_scale, SOFTCAP)
 
     tma.store_wait(0)  # the last reduction has read its shared tile
     _store_dkdv(dk, dv, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
@@ -347,10 +369,10 @@ def attn_bwd_ws_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_dqab, stride_dqah, stride_dqam,
-    Hq, Hkv, Sq, Sk, GROUP, lo, hi, stride_lse, qk_scale, sm_scale,
+    Hq, Hkv, Sq, Sk, GROUP, lo, hi, stride_lse, qk_scale, sm_scale, softcap_scale,
     BLOCK_D: gl.constexpr, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, EARLY_DV: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SOFTCAP: gl.constexpr = False,
 ):
     """Grid: (cdiv(Sk, 128), B * Hkv); launched with num_warps=4 (consumer 0) plus the workers' 4 + 1 warps.
 
@@ -362,6 +384,7 @@ def attn_bwd_ws_kernel(
     zeroes their P. DQA is a
     (B, Hq, Sq, D) float32 accumulator, zeroed, unit stride on D (it receives scale * dS K) through desc_dqa, its
     4-D TMA descriptor with block (1, 1, BLOCK_M, D / 2) (or (1, 1, 64, D) when BLOCK_M is 128). The head dim is not padded: BLOCK_D is the head dim (64 or 128).
+    SOFTCAP: the logit softcap (module docstring; qk_scale and softcap_scale as the forward's, sm_scale unchanged).
     """
     BLOCK_N: gl.constexpr = WG_ROWS * NUM_CONSUMERS
     # dQ split between the warpgroups by rows when the query tile has 128 of them, else by head-dim halves
@@ -374,13 +397,13 @@ def attn_bwd_ws_kernel(
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready,
                      q_empty, ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem, stride_dkb, stride_dkh, stride_dkn,
                      stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, stride_dqab, stride_dqah, stride_dqam,
-                     Hq, Hkv, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale, 0, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES,
-                     DQ_SPLIT_M, EARLY_DV)),
+                     Hq, Hkv, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale, softcap_scale, 0, HAS_LO, HAS_HI, BLOCK_M,
+                     BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV, SOFTCAP)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready,
                      q_empty, ds_ready, ds_free, DK, DV, DQA, desc_dqa, dq_smem, stride_dkb, stride_dkh, stride_dkn,
                      stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, stride_dqab, stride_dqah, stride_dqam,
-                     Hq, Hkv, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale, 1, HAS_LO, HAS_HI, BLOCK_M, BLOCK_D, STAGES,
-                     DQ_SPLIT_M, EARLY_DV)),
+                     Hq, Hkv, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale, softcap_scale, 1, HAS_LO, HAS_HI, BLOCK_M,
+                     BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV, SOFTCAP)),
         (_producer, (desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem, do_smem, k_smem, v_smem,
                      lse2_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty, Sq, Sk, Hq, Hkv, GROUP, lo, hi,
                      stride_lse, HAS_LO, HAS_HI, BLOCK_M, STAGES)),

@@ -21,6 +21,10 @@ Semantics are those of `flash_fwd.attn_fwd_kernel` (band ``lo <= j - i <= hi``, 
 masked / unmasked / masked, rows that see nothing give 0 and lse -inf, GQA by ``h // GROUP``, lse in natural
 log). Descriptors are 4-D over (B, H, S, D), built on the host, so (B, S, H, D) views work without a copy;
 TMA fills rows past S with zeros, and the mask hides them.
+
+Logit softcapping (SOFTCAP) as in `flash_fwd`: the raw scores q.k become ``tanh(q.k * softcap_scale)`` before the
+softmax (`_cap`; softcap_scale = scale / softcap, qk_scale = softcap * log2(e)), the tanh by the hardware's
+approximation (`_tanh`). With SOFTCAP off (the default) the compiled code has no trace of it.
 """
 
 from triton.experimental import gluon
@@ -87,6 +91,25 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, k_
 
 
 @gluon.jit
+def _tanh(x):
+    """tanh of float32 ``x`` by the hardware's approximation (``tanh.approx.f32``: one MUFU instruction; relative
+    error at most 1.1e-5, measured on an H100 over [-20, 20], far below the bf16 rounding of the scores it caps).
+    The Triton kernels' `flash_fwd._tanh` (exp2 and a division: two MUFU instructions and a division per score)
+    differs from it by about as much, so a forward and a backward of different kernel families recompute slightly
+    different probabilities."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _cap(qk, softcap_scale, SOFTCAP: gl.constexpr):
+    """The logit softcap of raw scores (SOFTCAP): q.k -> tanh(q.k * softcap_scale), which the one multiplication by
+    qk_scale = softcap * log2(e) that follows turns into the capped score in base 2; without SOFTCAP, q.k."""
+    if SOFTCAP:
+        qk = _tanh(qk * softcap_scale)
+    return qk
+
+
+@gluon.jit
 def _softmax_keep(qk, m_i, l_i, keep, qk_scale):
     """Online softmax of one tile of raw scores where only ``keep`` (broadcast to the tile) is visible."""
     sc = gl.where(keep, qk * qk_scale, float("-inf"))
@@ -101,8 +124,11 @@ def _softmax_keep(qk, m_i, l_i, keep, qk_scale):
 
 @gluon.jit
 def _softmax(qk, m_i, l_i, offs_m, start_n, Sk, lo, hi, qk_scale, s_layout: gl.constexpr, MASKED: gl.constexpr,
-             HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Online softmax of one tile of raw scores: (p, new max, alpha = rescale of the old state, new sum)."""
+             HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, BLOCK_N: gl.constexpr, softcap_scale=0.0,
+             SOFTCAP: gl.constexpr = False):
+    """Online softmax of one tile of raw scores: (p, new max, alpha = rescale of the old state, new sum); SOFTCAP
+    caps the scores first (`_cap`)."""
+    qk = _cap(qk, softcap_scale, SOFTCAP)
     if MASKED:
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         diff = cols[None, :] - offs_m[:, None]
@@ -167,17 +193,18 @@ def _consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
                  Sk, lo, hi, qk_scale,
                  s_layout: gl.constexpr, p_layout: gl.constexpr, MASKED: gl.constexpr,
                  HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
-                 BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+                 BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                 softcap_scale=0.0, SOFTCAP: gl.constexpr = False):
     """Key tiles [start, end) for one warpgroup's 64 rows, one tile after the other; ``i`` counts tiles across
     runs (it selects the ring slots and the barrier phases, in the producer's order: K in a ring of STAGES slots,
-    V in one of V_STAGES)."""
+    V in one of V_STAGES). SOFTCAP: the logit softcap (`_cap`)."""
     zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
     for start_n in range(start, end, BLOCK_N):
         s = i % STAGES
         ph = (i // STAGES) & 1
         qk = _scores(q, k_smem, k_ready, k_empty, s, ph, zero, BLOCK_N, BLOCK_D)
         p, m_i, alpha, l_i = _softmax(qk, m_i, l_i, offs_m, start_n, Sk, lo, hi, qk_scale, s_layout, MASKED,
-                                      HAS_LO, HAS_HI, BLOCK_N)
+                                      HAS_LO, HAS_HI, BLOCK_N, softcap_scale, SOFTCAP)
         acc, p_op = _rescale_pack(acc, alpha, p, p_layout, k_smem.dtype)
         sv, phv = _v_slot(i, s, ph, STAGES, V_STAGES)
         acc = _pv(acc, p_op, v_smem, v_ready, v_empty, sv, phv, BLOCK_N, BLOCK_D)
@@ -189,12 +216,13 @@ def _consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
 def _consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, start, end,
                            qk_scale, s_layout: gl.constexpr, p_layout: gl.constexpr,
                            BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-                           V_STAGES: gl.constexpr, q_free=None, release=False, RELEASE_Q: gl.constexpr = False):
+                           V_STAGES: gl.constexpr, q_free=None, release=False, RELEASE_Q: gl.constexpr = False,
+                           softcap_scale=0.0, SOFTCAP: gl.constexpr = False):
     """The unmasked run with FlashAttention-3's intra-warpgroup overlap: the scores of tile j are issued, then
     P(j-1) V(j-1), and the softmax of tile j runs while P(j-1) V(j-1) is still on the tensor cores. Costs a
     second score tile and the bf16 P(j-1) in registers. Rings as `_consume_run`'s. RELEASE_Q (the persistent block-sparse forward): where
     ``release``, arrive on the barrier ``q_free`` once the run's last scores are done, its last softmax and P V
-    still to come, so that the next work item's Q loads meanwhile."""
+    still to come, so that the next work item's Q loads meanwhile. SOFTCAP: the logit softcap (`_cap`)."""
     zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
     if start < end:
         # -- first tile: scores and softmax, its P V is issued in the next iteration --
@@ -204,7 +232,8 @@ def _consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty
         if RELEASE_Q:  # noqa: SIM102 (a compile-time branch around a run-time one)
             if release & (start + BLOCK_N >= end):
                 mbarrier.arrive(q_free, count=1)
-        p, m_i, alpha, l_i = _softmax(qk, m_i, l_i, m_i, 0, 0, 0, 0, qk_scale, s_layout, False, False, False, BLOCK_N)
+        p, m_i, alpha, l_i = _softmax(qk, m_i, l_i, m_i, 0, 0, 0, 0, qk_scale, s_layout, False, False, False, BLOCK_N,
+                                      softcap_scale, SOFTCAP)
         acc, p_op = _rescale_pack(acc, alpha, p, p_layout, k_smem.dtype)
         for _tile in range(start + BLOCK_N, end, BLOCK_N):
             sv_prev, phv_prev = _v_slot(i, s, ph, STAGES, V_STAGES)
@@ -224,7 +253,7 @@ def _consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty
                 if release & (_tile + BLOCK_N >= end):
                     mbarrier.arrive(q_free, count=1)
             p, m_i, alpha, l_i = _softmax(qk, m_i, l_i, m_i, 0, 0, 0, 0, qk_scale, s_layout, False, False, False,
-                                          BLOCK_N)
+                                          BLOCK_N, softcap_scale, SOFTCAP)
             acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p_op, v_prev))
             mbarrier.arrive(v_empty.index(sv_prev), count=1)
             acc, p_op = _rescale_pack(acc, alpha, p, p_layout, k_smem.dtype)
@@ -238,10 +267,10 @@ def _consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
               stride_ob, stride_oh, stride_om, stride_od,
-              Sq, Sk, Hq, GROUP, lo, hi, qk_scale, WG: gl.constexpr,
+              Sq, Sk, Hq, GROUP, lo, hi, qk_scale, softcap_scale, WG: gl.constexpr,
               HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, LONGEST_FIRST: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr, PIPE: gl.constexpr):
+              STAGES: gl.constexpr, PIPE: gl.constexpr, SOFTCAP: gl.constexpr):
     """One warpgroup: 64 query rows against the CTA's key tiles; writes their output and lse."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(BLOCK_D)
@@ -263,18 +292,19 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     i = 0
     acc, l_i, m_i, i = _consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, offs_m,
                                     k_lo, full_lo, Sk, lo, hi, qk_scale, s_layout, p_layout, True,
-                                    HAS_LO, HAS_HI, BLOCK_N, BLOCK_D, STAGES, STAGES)
+                                    HAS_LO, HAS_HI, BLOCK_N, BLOCK_D, STAGES, STAGES, softcap_scale, SOFTCAP)
     if PIPE:
         acc, l_i, m_i, i = _consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
                                                   v_empty, full_lo, full_hi, qk_scale, s_layout, p_layout,
-                                                  BLOCK_N, BLOCK_D, STAGES, STAGES)
+                                                  BLOCK_N, BLOCK_D, STAGES, STAGES, softcap_scale=softcap_scale,
+                                                  SOFTCAP=SOFTCAP)
     else:
         acc, l_i, m_i, i = _consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                                         offs_m, full_lo, full_hi, Sk, lo, hi, qk_scale, s_layout, p_layout, False,
-                                        HAS_LO, HAS_HI, BLOCK_N, BLOCK_D, STAGES, STAGES)
+                                        HAS_LO, HAS_HI, BLOCK_N, BLOCK_D, STAGES, STAGES, softcap_scale, SOFTCAP)
     acc, l_i, m_i, i = _consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, offs_m,
                                     full_hi, k_end, Sk, lo, hi, qk_scale, s_layout, p_layout, True,
-                                    HAS_LO, HAS_HI, BLOCK_N, BLOCK_D, STAGES, STAGES)
+                                    HAS_LO, HAS_HI, BLOCK_N, BLOCK_D, STAGES, STAGES, softcap_scale, SOFTCAP)
 
     _epilogue(acc, l_i, m_i, O, LSE, stride_ob, stride_oh, stride_om, stride_od, off_b, off_h, Hq, Sq, my_start,
               offs_m, o_layout, HEAD_DIM, BLOCK_D)
@@ -340,25 +370,27 @@ def _shared(desc_q, desc_k, desc_v, STAGES: gl.constexpr, V_STAGES: gl.constexpr
 def attn_fwd_ws_kernel(
     desc_q, desc_k, desc_v, O, LSE,
     stride_ob, stride_oh, stride_om, stride_od,
-    Hq, Sq, Sk, GROUP, lo, hi, qk_scale,
+    Hq, Sq, Sk, GROUP, lo, hi, qk_scale, softcap_scale,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
     HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, LONGEST_FIRST: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SOFTCAP: gl.constexpr = False,
 ):
     """Grid: (B * Hq, cdiv(Sq, 128)) with LONGEST_FIRST, else (cdiv(Sq, 128), B * Hq); launched with num_warps=4
     (consumer 0) plus the workers' 4 + 1 warps. desc_q has block (1, 1, 64, BLOCK_D), desc_k / desc_v
-    (1, 1, BLOCK_N, BLOCK_D); O is written through pointers with its own strides, LSE is (B, Hq, Sq) float32."""
+    (1, 1, BLOCK_N, BLOCK_D); O is written through pointers with its own strides, LSE is (B, Hq, Sq) float32.
+    SOFTCAP caps the scores (``qk_scale`` = softcap * log2(e), ``softcap_scale`` = scale / softcap, as the Triton
+    forward's); without it qk_scale = scale * log2(e) and softcap_scale is unused."""
     BLOCK_M: gl.constexpr = WG_ROWS * NUM_CONSUMERS
     q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty = _shared(desc_q, desc_k, desc_v, STAGES, STAGES, 0)
 
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
-                     stride_ob, stride_oh, stride_om, stride_od, Sq, Sk, Hq, GROUP, lo, hi, qk_scale, 0,
-                     HAS_LO, HAS_HI, LONGEST_FIRST, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE)),
+                     stride_ob, stride_oh, stride_om, stride_od, Sq, Sk, Hq, GROUP, lo, hi, qk_scale, softcap_scale,
+                     0, HAS_LO, HAS_HI, LONGEST_FIRST, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE, SOFTCAP)),
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, O, LSE,
-                     stride_ob, stride_oh, stride_om, stride_od, Sq, Sk, Hq, GROUP, lo, hi, qk_scale, 1,
-                     HAS_LO, HAS_HI, LONGEST_FIRST, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE)),
+                     stride_ob, stride_oh, stride_om, stride_od, Sq, Sk, Hq, GROUP, lo, hi, qk_scale, softcap_scale,
+                     1, HAS_LO, HAS_HI, LONGEST_FIRST, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, PIPE, SOFTCAP)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                      Sq, Sk, Hq, GROUP, lo, hi, HAS_LO, HAS_HI, LONGEST_FIRST, BLOCK_M, BLOCK_N, BLOCK_D, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

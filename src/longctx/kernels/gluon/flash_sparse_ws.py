@@ -25,6 +25,9 @@ each CTA reads its own side's intervals once and the tiles read nothing per toke
 
 The forward's output leaves through the warpgroup's Q buffer and the copy engine (`_epilogue_tma`); the backward's
 dK / dV through its dQ tile and the copy engine (`_store_dkdv_tma`) where its query tiles have 64 rows.
+
+Logit softcapping (SOFTCAP) as in the dense kernels (`flash_fwd_ws`, `flash_bwd_ws`): the scores capped before the
+element mask; with SOFTCAP off (the default) the compiled code has no trace of it.
 """
 
 from triton.experimental import gluon
@@ -298,8 +301,9 @@ def _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_rea
                     Sk, lo, hi, kv_global, q_global, qk_scale,
                     s_layout: gl.constexpr, p_layout: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
                     HAS_GLOBAL: gl.constexpr, MASK_BS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                    STAGES: gl.constexpr):
-    """The listed sub-tiles with the element mask of MASK_KIND (0: the ragged end of Sk only)."""
+                    STAGES: gl.constexpr, softcap_scale=0.0, SOFTCAP: gl.constexpr = False):
+    """The listed sub-tiles with the element mask of MASK_KIND (0: the ragged end of Sk only); SOFTCAP caps the
+    scores first (`flash_fwd_ws._cap`)."""
     SUB: gl.constexpr = MASK_BS // BLOCK_N
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
@@ -313,6 +317,7 @@ def _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_rea
         s = i % STAGES
         ph = (i // STAGES) & 1
         qk = fws._scores(q, k_smem, k_ready, k_empty, s, ph, zero, BLOCK_N, BLOCK_D)
+        qk = fws._cap(qk, softcap_scale, SOFTCAP)
         p, m_i, alpha, l_i = fws._softmax_keep(qk, m_i, l_i, keep, qk_scale)
         acc, p_op = fws._rescale_pack(acc, alpha, p, p_layout, k_smem.dtype)
         sv, phv = fws._v_slot(i, s, ph, STAGES, STAGES)
@@ -326,10 +331,10 @@ def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_
               desc_o, LSE,
               KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
               QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-              n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG: gl.constexpr,
+              n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, softcap_scale, WG: gl.constexpr,
               MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr,
               EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-              PIPE: gl.constexpr):
+              PIPE: gl.constexpr, SOFTCAP: gl.constexpr):
     """Work item entry ``e`` (`_entry`) with ``n_full`` / ``n_part`` listed blocks, the CTA's ``n``-th, for one
     warpgroup: 64 query rows against the listed kv blocks; writes their output (through Q's buffer and the copy
     engine, `_epilogue_tma`, which then frees the buffer) and lse. ``i`` counts the K/V tiles consumed so far (ring
@@ -362,25 +367,26 @@ def _fwd_item(e, n_full, n_part, n, i, q_smem, k_smem, v_smem, q_bar, q_free, k_
         if PIPE:
             acc, l_i, m_i, i = fws._consume_run_pipelined(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty,
                                                           v_ready, v_empty, 0, n_full * SUB * BLOCK_N, qk_scale,
-                                                          s_layout, p_layout, BLOCK_N, BLOCK_D, STAGES, STAGES)
+                                                          s_layout, p_layout, BLOCK_N, BLOCK_D, STAGES, STAGES,
+                                                          softcap_scale=softcap_scale, SOFTCAP=SOFTCAP)
         else:
             acc, l_i, m_i, i = fws._consume_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
                                                 v_empty, offs_m, 0, n_full * SUB * BLOCK_N, Sk, 0, 0, qk_scale,
                                                 s_layout, p_layout, False, False, False, BLOCK_N, BLOCK_D, STAGES,
-                                                STAGES)
+                                                STAGES, softcap_scale, SOFTCAP)
     else:
         # the last kv block reaches past Sk: its keys there arrive as zeros and must be masked
         acc, l_i, m_i, i = _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready,
                                            v_empty, offs_m, qd, qp, FULL_row, n_full * SUB, qb, KDOC_b, KPOS_b,
                                            TILE_IDS_bh, stride_tq, TILES, Sk, lo, hi, kv_global, q_global,
                                            qk_scale, s_layout, p_layout, 0, False, False, MASK_BS, BLOCK_N,
-                                           BLOCK_D, STAGES)
+                                           BLOCK_D, STAGES, softcap_scale, SOFTCAP)
     # -- partial blocks: the element mask --
     acc, l_i, m_i, i = _fwd_masked_run(acc, l_i, m_i, i, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                                        offs_m, qd, qp, PART_row, n_part * SUB, qb, KDOC_b, KPOS_b, TILE_IDS_bh,
                                        stride_tq, TILES, Sk, lo, hi, kv_global, q_global, qk_scale,
                                        s_layout, p_layout, MASK_KIND, HAS_DOC, HAS_GLOBAL, MASK_BS, BLOCK_N,
-                                       BLOCK_D, STAGES)
+                                       BLOCK_D, STAGES, softcap_scale, SOFTCAP)
     # -- epilogue --
     _epilogue_tma(acc, l_i, m_i, LSE, desc_o, q_smem.index(WG), q_free.index(WG), off_b, off_h, Hq, Sq, my_start,
                   offs_m, o_layout)
@@ -392,10 +398,10 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_rea
                   tk_empty, desc_o, LSE,
                   KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                   QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-                  SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale,
+                  SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, softcap_scale,
                   WG: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
                   HAS_GLOBAL: gl.constexpr, EVEN_SK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                  STAGES: gl.constexpr, PIPE: gl.constexpr):
+                  STAGES: gl.constexpr, PIPE: gl.constexpr, SOFTCAP: gl.constexpr):
     """One warpgroup: its 64 rows of every item the producer hands out, until the tickets run out."""
     t = gl.program_id(0)
     e = _entry(t, SCHED)
@@ -407,8 +413,8 @@ def _fwd_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_rea
                       v_empty, desc_o, LSE,
                       KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                       QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                      stride_tq, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, WG,
-                      MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, STAGES, PIPE)
+                      stride_tq, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, softcap_scale, WG,
+                      MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, STAGES, PIPE, SOFTCAP)
         t, e, n_full, n_part = _read_ticket(tickets, tk_ready, tk_empty, n)
         n += 1
 
@@ -418,17 +424,17 @@ def sparse_fwd_ws_kernel(
     desc_q, desc_k, desc_v, desc_o, LSE,
     KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
     QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-    SCHED, CNT, n_items, n_tiles, Hq, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale,
+    SCHED, CNT, n_items, n_tiles, Hq, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, softcap_scale,
     BLOCK_D: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr,
     HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr, EVEN_SK: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SOFTCAP: gl.constexpr = False,
 ):
     """Grid: (at most one CTA per SM,), each taking work items ``tile + n_tiles * (b * Hq + h)`` (tiles of 128 query
     rows) in the order of SCHED by ticket from the zeroed int32 counter CNT; num_warps=4 (consumer 0) plus the
     workers' 4 + 1 warps (the next item's K/V loads while this one ends; its Q once the consumers release their
     buffer). Descriptors as `flash_fwd_ws.attn_fwd_ws_kernel`'s (desc_o: the output's, 64-row blocks); the mask
-    arguments as `flash_sparse.sparse_fwd_kernel`'s."""
+    arguments as `flash_sparse.sparse_fwd_kernel`'s; SOFTCAP, qk_scale and softcap_scale as the dense kernel's."""
     q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty = fws._shared(desc_q, desc_k, desc_v, STAGES,
                                                                                     STAGES, 0)
     tickets, tk_ready, tk_empty, q_free = _persistent_shared(NUM_CONSUMERS, False)
@@ -438,14 +444,16 @@ def sparse_fwd_ws_kernel(
                          tk_ready, tk_empty, desc_o, LSE,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                         stride_tq, SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 0,
-                         MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, STAGES, PIPE)),
+                         stride_tq, SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale,
+                         softcap_scale, 0, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, STAGES,
+                         PIPE, SOFTCAP)),
         (_fwd_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty, tickets,
                          tk_ready, tk_empty, desc_o, LSE,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
-                         stride_tq, SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale, 1,
-                         MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, STAGES, PIPE)),
+                         stride_tq, SCHED, n_items, n_tiles, Hq, Sq, Sk, lo, hi, kv_global, q_global, qk_scale,
+                         softcap_scale, 1, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN_SK, BLOCK_N, BLOCK_D, STAGES,
+                         PIPE, SOFTCAP)),
         (_fwd_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready,
                          v_empty, tickets, tk_ready, tk_empty, CNT,
                          KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_iq,
@@ -518,12 +526,12 @@ def _bwd_producer(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem
 def _bwd_run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty, ds_ready, ds_free,
              lse2_smem, delta_smem, DQA_bh, stride_dqam, desc_dqa, dq_smem, off_b, off_h, offs_n, kd, kp, IDX_row,
              n_tiles, kb, QDOC_b, QPOS_b, TILE_IDS_bh, stride_tq, TILES, Sq, Sk, lo, hi, kv_global, q_global,
-             qk_scale, sm_scale, WG: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr,
+             qk_scale, sm_scale, softcap_scale, WG: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr,
              dq_layout: gl.constexpr, MASKED: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
              HAS_GLOBAL: gl.constexpr, MASK_BS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-             STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
+             STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, SOFTCAP: gl.constexpr):
     """The listed query tiles of one query head; MASKED: the element mask of MASK_KIND and the bounds (0: the
-    bounds only), else none."""
+    bounds only), else none; SOFTCAP: the logit softcap (`flash_bwd_ws`)."""
     SUB: gl.constexpr = MASK_BS // BLOCK_M
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     for j in range(n_tiles):
@@ -540,13 +548,13 @@ def _bwd_run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_r
                                ds_ready, ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, start_m, keep,
                                Sq, Sk, lo, hi, qk_scale, sm_scale, desc_dqa, dq_smem, off_b, off_h, True, WG,
                                s_layout, op_layout, dq_layout, 2, False, False, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M,
-                               EARLY_DV)
+                               EARLY_DV, softcap_scale, SOFTCAP)
         else:
             dk, dv = bws._tile(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty,
                                ds_ready, ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, offs_n, start_m, 0,
                                Sq, Sk, lo, hi, qk_scale, sm_scale, desc_dqa, dq_smem, off_b, off_h, True, WG,
                                s_layout, op_layout, dq_layout, False, False, False, BLOCK_M, BLOCK_D, STAGES,
-                               DQ_SPLIT_M, EARLY_DV)
+                               DQ_SPLIT_M, EARLY_DV, softcap_scale, SOFTCAP)
         i += 1
     return dk, dv, i
 
@@ -559,10 +567,10 @@ def _bwd_item(e, n, i, q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, d
               stride_dqab, stride_dqah, stride_dqam,
               Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
               QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
-              SCHED, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale,
+              SCHED, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale, softcap_scale,
               WG: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
               HAS_GLOBAL: gl.constexpr, EVEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-              STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
+              STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, SOFTCAP: gl.constexpr):
     """Work item entry ``e`` (`_entry`), the CTA's ``n``-th, for one warpgroup: dK and dV of 64 keys, summed over the group's query
     heads; its share of dQ. ``i`` counts the query tiles consumed so far (ring slot and phase); returns it."""
     s_layout: gl.constexpr = fws.wgmma_layout(BLOCK_M)
@@ -601,14 +609,14 @@ def _bwd_item(e, n, i, q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, d
                              ds_ready, ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, desc_dqa,
                              dq_smem.index(WG), off_b, off_h, offs_n, kd, kp, FULL_row, n_full * SUB, kb, QDOC_b,
                              QPOS_b, TILE_IDS_bh, stride_tq, TILES, Sq, Sk, lo, hi, kv_global, q_global, qk_scale,
-                             sm_scale, WG, s_layout, op_layout, dq_layout, not EVEN, 0, False, False, MASK_BS, BLOCK_M,
-                             BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
+                             sm_scale, softcap_scale, WG, s_layout, op_layout, dq_layout, not EVEN, 0, False, False,
+                             MASK_BS, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV, SOFTCAP)
         dk, dv, i = _bwd_run(dk, dv, i, k_w, v_w, k_all, q_smem, do_smem, ds_smem, q_ready, do_ready, q_empty,
                              ds_ready, ds_free, lse2_smem, delta_smem, DQA_bh, stride_dqam, desc_dqa,
                              dq_smem.index(WG), off_b, off_h, offs_n, kd, kp, PART_row, n_part * SUB, kb, QDOC_b,
                              QPOS_b, TILE_IDS_bh, stride_tq, TILES, Sq, Sk, lo, hi, kv_global, q_global, qk_scale,
-                             sm_scale, WG, s_layout, op_layout, dq_layout, True, MASK_KIND, HAS_DOC, HAS_GLOBAL,
-                             MASK_BS, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV)
+                             sm_scale, softcap_scale, WG, s_layout, op_layout, dq_layout, True, MASK_KIND, HAS_DOC,
+                             HAS_GLOBAL, MASK_BS, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV, SOFTCAP)
     mbarrier.arrive(kv_free.index(0), count=1)  # the item's wgmmas are done: K / V may be refilled
     if not DQ_SPLIT_M:
         _store_dkdv_tma(dk, dv, desc_dk, desc_dv, dq_smem.index(WG), off_b, off_kvh, my_n, sm_scale, BLOCK_D)
@@ -630,9 +638,10 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_sme
                   Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
                   QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
                   SCHED, n_items, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale,
-                  WG: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
-                  HAS_GLOBAL: gl.constexpr, EVEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-                  STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr):
+                  softcap_scale, WG: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr,
+                  HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr, EVEN: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_D: gl.constexpr, STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr,
+                  SOFTCAP: gl.constexpr):
     """One warpgroup: its 64 keys of every item the producer hands out, until the tickets run out."""
     t = gl.program_id(0)
     e = _entry(t, SCHED)
@@ -647,8 +656,8 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_sme
                       Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
                       QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                       stride_tq, SCHED, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale,
-                      sm_scale, WG, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D, STAGES,
-                      DQ_SPLIT_M, EARLY_DV)
+                      sm_scale, softcap_scale, WG, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D,
+                      STAGES, DQ_SPLIT_M, EARLY_DV, SOFTCAP)
         t, e, _, _ = _read_ticket(tickets, tk_ready, tk_empty, n)
         n += 1
     bws.tma.store_wait(0)  # the last copy out of shared memory is done before the CTA ends
@@ -663,18 +672,19 @@ def sparse_bwd_ws_kernel(
     Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
     QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th, stride_tq,
     SCHED, CNT, n_items, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, stride_lse, qk_scale,
-    sm_scale,
+    sm_scale, softcap_scale,
     BLOCK_D: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
     HAS_GLOBAL: gl.constexpr, EVEN: gl.constexpr,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, EARLY_DV: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SOFTCAP: gl.constexpr = False,
 ):
     """Grid: (at most one CTA per SM,), each taking work items ``tile + n_tiles * (b * Hkv + h)`` (tiles of 128
     keys) in the order of SCHED by ticket from the zeroed int32 counter CNT (the next item's K / V load once both
     consumers are done with this one's); dK / dV leave through desc_dk / desc_dv, block (1, 1, 64, BLOCK_D), with
     64-row query tiles; num_warps=4 plus the workers' 4 + 1 warps. Descriptors, lse2 / Delta and DQA / desc_dqa (dQ
     by the copy engine's bulk reduction) as `flash_bwd_ws.attn_bwd_ws_kernel`'s; the transposed block lists and the
-    mask arguments as `flash_sparse.sparse_bwd_dkdv_kernel`'s. EVEN: Sq and Sk are multiples of MASK_BS."""
+    mask arguments as `flash_sparse.sparse_bwd_dkdv_kernel`'s. EVEN: Sq and Sk are multiples of MASK_BS. SOFTCAP,
+    qk_scale, sm_scale and softcap_scale as `flash_bwd_ws.attn_bwd_ws_kernel`'s."""
     DQ_SPLIT_M: gl.constexpr = BLOCK_M == CTA_ROWS
     (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty, ds_ready,
      ds_free, dq_smem) = bws._shared(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, desc_dqa, BLOCK_M,
@@ -689,8 +699,8 @@ def sparse_bwd_ws_kernel(
                          Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                          stride_tq, SCHED, n_items, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global,
-                         qk_scale, sm_scale, 0, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D,
-                         STAGES, DQ_SPLIT_M, EARLY_DV)),
+                         qk_scale, sm_scale, softcap_scale, 0, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M,
+                         BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV, SOFTCAP)),
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, kv_free, q_ready,
                          do_ready, q_empty, ds_ready, ds_free, tickets, tk_ready, tk_empty, DK, DV, DQA, desc_dqa,
                          dq_smem, desc_dk, desc_dv, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
@@ -698,8 +708,8 @@ def sparse_bwd_ws_kernel(
                          Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih, stride_ik,
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                          stride_tq, SCHED, n_items, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global,
-                         qk_scale, sm_scale, 1, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D,
-                         STAGES, DQ_SPLIT_M, EARLY_DV)),
+                         qk_scale, sm_scale, softcap_scale, 1, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M,
+                         BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV, SOFTCAP)),
         (_bwd_producer, (desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem, do_smem, k_smem, v_smem,
                          lse2_smem, delta_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, tickets, tk_ready,
                          tk_empty, CNT, Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih,
