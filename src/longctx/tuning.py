@@ -131,7 +131,8 @@ def split_dkdv(bd: int) -> bool:
     """Whether the backward computes dV and dK in two launches of the dK/dV kernel (2 + 3 matmuls per tile pair)
     instead of one (4): at D=256 the two fp32 accumulators of a 64-row kv tile take 128 of a thread's 255
     registers, and the chained score matmuls then run on both warpgroups redundantly and spill (docs/performance.md,
-    "The head-dim-256 backward"); alone, each product fits a 128-row kv tile."""
+    "The head-dim-256 backward"); alone, each product fits a 128-row kv tile. dQ then always comes from the dQ kernel:
+    added by atomics from the dK launch it measured slower."""
     return bd > 128
 
 
@@ -382,8 +383,8 @@ _OVERRIDE_DEFAULTS: dict = {}
 # dense kernels (`longctx.launchers.flash`): run-time autotuning (True; None: the measured tile table); the
 # warp-specialised forward / backward forced on or off (None: `ws_fwd_config` / `ws_bwd_config` decide) and their
 # configs forced ("128x3x1", or a tuple in code); the atomic-dQ backward forced on or off (None: `atomic_dq`; never
-# under deterministic); dV and dK in two launches forced on or off (None: `split_dkdv`; on needs "dk" / "dv" tile
-# lists at the head dim, or forced tiles); tiles of the Triton kernels forced per kind, no autotuning
+# under deterministic or split); dV and dK in two launches forced on or off (None: `split_dkdv`; on needs "dk" /
+# "dv" tile lists at the head dim, or forced tiles); tiles of the Triton kernels forced per kind, no autotuning
 # ("fwd:128x64x8x3x1;dq:128x128x8x2", or a dict kind -> tuple in code); tensor-descriptor loads under the
 # interpreter (tests of the TMA variants)
 _OVERRIDE_DEFAULTS.update(

@@ -45,6 +45,8 @@ CASES = {
     # head dims past 128: dV and dK in two launches of the dK/dV kernel (`tuning.split_dkdv`), then dQ
     "split_dkdv_gqa_causal_d256_f32": (1, 4, 2, 21, 29, 256, "float32", {"causal": True}, {"atomic": False}),
     "split_dkdv_window_d200_f16": (1, 2, 1, 30, 30, 200, "float16", {"window": (5, 2)}, {"atomic": False}),
+    # forcing the atomic dQ does not apply where dK/dV split: dQ still comes from the dQ kernel
+    "split_dkdv_atomic_forced_gqa_causal_d256_f32": (1, 4, 2, 29, 21, 256, "float32", {"causal": True}, {}),
     # the forward's tensor-descriptor variants (K/V through TMA descriptors built on the host, or in the kernel for
     # broadcast views; the hand-pipelined QK^T); keys scaled up along the sequence (the running max keeps growing)
     "tma_causal_gqa_d16_f32": (1, 4, 2, 50, 50, 16, "float32", {"causal": True}, {"tma": True}),

@@ -448,9 +448,12 @@ def _backward_impl(
         SOFTCAP=softcap != 0,
         DOT_PRECISION=_dot_precision(q.dtype),
     )
-    # dQ inside the dK/dV kernel (atomics) or by a separate kernel: `tuning.atomic_dq`; never when deterministic
+    # dV and dK in one launch, or in two where the two accumulators do not fit together (`tuning.split_dkdv`)
+    split = tuning.split_dkdv(bd) if tuning.get("split_dkdv") is None else tuning.get("split_dkdv")
+    # dQ inside the dK/dV kernel (atomics) or by a separate kernel: `tuning.atomic_dq`; never when deterministic or
+    # split
     forced = tuning.get("atomic_dq")
-    if deterministic:
+    if deterministic or split:
         atomic = False
     elif forced is not None:
         atomic = bool(forced)
@@ -476,21 +479,13 @@ def _backward_impl(
     dqa = torch.zeros((B, Hq, Sq, D), device=q.device, dtype=torch.float32) if atomic else dq  # (B, Hq, Sq, D)
     dkdv_args = [q, k, v, do, lse2, delta, dk, dv, dqa, *q.stride(), *k.stride(), *v.stride(), *do.stride()]
     dkdv_args += [*dk.stride(), *dv.stride(), *dqa.stride()[:3]]
-    # dV and dK in one launch, or in two where the two accumulators do not fit together (`tuning.split_dkdv`)
-    if atomic:
-        launches = [("dkdv_atomic", {})]
-    elif tuning.split_dkdv(bd) if tuning.get("split_dkdv") is None else tuning.get("split_dkdv"):
-        launches = [("dv", dict(WANT_DK=False)), ("dk", dict(WANT_DV=False))]
+    with_dq = dict(ATOMIC_DQ=atomic, DQ_TMA=dq_tma)
+    if split:
+        launches = [("dv", dict(WANT_DK=False, **with_dq)), ("dk", dict(WANT_DV=False, **with_dq))]
     else:
-        launches = [("dkdv", {})]
-    for kind, want in launches:
-        _launch(
-            kind,
-            bd,
-            lambda bm, bn: (B * Hkv, _cdiv(Sk, bn)),
-            dkdv_args,
-            dict(Hq=Hq, Hkv=Hkv, ATOMIC_DQ=atomic, DQ_TMA=dq_tma, **want, **common),
-        )
+        launches = [("dkdv_atomic" if atomic else "dkdv", with_dq)]
+    for kind, flags in launches:
+        _launch(kind, bd, lambda bm, bn: (B * Hkv, _cdiv(Sk, bn)), dkdv_args, dict(Hq=Hq, Hkv=Hkv, **flags, **common))
     if atomic:
         dq.copy_(dqa)  # the kernel already applied the scale
         return dq, dk, dv
