@@ -67,7 +67,7 @@ def call(c):
         k = torch.randn(1, Hkv, S, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn(1, Hkv, S, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
         out = longctx.attention(q, k, v, causal=c["mask"] == "causal", backend="triton")
-    out.backward(torch.ones_like(out))
+    out.float().sum().backward()  # a scalar loss, as in training (backward(gradient) makes torch import sympy)
 
 t0 = time.perf_counter()
 torch.ones(1, device=dev).sum().item()  # the CUDA context, not a compile
