@@ -9,8 +9,9 @@
 #
 # Tiers (tests/conftest.py): quick keeps, per test function, the fewest cases that take every value of every
 # parameter once (every kernel path, head dim, band and dtype); full is every case, split into PART=K/N interleaved
-# parts so each fits a 10-minute call. WORKERS xdist workers share the GPU (default 8: 14 ran the H100 out of memory
-# once the memory-model tests overlapped the others; each test gives its cached memory back, tests/gpu/conftest.py).
+# parts so each fits a 10-minute call. WORKERS xdist workers share the GPU (default 12; each test gives its cached
+# memory back, tests/gpu/conftest.py, so the memory-model tests fit beside the others). On an H100 with an empty
+# Triton cache the quick tier took about 3 minutes of pytest with 12 workers (longctx check runs before it).
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" gpu_out
 TIER="${TIER:-quick}"
@@ -19,10 +20,10 @@ select=(--gpu-tier "$TIER")
 python3 -m longctx info 2>&1 | tee "$OUT/info.txt"
 python3 -m longctx check 2>&1 | tee "$OUT/check.txt"
 start=$(date +%s)
-python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" -m gpu "${select[@]}" "${@:-tests/gpu}" 2>&1 \
+python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-12}" -m gpu "${select[@]}" "${@:-tests/gpu}" 2>&1 \
     | tee "$OUT/gpu_tests.txt"
 status=${PIPESTATUS[0]}
 summary=$(grep -E "(passed|failed|error)" "$OUT/gpu_tests.txt" | tail -1)
-echo "tier=$TIER part=${PART:-all} workers=${WORKERS:-8} seconds=$(( $(date +%s) - start )) rc=$status: $summary" \
+echo "tier=$TIER part=${PART:-all} workers=${WORKERS:-12} seconds=$(( $(date +%s) - start )) rc=$status: $summary" \
     | tee -a "$OUT/gpu_tests.txt"
 exit "$status"
