@@ -16,6 +16,7 @@ The JSON also holds every time measured, so a reader can see the margins.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import pathlib
 import re
@@ -165,16 +166,14 @@ def measure(out: pathlib.Path, budget_s: float, head_dims: tuple[int, ...], leng
 def write(path: pathlib.Path, tuning_py: pathlib.Path) -> None:
     """Put the measured rows of ``path`` into `MEASURED_TILES`: that GPU's previous rows at the head dims the file
     measured are replaced, its rows at other head dims kept."""
-    sys.path.insert(0, str(tuning_py.parents[1]))
-    from longctx.tuning import MEASURED_TILES
-
     data = json.loads(path.read_text())
     src = tuning_py.read_text()
     i, j = src.index(BEGIN) + len(BEGIN), src.index(END)
     block = src[i:j]
     gpu = data["gpu"]
     measured = {str(d) for d in data.get("head_dims", (64, 128, 256))}
-    kept = {k: v for k, v in MEASURED_TILES.get(gpu, {}).items() if k.split(":")[1] not in measured}
+    previous = ast.literal_eval("{" + block + "}").get(gpu, {})
+    kept = {k: v for k, v in previous.items() if k.split(":")[1] not in measured}
     rows = {**kept, **data["rows"]}
     # drop this GPU's previous block
     head = "    " + re.escape(json.dumps(gpu))
