@@ -16,12 +16,19 @@ The cases are the variants the launchers take by default (`longctx.launchers.fla
 (non-autotuned) tile of `longctx.tuning`'s lists: the Triton forward at D = 64 / 128 / 256, causal and dense, with
 K/V through host descriptors (the default), per-program descriptors (broadcast views) and pointer loads (unaligned
 views); the dK/dV kernel with dQ by atomics (TMA reduce at D = 128) and without (the deterministic path); the dQ
-kernel; the Gluon forward and backward at D = 64 / 128, causal and dense; the same Gluon kernels with the logit
-softcap (SOFTCAP), then the block-sparse Gluon forward and backward (`flash_sparse_ws`, causal packed documents) at
-D = 64 / 128, without and with the softcap. Both source layouts are understood (kernels in `longctx/kernels/` or in
+kernel; at D = 256 the dV-only and dK-only launches of the dK/dV kernel and the dQ kernel; the Gluon forward and
+backward at D = 64 / 128, causal and dense; the same Gluon kernels with the logit softcap (SOFTCAP), then the
+block-sparse Gluon forward and backward (`flash_sparse_ws`, causal packed documents) at D = 64 / 128, without and
+with the softcap. Both source layouts are understood (kernels in `longctx/kernels/` or in
 `longctx/kernels/{triton,gluon}/`); kernel constexprs that a tree no longer has are dropped (so a tree without
 SOFTCAP fingerprints its plain kernel under a softcap case's name), those it has and the case does not name take
 their defaults.
+
+Each kernel is compiled with the specialisation a launch on contiguous tensors gets, so that the instructions,
+registers and spills are those that run: the head-dim strides are the constant 1, pointers and the other strides
+16-divisible, except the arguments the kernel does not specialise (``do_not_specialize``: lengths, window bounds,
+mask-table strides). Without it Triton would, for instance, not see the unit stride and load the backward's Q and
+dO tiles one element at a time into registers instead of copying them asynchronously to shared memory.
 """
 
 from __future__ import annotations
@@ -37,8 +44,11 @@ import tempfile
 
 # the first entry of each tile list (`longctx.tuning`), fixed here so that both trees compile the same tiles
 FWD_TILE = {64: (128, 64, 4, 3, False), 128: (128, 64, 8, 3, True), 256: (128, 64, 8, 2, False)}
+# the head-dim strides: 1 in every launch on contiguous (or (B, S, H, D)-viewed) tensors, which Triton specialises
+UNIT_STRIDES = {f"stride_{t}d" for t in ("q", "k", "v", "o", "do", "dk", "dv", "dq")}
 DKDV_TILE = {64: (64, 128, 8, 3), 128: (64, 128, 8, 3)}
-DQ_TILE = {64: (128, 128, 8, 3), 128: (128, 128, 8, 2)}
+DQ_TILE = {64: (128, 128, 8, 3), 128: (128, 128, 8, 2), 256: (64, 64, 8, 2)}
+SPLIT_TILE = {"dv": (64, 128, 8, 1), "dk": (32, 128, 8, 1)}
 # the Gluon kernels' configs: forward (BLOCK_N, STAGES, PIPE), backward (BLOCK_M, STAGES, EARLY_DV)
 WS_FWD = {64: (128, 3, True), 128: (128, 3, True)}
 WS_FWD_SHORT_CAUSAL = {128: (128, 2, True)}
@@ -94,10 +104,11 @@ def _compile(fn, consts: dict, types: dict, options: dict, gluon: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    params = {p.name: p for p in fn.params}
     constexprs = {}
     sig = {}
-    for name, p in params.items():
+    attrs = {}
+    for i, p in enumerate(fn.params):
+        name = p.name
         if p.is_constexpr:
             if name in consts:
                 constexprs[name] = consts[name]
@@ -106,13 +117,18 @@ def _compile(fn, consts: dict, types: dict, options: dict, gluon: bool = False):
             else:
                 raise KeyError(f"{fn.__name__}: constexpr {name} has no value")
             sig[name] = "constexpr"
+        elif name in UNIT_STRIDES and not p.do_not_specialize:
+            constexprs[name] = 1  # a launch passes 1 for the head-dim stride of contiguous tensors
+            sig[name] = "constexpr"
         else:
             sig[name] = types.get(name, "i32")
+            if not p.do_not_specialize and (sig[name].startswith("*") or name.startswith("stride_")):
+                attrs[(i,)] = [["tt.divisibility", 16]]
     if gluon:
         from triton.experimental.gluon._runtime import GluonASTSource as Source
     else:
         from triton.compiler import ASTSource as Source
-    src = Source(fn=fn, signature=sig, constexprs=constexprs)
+    src = Source(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -175,6 +191,22 @@ def cases():
             opts = {"num_warps": w, "num_stages": s}
             name = f"dq D={D} {'causal' if causal else 'dense'}"
             out.append((name, lambda c=consts, t=types, o=opts: _compile(fb.bwd_dq_kernel, c, t, o)))
+    # D=256: dV and dK in two launches of the dK/dV kernel (`tuning.split_dkdv`), then the dQ kernel
+    for causal in (False, True):
+        band = dict(HEAD_DIM=256, BLOCK_D=256, HAS_LO=False, HAS_HI=causal, DOT_PRECISION="tf32")
+        types = {**ptrs, **common}
+        label = "causal" if causal else "dense"
+        for kind, want in (("dv", dict(WANT_DK=False)), ("dk", dict(WANT_DV=False))):
+            bm, bn, w, s = SPLIT_TILE[kind]
+            consts = dict(band, BLOCK_M=bm, BLOCK_N=bn, **want)
+            opts = {"num_warps": w, "num_stages": s}
+            out.append(
+                (f"{kind} D=256 {label}", lambda c=consts, t=types, o=opts: _compile(fb.bwd_dkdv_kernel, c, t, o))
+            )
+        bm, bn, w, s = DQ_TILE[256]
+        consts = dict(band, BLOCK_M=bm, BLOCK_N=bn, LONGEST_FIRST=causal)
+        opts = {"num_warps": w, "num_stages": s}
+        out.append((f"dq D=256 {label}", lambda c=consts, t=types, o=opts: _compile(fb.bwd_dq_kernel, c, t, o)))
     consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, HAS_DLSE=False)
     out.append(("bwd preprocess D=128", lambda c=consts: _compile(fb.bwd_preprocess_kernel, c, ptrs, {"num_warps": 4})))
 
