@@ -33,6 +33,28 @@ def _bench(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=5, rep=25))
 
 
+def _pick(key: str, overrides: list[dict], fwd, bwd_fn, kind: str, rows: dict, times: dict) -> None:
+    """Time the forward ``fwd`` (kind "fwd") or the backward ``bwd_fn()`` returns, under each candidate's tuning
+    overrides; record every time (or the error of a candidate that does not fit, e.g. in shared memory) under
+    ``key#index`` and the fastest index under ``key``."""
+    from longctx import tuning
+
+    best = None
+    for i, ov in enumerate(overrides):
+        try:
+            with tuning.override(**ov):
+                t = _bench(fwd) if kind == "fwd" else _bench(bwd_fn())
+        except Exception as exc:  # a candidate that does not fit this variant's shared memory
+            times[f"{key}#{i}"] = f"{type(exc).__name__}"
+            continue
+        times[f"{key}#{i}"] = round(t, 4)
+        if best is None or t < best[0]:
+            best = (t, i)
+    if best is not None:
+        rows[key] = best[1]
+    print(f"{key}: entry {rows.get(key)}", file=sys.stderr, flush=True)
+
+
 def _dense_cases(head_dims, lengths):
     for d in head_dims:
         for causal in (False, True):
@@ -73,8 +95,8 @@ def _time_dense(d, causal, s, hq, hkv, rows, times, deadline):
         if time.monotonic() > deadline:
             return
         key = tuning.tile_key(kind, bd, band, bucket, grouped)
-        best = None
-        for i, entry in enumerate(tuning.table(kind)[bd]):
+        overrides = []
+        for entry in tuning.table(kind)[bd]:
             forced = {kind: entry}
             # the other backward kernels take the entries measured before them (timed as one backward)
             for other, _ in dkdv:
@@ -84,18 +106,8 @@ def _time_dense(d, causal, s, hq, hkv, rows, times, deadline):
             ov = dict(ws=False, ws_bwd=False, tiles=forced)
             if atomic is not None:
                 ov["atomic_dq"] = atomic
-            try:
-                with tuning.override(**ov):
-                    t = _bench(fwd) if kind == "fwd" else _bench(bwd_fn())
-            except Exception as exc:  # a candidate that does not fit this variant's shared memory
-                times[f"{key}#{i}"] = f"{type(exc).__name__}"
-                continue
-            times[f"{key}#{i}"] = round(t, 4)
-            if best is None or t < best[0]:
-                best = (t, i)
-        if best is not None:
-            rows[key] = best[1]
-        print(f"{key}: entry {rows.get(key)}", file=sys.stderr, flush=True)
+            overrides.append(ov)
+        _pick(key, overrides, fwd, bwd_fn, kind, rows, times)
 
 
 def _time_sparse(d, s, rows, times, deadline):
@@ -130,20 +142,8 @@ def _time_sparse(d, s, rows, times, deadline):
             return
         choices = tuning.sparse_tile_choices(kind, bd, 128)
         key = tuning.sparse_tile_key(kind, bd, 128, bucket)
-        best = None
-        for i, entry in enumerate(choices):
-            try:
-                with tuning.override(sparse_ws=False, sparse_ws_bwd=False, sparse_tiles={kind: entry}):
-                    t = _bench(fwd) if kind == "fwd" else _bench(bwd_fn())
-            except Exception as exc:
-                times[f"{key}#{i}"] = f"{type(exc).__name__}"
-                continue
-            times[f"{key}#{i}"] = round(t, 4)
-            if best is None or t < best[0]:
-                best = (t, i)
-        if best is not None:
-            rows[key] = best[1]
-        print(f"{key}: entry {rows.get(key)}", file=sys.stderr, flush=True)
+        overrides = [dict(sparse_ws=False, sparse_ws_bwd=False, sparse_tiles={kind: entry}) for entry in choices]
+        _pick(key, overrides, fwd, bwd_fn, kind, rows, times)
 
 
 def measure(out: pathlib.Path, budget_s: float, head_dims: tuple[int, ...], lengths: tuple[int, ...]) -> None:
