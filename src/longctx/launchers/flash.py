@@ -449,7 +449,8 @@ def _backward_impl(
         DOT_PRECISION=_dot_precision(q.dtype),
     )
     # dV and dK in one launch, or in two where the two accumulators do not fit together (`tuning.split_dkdv`)
-    split = tuning.split_dkdv(bd) if tuning.get("split_dkdv") is None else tuning.get("split_dkdv")
+    split = tuning.get("split_dkdv")
+    split = tuning.split_dkdv(bd) if split is None else bool(split)
     # dQ inside the dK/dV kernel (atomics) or by a separate kernel: `tuning.atomic_dq`; never when deterministic or
     # split
     forced = tuning.get("atomic_dq")
