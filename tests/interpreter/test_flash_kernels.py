@@ -11,13 +11,11 @@ under ``tol * max(1, max|ref|)`` with tol 2e-3 for float16 (the interpreter roun
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.interpreter.cases import run_cases
 
 pytestmark = pytest.mark.interpreter
 
@@ -179,28 +177,7 @@ _SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env.pop("LONGCTX_ATTN_BACKEND", None)
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, json.dumps(CASES)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("CASE "):
-            rec = json.loads(line[5:])
-            results[rec["name"]] = rec
-        elif line.startswith("AUTO "):
-            results["__auto__"] = json.loads(line[5:])
-    if not results:
-        pytest.fail(f"interpreter subprocess produced nothing (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    results["__stderr__"] = proc.stderr[-4000:]
-    return results
+    return run_cases(_SCRIPT, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))

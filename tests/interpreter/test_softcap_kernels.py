@@ -10,13 +10,11 @@ float16). Scores spread over several units so that the caps used (2 to 5) bend t
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.interpreter.cases import run_cases
 
 pytestmark = pytest.mark.interpreter
 
@@ -159,22 +157,7 @@ _SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env.pop("LONGCTX_ATTN_BACKEND", None)
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, json.dumps(CASES)], env=env, capture_output=True, text=True, timeout=600
-    )
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("CASE "):
-            rec = json.loads(line[5:])
-            out[rec["name"]] = rec
-    if not out:
-        pytest.fail(f"interpreter subprocess produced nothing (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    out["__stderr__"] = proc.stderr[-4000:]
-    return out
+    return run_cases(_SCRIPT, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
