@@ -83,3 +83,21 @@ def run_case_world(
     names = importlib.import_module(module).case_names(world)
     missing = "did not run (the world hung or crashed)" + (f"; ranks {hung} killed" if hung else "")
     return {name: [pr.get(name, missing) for pr in per_rank] for name in names}
+
+
+def case_params(worlds, case_names: Callable[[int], list[str]], group: str) -> list:
+    """pytest params ``(world, name)`` of every case at every world size, ids ``P<world>-<name>``; each world's
+    cases share the xdist group ``<group>_world<world>``, so one worker spawns that world once for all of them."""
+    import pytest
+
+    return [
+        pytest.param(w, n, marks=pytest.mark.xdist_group(name=f"{group}_world{w}"), id=f"P{w}-{n}")
+        for w in worlds
+        for n in case_names(w)
+    ]
+
+
+def assert_ranks_ok(results: list[str]) -> None:
+    """Every rank's result of one case is "ok"; else the failing ranks and their errors."""
+    failed = {r: res for r, res in enumerate(results) if res != "ok"}
+    assert not failed, "\n".join(f"rank {r}: {res}" for r, res in failed.items())

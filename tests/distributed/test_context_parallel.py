@@ -15,7 +15,7 @@ from functools import cache
 import pytest
 import torch
 
-from tests.distributed.spawn import run_case_world
+from tests.distributed.spawn import assert_ranks_ok, case_params, run_case_world
 
 pytestmark = pytest.mark.distributed
 
@@ -391,18 +391,10 @@ def run_world(world: int) -> dict[str, list[str]]:
     return run_case_world(__name__, world, WORLD_TIMEOUT_S, env={"TRITON_INTERPRET": "1"})
 
 
-@pytest.mark.parametrize(
-    "world,name",
-    [
-        pytest.param(w, n, marks=pytest.mark.xdist_group(name=f"cp_gloo_world{w}"), id=f"P{w}-{n}")
-        for w in WORLDS
-        for n in case_names(w)
-    ],
-)
+@pytest.mark.parametrize("world,name", case_params(WORLDS, case_names, "cp_gloo"))
 def test_cp_gloo(world: int, name: str) -> None:
     results = run_world(world)[name]
-    failed = {r: res for r, res in enumerate(results) if res != "ok"}
-    assert not failed, "\n".join(f"rank {r}: {res}" for r, res in failed.items())
+    assert_ranks_ok(results)
 
 
 @pytest.mark.parametrize("method", ["ring", "allgather", "ulysses"])

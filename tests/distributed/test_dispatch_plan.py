@@ -15,7 +15,7 @@ from functools import cache
 import pytest
 import torch
 
-from tests.distributed.spawn import run_case_world
+from tests.distributed.spawn import assert_ranks_ok, case_params, run_case_world
 
 pytestmark = pytest.mark.distributed
 
@@ -340,15 +340,7 @@ def run_world(world: int) -> dict[str, list[str]]:
     return run_case_world(__name__, world, WORLD_TIMEOUT_S)
 
 
-@pytest.mark.parametrize(
-    "world,name",
-    [
-        pytest.param(w, n, marks=pytest.mark.xdist_group(name=f"dispatch_gloo_world{w}"), id=f"P{w}-{n}")
-        for w in WORLDS
-        for n in case_names(w)
-    ],
-)
+@pytest.mark.parametrize("world,name", case_params(WORLDS, case_names, "dispatch_gloo"))
 def test_dispatch_gloo(world: int, name: str) -> None:
     results = run_world(world)[name]
-    failed = {r: res for r, res in enumerate(results) if res != "ok"}
-    assert not failed, "\n".join(f"rank {r}: {res}" for r, res in failed.items())
+    assert_ranks_ok(results)
