@@ -45,6 +45,7 @@ from longctx.launchers.runtime import (
     _ws_capable,
     device_index,
     gpu_name,
+    launch,
     out_like,
     warn_ws_fallback,
 )
@@ -137,7 +138,7 @@ def _launch(kind: str, bd: int, grid_fn, args: list, kwargs: dict) -> None:
     kwargs = {**kwargs, **tuning.meta(kind, entry)}
     if kind in _PRE_HOOKS:
         _PRE_HOOKS[kind]({**dict(zip(kernel.arg_names, args)), **kwargs, "BLOCK_M": bm, "BLOCK_N": bn})
-    kernel[grid_fn(bm, bn)](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+    launch(kernel, grid_fn(bm, bn), *args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
 
 
 def _measured_entry(kind: str, bd: int, q: torch.Tensor, kwargs: dict) -> tuple:
@@ -213,7 +214,8 @@ def _forward_ws(q, k, v, out, lse, scale, lo_i, hi_i, has_lo, has_hi, config, so
     longest_first = has_hi and not has_lo
     grid = (B * Hq, _cdiv(Sq, rows)) if longest_first else (_cdiv(Sq, rows), B * Hq)
     qk_scale, softcap_scale = _score_scales(scale, softcap)
-    flash_fwd_ws.attn_fwd_ws_kernel[grid](
+    launch(
+        flash_fwd_ws.attn_fwd_ws_kernel, grid,
         _gluon_desc(q, int(flash_fwd_ws.WG_ROWS)), _gluon_desc(k, block_n), _gluon_desc(v, block_n), out, lse,
         *out.stride(),
         Hq, Sq, Sk, Hq // Hkv, lo_i, hi_i, qk_scale, softcap_scale,
@@ -254,7 +256,8 @@ def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, lo_i, hi_i, has_l
 
     block_n = int(flash_bwd_ws.WG_ROWS) * int(flash_bwd_ws.NUM_CONSUMERS)
     qk_scale, softcap_scale = _score_scales(scale, softcap)
-    flash_bwd_ws.attn_bwd_ws_kernel[(_cdiv(Sk, block_n), B * Hkv)](
+    launch(
+        flash_bwd_ws.attn_bwd_ws_kernel, (_cdiv(Sk, block_n), B * Hkv),
         _gluon_desc(q, block_m), _gluon_desc(k, block_n), _gluon_desc(v, block_n), _gluon_desc(do, block_m),
         _gluon_rows_desc(lse2, block_m), _gluon_rows_desc(delta, block_m),
         dk, dv, dqa, _dqa_desc(dqa, block_m, D),
@@ -371,7 +374,9 @@ def bwd_preprocess(
     delta = alloc((B, Hq, stride), device=lse.device, dtype=torch.float32)
     lse2 = alloc((B, Hq, stride), device=lse.device, dtype=torch.float32)
     pre_bm = 16 if _interpret() else 64
-    flash_bwd.bwd_preprocess_kernel[(_cdiv(Sq, pre_bm), B * Hq)](
+    launch(
+        flash_bwd.bwd_preprocess_kernel,
+        (_cdiv(Sq, pre_bm), B * Hq),
         out,
         do,
         lse,

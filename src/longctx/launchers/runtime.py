@@ -1,11 +1,16 @@
 """The shared Triton runtime of the launchers: is Triton there, the interpreter (``TRITON_INTERPRET=1``) and its
-NumPy shim, the scratch allocator of device-side tensor descriptors, TMA-loadability, host-built descriptors for the
-Gluon kernels, and the Hopper capability check."""
+NumPy shim, every kernel launch (`launch`) and the ahead-of-time compilation it records (`compile_ahead`,
+`compile_launches`), the scratch allocator of device-side tensor descriptors, TMA-loadability, host-built descriptors
+for the Gluon kernels, and the Hopper capability check."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -45,6 +50,85 @@ def _patch_interpreter_for_numpy2() -> None:
 
     patched._longctx_patched = True
     interpreter._patch_lang_tensor = patched
+
+
+# The launches `compile_ahead` records instead of running them; None outside it. A process-wide list, not a
+# context variable: the autograd engine runs backward in threads of its own, whose launches must be recorded too.
+_RECORDING: list | None = None
+_RECORDING_LOCK = threading.Lock()
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``: every launcher runs its kernels through here. Inside `compile_ahead` a
+    jit kernel's launch is recorded (to be compiled by `compile_launches`), not run; an autotuned kernel and the
+    interpreter's run as usual."""
+    if _RECORDING is not None and not _interpret() and hasattr(kernel, "device_caches"):
+        _RECORDING.append((kernel, grid, args, kwargs))
+        return
+    kernel[grid](*args, **kwargs)
+
+
+@contextlib.contextmanager
+def compile_ahead():
+    """Within this block, the launchers record their kernels' launches instead of running them (outputs are left
+    unwritten: what runs inside is for its launches, not its values). Yields the list of recorded launches, for
+    `compile_launches`. Not reentrant, and for a process's own warm-up: attention called meanwhile from another
+    thread would be recorded too."""
+    global _RECORDING
+    with _RECORDING_LOCK:
+        if _RECORDING is not None:
+            raise RuntimeError("compile_ahead is already active (it is not reentrant)")
+        _RECORDING = []
+    try:
+        yield _RECORDING
+    finally:
+        _RECORDING = None
+
+
+def _launch_key(kernel, args: tuple, kwargs: dict, device: int | None):
+    """What Triton compiles one binary per: the kernel and the specialisation of its arguments (dtypes, 16-byte
+    divisibility, constexprs, options), by Triton's own binder; None where this Triton's internals differ (then
+    nothing is deduplicated, only compiled twice)."""
+    try:
+        binder = kernel.device_caches[device][4]
+        _, specialization, options = binder(*args, **kwargs)
+        return (id(kernel), repr(specialization), repr(options))
+    except Exception:
+        return None
+
+
+def compile_launches(launches: list, device: torch.device, workers: int | None = None) -> list[tuple[str, float, str]]:
+    """Compile the distinct kernels of recorded ``launches`` (`compile_ahead`) concurrently, in ``workers`` threads
+    (default: one per CPU core, at most 32), into the process's kernel cache and Triton's on-disk cache; nothing
+    runs on the GPU. Triton releases the GIL while it lowers and assembles a kernel, so the wall time is about that
+    of the slowest kernel rather than the sum. Returns ``(kernel name, seconds, error or "")`` per distinct
+    kernel; a kernel that fails to compile is reported, not raised (its launcher meets the error again when it
+    runs, and falls back where it has a fallback)."""
+    index = None
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    distinct: dict = {}
+    for i, (kernel, grid, args, kwargs) in enumerate(launches):
+        key = _launch_key(kernel, args, kwargs, index) or (id(kernel), i)
+        distinct.setdefault(key, (kernel, grid, args, kwargs))
+
+    def build(item) -> tuple[str, float, str]:
+        kernel, grid, args, kwargs = item
+        if index is not None:  # the current device is per thread: Triton compiles for (and caches under) it
+            torch.cuda.set_device(index)
+        t0 = time.perf_counter()
+        try:
+            kernel.warmup(*args, grid=grid, **kwargs)
+            err = ""
+        except Exception as exc:  # reported; the real launch raises it (or falls back) where it runs
+            err = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return getattr(kernel, "__name__", repr(kernel)), time.perf_counter() - t0, err
+
+    if not distinct:
+        return []
+    n = workers if workers is not None else min(32, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=max(1, min(n, len(distinct))), thread_name_prefix="longctx-compile") as ex:
+        return list(ex.map(build, distinct.values()))
 
 
 def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:

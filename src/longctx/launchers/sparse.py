@@ -96,7 +96,9 @@ def _launch(kind: str, bd: int, mask_bs: int, grid_fn, args: list, kwargs: dict)
     forced = _forced_tiles().get(kind)
     if forced is not None:
         bm, bn, w, s = forced
-        _kernel_fn(kind)[grid_fn(bm, bn)](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+        runtime.launch(
+            _kernel_fn(kind), grid_fn(bm, bn), *args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s
+        )
         return
     kernel = _kernel(kind, bd, mask_bs)
     if _tf._autotune_enabled():
@@ -109,7 +111,7 @@ def _launch(kind: str, bd: int, mask_bs: int, grid_fn, args: list, kwargs: dict)
         key = tuning.sparse_tile_key(kind, bd, mask_bs, kwargs["SEQ_BUCKET"])
         gpu = runtime.gpu_name(runtime.device_index(args[0]))
         bm, bn, w, s = choices[tuning.measured_index(gpu, key, len(choices))]
-    kernel[grid_fn(bm, bn)](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+    runtime.launch(kernel, grid_fn(bm, bn), *args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
 
 
 def _grid(n_heads: int, n_tiles):
@@ -263,7 +265,8 @@ def _forward_ws(q, k, v, out, lse, scale: float, margs: list, mkw: dict, mask_bs
     grid, cnt = _work_grid(n_tiles * B * Hq, q.device)
     sched = _schedule_cached(margs[0], margs[2], n_tiles, int(sws.CTA_ROWS), mask_bs, 1)
     qk_scale, softcap_scale = _tf._score_scales(scale, softcap)
-    sws.sparse_fwd_ws_kernel[grid](
+    runtime.launch(
+        sws.sparse_fwd_ws_kernel, grid,
         runtime._gluon_desc(q, int(sws.WG_ROWS)), runtime._gluon_desc(k, block_n), runtime._gluon_desc(v, block_n),
         runtime._gluon_desc(out, int(sws.WG_ROWS)), lse, *margs, sched, cnt, n_tiles * B * Hq, n_tiles,
         Hq=Hq, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, qk_scale=qk_scale, softcap_scale=softcap_scale,
@@ -292,7 +295,8 @@ def _backward_ws(
     dkdv_tma = block_m != rows
     desc_dk, desc_dv = [runtime._gluon_desc(t, int(sws.WG_ROWS)) for t in (dk, dv)] if dkdv_tma else [dk, dv]
     qk_scale, softcap_scale = _tf._score_scales(scale, softcap)
-    sws.sparse_bwd_ws_kernel[grid](
+    runtime.launch(
+        sws.sparse_bwd_ws_kernel, grid,
         runtime._gluon_desc(q, block_m), runtime._gluon_desc(k, rows), runtime._gluon_desc(v, rows),
         runtime._gluon_desc(do, block_m),
         runtime._gluon_rows_desc(lse2, block_m), runtime._gluon_rows_desc(delta, block_m),

@@ -36,7 +36,7 @@ from longctx.kernels.triton.flash_fwd import _tanh, _tile_ranges
 # fmt: off
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Sq", "stride_row"])
 def bwd_preprocess_kernel(
     O, DO, LSE, DLSE, DELTA, LSE2,
     stride_ob, stride_oh, stride_om, stride_od,

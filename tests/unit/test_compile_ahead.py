@@ -1,0 +1,125 @@
+"""`launchers.runtime.launch`, `compile_ahead` and `compile_launches` (what `longctx.warmup` compiles with), with
+stand-in kernels: recording instead of running, deduplication by Triton's specialisation, concurrent compilation,
+errors reported rather than raised. The real kernels are compiled on the GPU (tests/gpu/test_warmup_gpu.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+
+from longctx.launchers import runtime
+from longctx.warmup import WarmupReport
+
+
+class FakeKernel:
+    """A jit kernel's surface: ``kernel[grid](...)`` runs, ``warmup`` compiles, ``device_caches[d][4]`` binds."""
+
+    def __init__(self, name: str, compile_s: float = 0.0, fail: bool = False):
+        self.__name__ = name
+        self.compile_s, self.fail = compile_s, fail
+        self.ran, self.compiled, self.threads = [], [], set()
+        self.device_caches = defaultdict(lambda: (None, None, None, None, self._bind))
+
+    @staticmethod
+    def _bind(*args, **kwargs):
+        # the specialisation: the first argument's value and the constexpr keywords, as Triton's binder keys it
+        return None, (args[0],), tuple(sorted(kwargs.items()))
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.ran.append((grid, args, kwargs))
+
+    def warmup(self, *args, grid, **kwargs):
+        self.threads.add(threading.get_ident())
+        time.sleep(self.compile_s)
+        if self.fail:
+            raise RuntimeError("PassManager::run failed\nmore detail")
+        self.compiled.append((grid, args, kwargs))
+
+
+class Autotuned:
+    """An autotuned kernel (no ``device_caches``): always runs."""
+
+    def __init__(self):
+        self.ran = 0
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.ran += 1
+
+        return run
+
+
+def test_launch_runs_outside_compile_ahead():
+    k = FakeKernel("k")
+    runtime.launch(k, (2, 1), 7, BLOCK=64)
+    assert k.ran == [((2, 1), (7,), {"BLOCK": 64})] and k.compiled == []
+
+
+def test_compile_ahead_records_jit_launches_and_runs_the_others():
+    k, auto = FakeKernel("k"), Autotuned()
+    with runtime.compile_ahead() as launches:
+        runtime.launch(k, (4,), 1, BLOCK=64)
+        runtime.launch(auto, (4,), 1)
+    assert k.ran == [] and auto.ran == 1
+    assert launches == [(k, (4,), (1,), {"BLOCK": 64})]
+    runtime.launch(k, (4,), 1, BLOCK=64)  # recording ends with the block
+    assert len(k.ran) == 1
+
+
+def test_compile_ahead_is_not_reentrant_and_ends_on_errors():
+    with runtime.compile_ahead(), pytest.raises(RuntimeError, match="not reentrant"), runtime.compile_ahead():
+        pass
+    with pytest.raises(ValueError, match="boom"), runtime.compile_ahead():
+        raise ValueError("boom")
+    assert runtime._RECORDING is None
+
+
+def test_compile_launches_compiles_each_specialisation_once_and_concurrently():
+    a, b = FakeKernel("a", compile_s=0.3), FakeKernel("b", compile_s=0.3)
+    launches = [
+        (a, (1,), (16,), {"BLOCK": 64}),
+        (a, (9,), (16,), {"BLOCK": 64}),  # another grid, the same binary
+        (a, (1,), (16,), {"BLOCK": 128}),
+        (b, (1,), (16,), {}),
+    ]
+    t0 = time.perf_counter()
+    out = runtime.compile_launches(launches, torch.device("cpu"), workers=3)
+    wall = time.perf_counter() - t0
+    assert len(a.compiled) == 2 and len(b.compiled) == 1
+    assert sorted(name for name, _, _ in out) == ["a", "a", "b"]
+    assert all(err == "" and s >= 0.3 for _, s, err in out)
+    assert wall < 0.8  # three 0.3 s compiles in three threads, not one after the other
+    assert len(a.threads | b.threads) == 3
+
+
+def test_compile_launches_reports_errors_and_handles_nothing():
+    bad, good = FakeKernel("bad", fail=True), FakeKernel("good")
+    out = runtime.compile_launches([(bad, (1,), (1,), {}), (good, (1,), (2,), {})], torch.device("cpu"))
+    assert ("bad", "RuntimeError: PassManager::run failed") in [(n, e) for n, _, e in out]
+    assert [e for n, _, e in out if n == "good"] == [""]
+    assert runtime.compile_launches([], torch.device("cpu")) == []
+
+
+def test_launch_key_falls_back_to_no_dedup_when_binding_fails():
+    class Unbindable(FakeKernel):
+        @staticmethod
+        def _bind(*args, **kwargs):
+            raise TypeError("another Triton")
+
+    k = Unbindable("k")
+    out = runtime.compile_launches([(k, (1,), (1,), {}), (k, (1,), (1,), {})], torch.device("cpu"))
+    assert len(out) == 2 and len(k.compiled) == 2
+
+
+def test_warmup_report():
+    rep = WarmupReport(compile_s=3.0, kernels=[("fwd", 2.5, ""), ("bwd", 2.9, ""), ("ws", 0.1, "RuntimeError: x")])
+    rep.calls = [("causal", 1024, 0.01), ("causal", 2048, 0.02)]
+    assert rep.seconds == pytest.approx(3.03)
+    assert rep.failed == [("ws", "RuntimeError: x")]
+    table = rep.table()
+    assert "compiled 3 kernels in 3.00 s" in table and "add up to 5.50 s" in table
+    assert "did not compile: ws: RuntimeError: x" in table
