@@ -3,9 +3,12 @@
 The kernels take sequence lengths and document layouts as run-time values and their tiles from a table measured per
 GPU (`longctx.tuning.MEASURED_TILES`), so a new length or packing does not compile anything once its (head dim,
 dtype, mask kind, length bucket) has run. What is left is the first call of each of those, a few seconds of Triton
-compilation each with a cold cache. ``warmup`` makes those first calls on small inputs (batch 1) at one length per
-bucket, forward and backward, so that the compiled kernels land in Triton's on-disk cache (``TRITON_CACHE_DIR``,
-default ``~/.triton/cache``), shared by every later process on the machine: run it once per machine (or in a job's
+compilation per kernel with a cold cache. ``warmup`` runs the forward and backward of each (mask, length bucket)
+once on small inputs (batch 1) with the launchers recording their launches instead of running them
+(`launchers.runtime.compile_ahead`), compiles the distinct kernels concurrently, one thread each (Triton releases
+the GIL while it lowers and assembles), then runs every call for real to check that nothing is left to compile.
+The kernels land in the process's cache and in Triton's on-disk cache (``TRITON_CACHE_DIR``, default
+``~/.triton/cache``), shared by every later process on the machine: run it once per machine (or in a job's
 prologue) and training starts without stalls.
 
     longctx warmup --preset llama-350m --seq-length 65536 --masks causal,documents
@@ -31,18 +34,34 @@ _BUCKET_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 
 @dataclass
 class WarmupReport:
-    """What `warmup` ran: one ``(mask, length, seconds)`` per call, forward and backward together."""
+    """What `warmup` did: ``compile_s``, the wall time of recording the launches and compiling them concurrently;
+    ``kernels``, one ``(kernel name, seconds, error or "")`` per distinct kernel compiled (its own compile time,
+    overlapping the others'); ``calls``, one ``(mask, length, seconds)`` per forward + backward run afterwards (a
+    few milliseconds each unless a kernel was left to compile)."""
 
+    compile_s: float = 0.0
+    kernels: list[tuple[str, float, str]] = field(default_factory=list)
     calls: list[tuple[str, int, float]] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:
-        return sum(c[2] for c in self.calls)
+        return self.compile_s + sum(c[2] for c in self.calls)
+
+    @property
+    def failed(self) -> list[tuple[str, str]]:
+        """(kernel name, error) of the kernels that did not compile (their launchers fall back where they can)."""
+        return [(name, err) for name, _, err in self.kernels if err]
 
     def table(self) -> str:
-        lines = [f"{'mask':<16}{'S':>8}{'seconds':>10}"]
+        serial = sum(k[1] for k in self.kernels)
+        lines = [
+            f"compiled {len(self.kernels)} kernels in {self.compile_s:.2f} s "
+            f"(their compile times add up to {serial:.2f} s)",
+            f"{'mask':<16}{'S':>8}{'seconds':>10}",
+        ]
         lines += [f"{m:<16}{s:>8}{t:>10.2f}" for m, s, t in self.calls]
         lines.append(f"{'total':<24}{self.seconds:>10.2f}")
+        lines += [f"did not compile: {name}: {err}" for name, err in self.failed]
         return "\n".join(lines)
 
 
@@ -84,6 +103,24 @@ def _validate(head_dim, n_heads, n_kv_heads, dtype, masks, max_seq_len, window, 
     return dev
 
 
+def _call(mask: str, S: int, head_dim, n_heads, n_kv_heads, dtype, window, backend, dev, gen) -> None:
+    """One forward and backward of ``mask`` at length ``S`` (batch 1)."""
+    from longctx.api import attention, flash_attn_varlen_func
+
+    if mask.startswith("documents"):
+        q = torch.randn(S, n_heads, head_dim, device=dev, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(S, n_kv_heads, head_dim, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
+        lens = _doc_lengths(S, gen)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=mask == "documents")
+    else:
+        q = torch.randn(1, n_heads, S, head_dim, device=dev, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(1, n_kv_heads, S, head_dim, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
+        win = (int(window), 0) if mask == "window" else (-1, -1)
+        out = attention(q, k, v, causal=mask != "full", window=win, backend=backend)
+    out.float().sum().backward()  # a scalar loss, as training's
+
+
 def warmup(
     *,
     head_dim: int = 128,
@@ -94,8 +131,10 @@ def warmup(
     max_seq_len: int = 32768,
     window: int | None = None,
     device: torch.device | str | None = None,
+    backend: str = "auto",
+    workers: int | None = None,
 ) -> WarmupReport:
-    """Run forward and backward attention once per (mask, length bucket) so that every kernel is compiled.
+    """Compile every kernel that forward and backward attention use for each (mask, length bucket), concurrently.
 
     Args:
         head_dim, n_heads, n_kv_heads: the model's attention shape (n_kv_heads defaults to n_heads); the kernels
@@ -106,39 +145,37 @@ def warmup(
         max_seq_len: the longest sequence training will use; lengths up to it, one per tile-table bucket, run.
         window: the window's left size, for the "window" mask.
         device: a CUDA device (default: the current one).
+        backend: the attention backend of the dense masks, as training calls them ("auto": what dispatch picks;
+            "triton" pins longctx's kernels where auto would take cuDNN).
+        workers: compile threads (default: one per CPU core, at most 32).
 
     Returns:
-        A `WarmupReport` with the time of each call (the compile time, with a cold cache).
+        A `WarmupReport`: the compile time, each kernel's, and the time of each call once compiled.
     """
-    from longctx.api import attention, flash_attn_varlen_func
+    from longctx.launchers.runtime import compile_ahead, compile_launches
 
     n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
     dev = _validate(head_dim, n_heads, n_kv_heads, dtype, tuple(masks), max_seq_len, window, device)
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
+        raise ValueError(f"workers must be a positive int (compile threads) or None, got {workers!r}")
+    plan = [(mask, S) for mask in masks for S in _lengths(max_seq_len)]
+    shape = (head_dim, n_heads, n_kv_heads, dtype, window, backend, dev)
     report = WarmupReport()
-    gen = torch.Generator().manual_seed(0)
-    for mask in masks:
-        for S in _lengths(max_seq_len):
-            torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            if mask.startswith("documents"):
-                q = torch.randn(S, n_heads, head_dim, device=dev, dtype=dtype, requires_grad=True)
-                k, v = (
-                    torch.randn(S, n_kv_heads, head_dim, device=dev, dtype=dtype, requires_grad=True) for _ in range(2)
-                )
-                lens = _doc_lengths(S, gen)
-                cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-                out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=mask == "documents")
-            else:
-                q = torch.randn(1, n_heads, S, head_dim, device=dev, dtype=dtype, requires_grad=True)
-                k, v = (
-                    torch.randn(1, n_kv_heads, S, head_dim, device=dev, dtype=dtype, requires_grad=True)
-                    for _ in range(2)
-                )
-                win = (int(window), 0) if mask == "window" else (-1, -1)
-                out = attention(q, k, v, causal=mask != "full", window=win)
-            out.backward(torch.ones_like(out))
-            torch.cuda.synchronize(dev)
-            report.calls.append((mask, S, time.perf_counter() - t0))
+    torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    with compile_ahead() as launches:
+        gen = torch.Generator().manual_seed(0)
+        for mask, S in plan:
+            _call(mask, S, *shape, gen)
+    report.kernels = compile_launches(launches, dev, workers)
+    torch.cuda.synchronize(dev)
+    report.compile_s = time.perf_counter() - t0
+    gen = torch.Generator().manual_seed(0)  # the same packings as recorded
+    for mask, S in plan:
+        t0 = time.perf_counter()
+        _call(mask, S, *shape, gen)
+        torch.cuda.synchronize(dev)
+        report.calls.append((mask, S, time.perf_counter() - t0))
     return report
 
 
@@ -153,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--masks", default="causal", help=f"comma-separated, of {', '.join(MASKS)}")
     ap.add_argument("--window", type=int, default=None, help="left window size for the 'window' mask")
     ap.add_argument("--seq-length", type=int, default=32768, help="the longest sequence training will use")
+    ap.add_argument("--backend", default="auto", help="the dense masks' attention backend, as training calls it")
+    ap.add_argument("--workers", type=int, default=None, help="compile threads (default: one per CPU core)")
     args = ap.parse_args(argv)
     head_dim, heads, kv_heads = args.head_dim, args.heads, args.kv_heads
     if args.preset is not None:
@@ -174,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             masks=[m.strip() for m in args.masks.split(",") if m.strip()],
             max_seq_len=args.seq_length,
             window=args.window,
+            backend=args.backend,
+            workers=args.workers,
         )
     except (ValueError, TypeError) as exc:
         print(f"longctx warmup: {exc}", file=sys.stderr)

@@ -57,10 +57,32 @@ def test_compile_bench_pieces():
     compile(cb._CHILD, "<child>", "exec")  # the scenario program parses
     extra, share = cb._compile_share([0.1] * 98 + [5.0, 0.1])
     assert extra == pytest.approx(4.8) and share == pytest.approx(4.8 / 14.9)
+    # with miss counts, only the batches that compiled count, by their time above the median
+    extra, share = cb._compile_share([0.1, 0.1, 0.5, 0.1, 3.0], [0, 0, 0, 0, 2])
+    assert extra == pytest.approx(2.9) and share == pytest.approx(2.9 / 3.8)
     names = [n for n, _, _ in cb.scenarios(True, 3, 10.0)]
-    assert names == ["cold", "lengths", "warm", "packing", "packing_warmup"]
+    assert names == ["cold", "cold_warmup", "lengths", "warm", "packing", "packing_warmup"]
     meta = {"gpu": "G", "torch": "t", "triton": "x", "command": "c"}
     calls = [dict(d=128, h=16, s=16384, mask="documents", seconds=t) for t in (3.0, 0.1, 0.1)]
     res = {"longctx": {"packing": {"process_s": 4.0, "import_s": 0.5, "calls": calls}, "cold": {"error": "boom"}}}
+    wu = dict(
+        head_dim=64,
+        masks=["causal"],
+        max_seq_len=4096,
+        seconds=3.5,
+        compile_s=3.2,
+        kernels=4,
+        serial_s=9.0,
+        failed=["k: RuntimeError: x"],
+    )
+    res["longctx"]["cold_warmup"] = {"process_s": 9.0, "import_s": 3.0, "warmup_s": 3.5, "warmups": [wu],
+                                     "calls": [dict(d=64, h=32, s=4096, mask="causal", seconds=0.01)]}  # fmt: skip
     md = cb._markdown(meta, res)
+    assert "warmup D=64 causal S<=4096: 3.50 s (4 kernels compiled in 3.20 s, 9.0 s one after the other)" in md
+    assert "did not compile: k: RuntimeError: x" in md and "D=64 causal S=4096: 0.01 s" in md
     assert "3 batches" in md and "1 batches over 2x" in md and "error: `boom`" in md
+    assert "cache miss" not in md
+    for c, m in zip(calls, (3, 0, 0)):
+        c["misses"] = m
+    md = cb._markdown(meta, res)
+    assert "1 batches met a kernel-cache miss; compiling 2.9 s" in md

@@ -15,6 +15,9 @@ the first timed call and reported apart.
 - ``packing``: 100 batches of random document packings (16K tokens, causal inside documents, long-tailed lengths,
   through `flash_attn_varlen_func`) with a cold cache: total time and the share spent compiling (time above the
   batches' median);
+- ``cold_warmup``: `longctx.warmup` (its kernels compiled concurrently) of each (head dim, mask kind) of ``cold``,
+  one after the other in one process with an empty cache, ``backend="triton"``, lengths up to 4096 (the 1K, 2K and
+  4K buckets), then the calls of ``cold``: the cold-cache cost per (head dim, dtype, mask kind) with a warm-up;
 - ``packing_warmup`` (with ``--warmup``): `longctx.warmup` first, then the same loop.
 
 ``--pythonpath DIR`` runs the scenarios against another copy of longctx (e.g. an older tree, for a before/after in
@@ -69,26 +72,41 @@ def call(c):
         out = longctx.attention(q, k, v, causal=c["mask"] == "causal", backend="triton")
     out.float().sum().backward()  # a scalar loss, as in training (backward(gradient) makes torch import sympy)
 
+misses = [0]  # Triton's kernel-cache misses (a compile, or a load from the on-disk cache)
+try:
+    import triton
+    triton.knobs.runtime.jit_cache_hook = lambda *a, **k: misses.__setitem__(0, misses[0] + 1)
+except Exception:  # a Triton without knobs: the report falls back to timing alone
+    misses = None
+
 t0 = time.perf_counter()
 torch.ones(1, device=dev).sum().item()  # the CUDA context, not a compile
 res = {"import_s": t_import, "cuda_init_s": time.perf_counter() - t0, "calls": []}
 if spec.get("warmup"):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
     from longctx.warmup import warmup
-    warmup(**spec["warmup"])
-    torch.cuda.synchronize()
-    res["warmup_s"] = time.perf_counter() - t0
+    res["warmups"] = []
+    for kw in spec["warmup"]:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        rep = warmup(**kw)
+        torch.cuda.synchronize()
+        res["warmups"].append(dict(kw, seconds=time.perf_counter() - t0, compile_s=rep.compile_s,
+                                   kernels=len(rep.kernels), serial_s=sum(k[1] for k in rep.kernels),
+                                   failed=[f"{n}: {e}" for n, e in rep.failed]))
+    res["warmup_s"] = sum(w["seconds"] for w in res["warmups"])
 deadline = time.perf_counter() + spec.get("budget_s", 1e9)
 for c in spec["calls"]:
     if time.perf_counter() > deadline:
         res["stopped_early"] = True
         break
     torch.cuda.synchronize()
+    before = misses[0] if misses else 0
     t0 = time.perf_counter()
     call(c)
     torch.cuda.synchronize()
     res["calls"].append(dict(c, seconds=time.perf_counter() - t0))
+    if misses:
+        res["calls"][-1]["misses"] = misses[0] - before
 res["process_s"] = time.perf_counter() - t_start
 print("RESULT " + json.dumps(res))
 """
@@ -114,12 +132,17 @@ def _run(spec: dict, cache: str, pythonpath: str | None, timeout: float) -> dict
     return {"error": (proc.stderr or proc.stdout)[-2000:], "wall_s": time.perf_counter() - t0}
 
 
-def _compile_share(times: list[float]) -> tuple[float, float]:
-    """(seconds above the median batch time, that as a share of the total): the time the loop spent compiling."""
+def _compile_share(times: list[float], misses: list[int] | None = None) -> tuple[float, float]:
+    """(seconds the loop spent compiling, that as a share of the loop's time): the time above the median batch of
+    the batches where Triton's kernel cache missed (``misses``, per batch); without miss counts, the time above
+    twice the median of every batch (which also counts batches that are slow for their packing's work)."""
     if not times:
         return 0.0, 0.0
     med = sorted(times)[len(times) // 2]
-    extra = sum(max(0.0, t - 2 * med) for t in times)
+    if misses is not None:
+        extra = sum(max(0.0, t - med) for t, m in zip(times, misses) if m)
+    else:
+        extra = sum(max(0.0, t - 2 * med) for t in times)
     return extra, extra / sum(times)
 
 
@@ -129,15 +152,19 @@ def scenarios(warmup: bool, n_batches: int, budget_s: float) -> list[tuple[str, 
     lengths = [dict(d=128, h=16, s=s, mask="causal") for s in (4096, 4100, 8192, 3000, 4000, 12345, 65536)]
     warm = [dict(d=128, h=16, s=s, mask="causal") for s in (5000, 16384, 30000)]
     packing = [dict(d=128, h=16, hkv=4, s=16384, mask="documents") for _ in range(n_batches)]
+    cold_wu = [
+        dict(head_dim=c["d"], n_heads=c["h"], masks=[c["mask"]], max_seq_len=c["s"], backend="triton") for c in cold
+    ]
     out = [
         ("cold", "fresh", {"calls": cold, "budget_s": budget_s}),
+        ("cold_warmup", "fresh", {"calls": cold, "warmup": cold_wu, "budget_s": budget_s}),
         ("lengths", "fresh", {"calls": lengths, "budget_s": budget_s}),
         ("warm", "lengths", {"calls": warm, "budget_s": budget_s}),
         ("packing", "fresh", {"calls": packing, "seed": 1, "budget_s": budget_s}),
     ]
     if warmup:
         wu = {"head_dim": 128, "n_heads": 16, "n_kv_heads": 4, "masks": ["documents"], "max_seq_len": 16384}
-        out.append(("packing_warmup", "fresh", {"calls": packing, "seed": 1, "warmup": wu, "budget_s": budget_s}))
+        out.append(("packing_warmup", "fresh", {"calls": packing, "seed": 1, "warmup": [wu], "budget_s": budget_s}))
     return out
 
 
@@ -163,15 +190,24 @@ def _markdown(meta: dict, results: dict) -> str:
             if r.get("stopped_early"):
                 head += ", stopped at the time budget"
             lines.append(head)
+            for w in r.get("warmups", []):
+                lines.append(
+                    f"  - warmup D={w['head_dim']} {','.join(w['masks'])} S<={w['max_seq_len']}: {w['seconds']:.2f} s"
+                    f" ({w['kernels']} kernels compiled in {w['compile_s']:.2f} s, {w['serial_s']:.1f} s one after"
+                    " the other)" + "".join(f"; did not compile: {f}" for f in w["failed"])
+                )
             calls = r["calls"]
             if name.startswith("packing"):
                 times = [c["seconds"] for c in calls]
-                extra, share = _compile_share(times)
+                counted = bool(calls) and all("misses" in c for c in calls)
+                misses = [c["misses"] for c in calls] if counted else None
+                extra, share = _compile_share(times, misses)
                 med = sorted(times)[len(times) // 2] if times else 0.0
                 slow = sum(t > 2 * med for t in times)
+                missed = f"{sum(m > 0 for m in misses)} batches met a kernel-cache miss; " if counted else ""
                 lines.append(
                     f"  - {len(times)} batches in {sum(times):.1f} s; median {med * 1e3:.1f} ms; {slow} batches over "
-                    f"2x the median; compiling {extra:.1f} s = {100 * share:.1f}% of the loop"
+                    f"2x the median; {missed}compiling {extra:.1f} s = {100 * share:.1f}% of the loop"
                 )
             else:
                 lines.append(
