@@ -95,6 +95,7 @@ class TrainConfig:
     cp_ulysses_size: int | None = None  # ulysses_ring: ranks per all-to-all group
     device: str = "auto"  # auto: cuda if available
     bf16: bool | None = None  # autocast to bfloat16; default: on CUDA only
+    compile_ahead: bool = True  # compile the attention kernels before the first step (longctx.warmup)
     quiet: bool = False
     # GPU memory for a training step ("40GiB"): the recompute / chunking / offloading settings come from
     # longctx.plan for this budget instead of the model settings
@@ -470,6 +471,8 @@ _TRAIN_HELP: dict[str, str] = {
     "cp_ulysses_size": "ulysses_ring: ranks per all-to-all group (a ring across the groups)",
     "device": "auto (cuda if available), cpu, cuda or cuda:N",
     "bf16": "bf16 autocast",
+    "compile_ahead": "on a GPU, compile the attention kernels of every length bucket the run can meet before the "
+    "first step, concurrently (longctx.warmup; without context parallelism)",
     "data": "text file for byte-level language modelling instead of the recall task",
     "doc_separator": "bytes that end a document in --data (escapes: '\\n\\n', '\\x00'): rows become packed "
     "documents, attention and RoPE positions restart at each, no label crosses one",

@@ -499,6 +499,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
+        self._compile_ahead(progress)
         self.model.train()
         losses: list[float] = []
         skipped: list[int] = []
@@ -567,6 +568,37 @@ class Trainer:
         elif not interrupted_by:
             progress.message(self._summary(result, last_eval, stop))
         return result
+
+    def _compile_ahead(self, progress: Progress) -> None:
+        """Compile, before the first step and concurrently, the attention kernels of every length bucket this run
+        can meet (`longctx.warmup` with the model's heads, head dim, dtype, mask and backend), so that no step
+        stalls on a compile. Only on a GPU with bf16 compute and one process's attention (context parallelism
+        calls the kernels on its ranks' chunks)."""
+        cfg, mcfg = self.cfg, self.model_config
+        if not cfg.compile_ahead or self.device.type != "cuda" or self.compute_dtype != torch.bfloat16:
+            return
+        if self.cp is not None or self.cp_docs is not None:
+            return
+        from longctx.warmup import warmup
+
+        documents = self.doc_attention is not None
+        report = warmup(
+            head_dim=mcfg.head_dim,
+            n_heads=mcfg.num_attention_heads,
+            n_kv_heads=mcfg.kv_heads,
+            dtype=self.compute_dtype,
+            masks=["documents"] if documents else ["causal"],
+            # packed documents run as one varlen call over the micro-batch's tokens
+            max_seq_len=max(16, mcfg.seq_length * (cfg.micro_batch_size if documents else 1)),
+            backend=mcfg.attention_backend,
+            device=self.device,
+        )
+        torch.cuda.empty_cache()  # the warm-up's tensors, not kept from training
+        failed = f"; did not compile: {', '.join(n for n, _ in report.failed)}" if report.failed else ""
+        progress.message(
+            f"attention kernels: {len(report.kernels)} compiled ahead in {report.seconds:.1f} s "
+            f"(--compile-ahead false skips this){failed}"
+        )
 
     def _agreed_signal(self, signum: int | None) -> int | None:
         """The stop signal, agreed over every rank of the mesh (each may have seen it at another step)."""
