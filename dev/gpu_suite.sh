@@ -6,6 +6,7 @@
 #   OUT=gpu_out bash dev/gpu_suite.sh                     # quick tier: every GPU test function, every parameter value
 #   OUT=gpu_out TIER=full PART=1/3 bash dev/gpu_suite.sh  # the full matrix, first of three parts
 #   OUT=gpu_out bash dev/gpu_suite.sh -k hopper           # extra arguments go to pytest
+#   OUT=gpu_out CHECK=0 TIER=full PART=2/3 bash dev/gpu_suite.sh  # without `longctx check` (run it in one part)
 #
 # Tiers (tests/conftest.py): quick keeps, per test function, the fewest cases that take every value of every
 # parameter once (every kernel path, head dim, band and dtype); full is every case, split into PART=K/N interleaved
@@ -18,7 +19,7 @@ TIER="${TIER:-quick}"
 select=(--gpu-tier "$TIER")
 [[ -n "${PART:-}" ]] && select+=(--gpu-part "$PART")
 python3 -m longctx info 2>&1 | tee "$OUT/info.txt"
-python3 -m longctx check 2>&1 | tee "$OUT/check.txt"
+[[ "${CHECK:-1}" == 1 ]] && python3 -m longctx check 2>&1 | tee "$OUT/check.txt"
 start=$(date +%s)
 python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-12}" -m gpu "${select[@]}" "${@:-tests/gpu}" 2>&1 \
     | tee "$OUT/gpu_tests.txt"
