@@ -155,9 +155,9 @@ def warmup(
     from longctx.launchers.runtime import compile_ahead, compile_launches
 
     n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-    dev = _validate(head_dim, n_heads, n_kv_heads, dtype, tuple(masks), max_seq_len, window, device)
     if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
         raise ValueError(f"workers must be a positive int (compile threads) or None, got {workers!r}")
+    dev = _validate(head_dim, n_heads, n_kv_heads, dtype, tuple(masks), max_seq_len, window, device)
     plan = [(mask, S) for mask in masks for S in _lengths(max_seq_len)]
     shape = (head_dim, n_heads, n_kv_heads, dtype, window, backend, dev)
     report = WarmupReport()

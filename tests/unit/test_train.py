@@ -107,6 +107,14 @@ def test_yaml_exponents_without_a_dot_are_floats(tmp_path):
     assert cfg.lr == 3e-4 and isinstance(cfg.lr, float) and cfg.save is None
 
 
+def test_compile_ahead_is_on_by_default_and_can_be_turned_off(capsys):
+    assert parse_config([]).compile_ahead is True
+    assert parse_config(["--compile-ahead", "false"]).compile_ahead is False
+    # on the CPU there is nothing to compile: the run prints no compile line
+    run(TrainConfig(preset="tiny", train_iters=1, eval_iters=0, save=None, device="cpu"))
+    assert "attention kernels" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_parse(path):
     cfg = parse_config(["--config", str(path)])

@@ -38,6 +38,8 @@ def test_doc_lengths_fill_the_sequence_with_many_documents():
         (dict(masks=["window"]), "window"),
         (dict(max_seq_len=8), "max_seq_len"),
         (dict(device="cpu"), "CUDA"),
+        (dict(workers=0), "workers"),
+        (dict(workers=2.0), "workers"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs, match):
