@@ -99,11 +99,11 @@ def _launch_key(kernel, args: tuple, kwargs: dict, device: int | None):
 
 def compile_launches(launches: list, device: torch.device, workers: int | None = None) -> list[tuple[str, float, str]]:
     """Compile the distinct kernels of recorded ``launches`` (`compile_ahead`) concurrently, in ``workers`` threads
-    (default: one per CPU core, at most 32), into the process's kernel cache and Triton's on-disk cache; nothing
-    runs on the GPU. Triton releases the GIL while it lowers and assembles a kernel, so the wall time is about that
-    of the slowest kernel rather than the sum. Returns ``(kernel name, seconds, error or "")`` per distinct
-    kernel; a kernel that fails to compile is reported, not raised (its launcher meets the error again when it
-    runs, and falls back where it has a fallback)."""
+    (default: one per CPU core, at most 32), into the process's kernel cache and Triton's on-disk cache, and load
+    each binary; nothing runs on the GPU. Triton releases the GIL while it lowers and assembles a kernel, so the
+    wall time is about that of the slowest kernel rather than the sum. Returns ``(kernel name, seconds, error or
+    "")`` per distinct kernel; a kernel that fails to compile is reported, not raised (its launcher meets the error
+    again when it runs, and falls back where it has a fallback)."""
     index = None
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -118,7 +118,11 @@ def compile_launches(launches: list, device: torch.device, workers: int | None =
             torch.cuda.set_device(index)
         t0 = time.perf_counter()
         try:
-            kernel.warmup(*args, grid=grid, **kwargs)
+            compiled = kernel.warmup(*args, grid=grid, **kwargs)
+            # what Triton leaves to the first launch: building the kernel's launcher and loading its binary
+            init = getattr(compiled, "_init_handles", None)
+            if init is not None:
+                init()
             err = ""
         except Exception as exc:  # reported; the real launch raises it (or falls back) where it runs
             err = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -126,6 +130,12 @@ def compile_launches(launches: list, device: torch.device, workers: int | None =
 
     if not distinct:
         return []
+    try:  # the hash of Triton's installation that keys its on-disk cache: once, not in every thread at once
+        from triton.runtime.cache import triton_key
+
+        triton_key()
+    except Exception:
+        pass
     n = workers if workers is not None else min(32, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=max(1, min(n, len(distinct))), thread_name_prefix="longctx-compile") as ex:
         return list(ex.map(build, distinct.values()))
