@@ -16,6 +16,7 @@ CASES = [
     (1, 8, 2, 1025, 1025, 128, True, None),
     (1, 4, 1, 333, 1025, 96, True, None),
     (1, 4, 4, 600, 600, 64, False, (64, 16)),
+    (1, 8, 2, 100, 173, 64, True, None),  # grouped heads, causal, Sq != Sk (`longctx check`'s case)
 ]
 
 

@@ -188,6 +188,10 @@ class FlexBackend(Backend):
         bm = None
         if not band.is_dense:
             bm = _flex_block_mask(band.lo, band.hi, q.shape[2], k.shape[2], str(q.device))
+            if q.shape[1] != k.shape[1] and q.shape[2] != k.shape[2]:
+                # Inductor finds no FlexAttention kernel for grouped heads under a block mask with Sq != Sk
+                # (NoValidChoicesError, torch 2.11); the same call with K/V repeated per query head compiles
+                k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         out, lse = _compiled_flex()(
             q, k, v, block_mask=bm, scale=scale, enable_gqa=q.shape[1] != k.shape[1], return_lse=True
         )
