@@ -496,10 +496,10 @@ class Trainer:
         progress = Progress(cfg.train_iters, cfg.quiet, cfg.log_interval)
         progress.message(self._banner())
         metrics_path = Path(cfg.save) / "metrics.jsonl" if cfg.save and self.is_writer else None
+        self._compile_ahead(progress)  # before the peak-memory count starts: its tensors are not the run's
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-        self._compile_ahead(progress)
         self.model.train()
         losses: list[float] = []
         skipped: list[int] = []
@@ -573,9 +573,12 @@ class Trainer:
         """Compile, before the first step and concurrently, the attention kernels of every length bucket this run
         can meet (`longctx.warmup` with the model's heads, head dim, dtype, mask and backend), so that no step
         stalls on a compile. Only on a GPU with bf16 compute and one process's attention (context parallelism
-        calls the kernels on its ranks' chunks)."""
+        calls the kernels on its ranks' chunks), with a backend that runs longctx's kernels ("auto", "triton",
+        "triton_sparse"; the others compile nothing of longctx's, and "math" would materialise the scores)."""
         cfg, mcfg = self.cfg, self.model_config
         if not cfg.compile_ahead or self.device.type != "cuda" or self.compute_dtype != torch.bfloat16:
+            return
+        if mcfg.attention_backend not in ("auto", "triton", "triton_sparse"):
             return
         if self.cp is not None or self.cp_docs is not None:
             return
