@@ -133,6 +133,7 @@ def warmup(
     device: torch.device | str | None = None,
     backend: str = "auto",
     workers: int | None = None,
+    lengths: list[int] | None = None,
 ) -> WarmupReport:
     """Compile every kernel that forward and backward attention use for each (mask, length bucket), concurrently.
 
@@ -148,6 +149,8 @@ def warmup(
         backend: the attention backend of the dense masks, as training calls them ("auto": what dispatch picks;
             "triton" pins longctx's kernels where auto would take cuDNN).
         workers: compile threads (default: one per CPU core, at most 32).
+        lengths: the exact lengths to compile for, when a run uses only those (a trainer's fixed sequence length):
+            instead of one per length bucket up to ``max_seq_len``.
 
     Returns:
         A `WarmupReport`: the compile time, each kernel's, and the time of each call once compiled.
@@ -157,8 +160,16 @@ def warmup(
     n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
     if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
         raise ValueError(f"workers must be a positive int (compile threads) or None, got {workers!r}")
+    if lengths is not None and (
+        not isinstance(lengths, (list, tuple))
+        or not lengths
+        or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths)
+    ):
+        raise ValueError(
+            f"lengths must be a non-empty list of positive ints (or None: one per bucket), got {lengths!r}"
+        )
     dev = _validate(head_dim, n_heads, n_kv_heads, dtype, tuple(masks), max_seq_len, window, device)
-    plan = [(mask, S) for mask in masks for S in _lengths(max_seq_len)]
+    plan = [(mask, S) for mask in masks for S in (list(lengths) if lengths is not None else _lengths(max_seq_len))]
     shape = (head_dim, n_heads, n_kv_heads, dtype, window, backend, dev)
     report = WarmupReport()
     torch.cuda.synchronize(dev)

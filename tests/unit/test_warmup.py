@@ -39,6 +39,9 @@ def test_doc_lengths_fill_the_sequence_with_many_documents():
         (dict(max_seq_len=8), "max_seq_len"),
         (dict(device="cpu"), "CUDA"),
         (dict(workers=0), "workers"),
+        (dict(lengths=[]), "lengths"),
+        (dict(lengths=[4096, 0]), "lengths"),
+        (dict(lengths=4096), "lengths"),
         (dict(workers=2.0), "workers"),
     ],
 )

@@ -471,8 +471,8 @@ _TRAIN_HELP: dict[str, str] = {
     "cp_ulysses_size": "ulysses_ring: ranks per all-to-all group (a ring across the groups)",
     "device": "auto (cuda if available), cpu, cuda or cuda:N",
     "bf16": "bf16 autocast",
-    "compile_ahead": "on a GPU, compile the attention kernels of every length bucket the run can meet before the "
-    "first step, concurrently (longctx.warmup; without context parallelism)",
+    "compile_ahead": "on a GPU, compile the attention kernels the run calls before the first step, concurrently "
+    "(longctx.warmup; without context parallelism)",
     "data": "text file for byte-level language modelling instead of the recall task",
     "doc_separator": "bytes that end a document in --data (escapes: '\\n\\n', '\\x00'): rows become packed "
     "documents, attention and RoPE positions restart at each, no label crosses one",

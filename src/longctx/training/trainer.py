@@ -570,8 +570,8 @@ class Trainer:
         return result
 
     def _compile_ahead(self, progress: Progress) -> None:
-        """Compile, before the first step and concurrently, the attention kernels of every length bucket this run
-        can meet (`longctx.warmup` with the model's heads, head dim, dtype, mask and backend), so that no step
+        """Compile, before the first step and concurrently, the attention kernels of the length this run calls
+        attention at (`longctx.warmup` with the model's heads, head dim, dtype, mask and backend), so that no step
         stalls on a compile. Only on a GPU with bf16 compute and one process's attention (context parallelism
         calls the kernels on its ranks' chunks), with a backend that runs longctx's kernels ("auto", "triton",
         "triton_sparse"; the others compile nothing of longctx's, and "math" would materialise the scores)."""
@@ -585,14 +585,17 @@ class Trainer:
         from longctx.warmup import warmup
 
         documents = self.doc_attention is not None
+        # the one length training calls attention at: packed documents run as one varlen call over the
+        # micro-batch's tokens
+        length = mcfg.seq_length * (cfg.micro_batch_size if documents else 1)
         report = warmup(
             head_dim=mcfg.head_dim,
             n_heads=mcfg.num_attention_heads,
             n_kv_heads=mcfg.kv_heads,
             dtype=self.compute_dtype,
             masks=["documents"] if documents else ["causal"],
-            # packed documents run as one varlen call over the micro-batch's tokens
-            max_seq_len=max(16, mcfg.seq_length * (cfg.micro_batch_size if documents else 1)),
+            max_seq_len=max(16, length),
+            lengths=[length],
             backend=mcfg.attention_backend,
             device=self.device,
         )
