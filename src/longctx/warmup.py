@@ -26,7 +26,7 @@ import torch
 
 __all__ = ["warmup", "WarmupReport", "MASKS", "main"]
 
-MASKS = ("full", "causal", "window", "documents", "documents_full")
+MASKS = ("full", "causal", "window", "documents", "documents_full", "documents_window")
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 # one length per length bucket of the tile table (`tuning.seq_bucket`): <=1K, 2K, 4K, 8K, 16K, longer
 _BUCKET_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -72,6 +72,19 @@ def _lengths(max_seq_len: int) -> list[int]:
     return out or [max_seq_len]
 
 
+def _plan(masks, lengths: list[int] | None, max_seq_len: int) -> list[tuple[str, int]]:
+    """The (mask, length) calls: ``lengths``, else one per bucket up to ``max_seq_len``; in the bucket mode, packed
+    documents also at one token less, since a token count that is not a multiple of the block mask's block compiles
+    the block-sparse kernels' other variant (EVEN_SK), and packed batches come in every count."""
+    plan = []
+    for mask in masks:
+        for S in list(lengths) if lengths is not None else _lengths(max_seq_len):
+            plan.append((mask, S))
+            if lengths is None and mask.startswith("documents") and S > 1:
+                plan.append((mask, S - 1))
+    return plan
+
+
 def _doc_lengths(total: int, gen: torch.Generator) -> list[int]:
     """Document lengths that fill ``total`` tokens: long-tailed (log-uniform from 16 to total / 2)."""
     lens: list[int] = []
@@ -93,7 +106,7 @@ def _validate(head_dim, n_heads, n_kv_heads, dtype, masks, max_seq_len, window, 
     bad = [m for m in masks if m not in MASKS]
     if bad or not masks:
         raise ValueError(f"masks must be a non-empty list of {MASKS}, got {list(masks)!r}")
-    if "window" in masks and (window is None or int(window) < 0):
+    if any(m.endswith("window") for m in masks) and (window is None or int(window) < 0):
         raise ValueError(f"the 'window' mask needs window=<left size in tokens, >= 0>, got {window!r}")
     if not isinstance(max_seq_len, int) or max_seq_len < 16:
         raise ValueError(f"max_seq_len must be an int >= 16, got {max_seq_len!r}")
@@ -103,21 +116,23 @@ def _validate(head_dim, n_heads, n_kv_heads, dtype, masks, max_seq_len, window, 
     return dev
 
 
-def _call(mask: str, S: int, head_dim, n_heads, n_kv_heads, dtype, window, backend, dev, gen) -> None:
+def _call(mask: str, S: int, head_dim, n_heads, n_kv_heads, dtype, window, backend, softcap, dev, gen) -> None:
     """One forward and backward of ``mask`` at length ``S`` (batch 1)."""
     from longctx.api import attention, flash_attn_varlen_func
 
+    win = (int(window), 0) if mask.endswith("window") else (-1, -1)
     if mask.startswith("documents"):
         q = torch.randn(S, n_heads, head_dim, device=dev, dtype=dtype, requires_grad=True)
         k, v = (torch.randn(S, n_kv_heads, head_dim, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
         lens = _doc_lengths(S, gen)
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-        out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=mask == "documents")
+        out = flash_attn_varlen_func(
+            q, k, v, cu, cu, max(lens), max(lens), causal=mask != "documents_full", window_size=win, softcap=softcap
+        )
     else:
         q = torch.randn(1, n_heads, S, head_dim, device=dev, dtype=dtype, requires_grad=True)
         k, v = (torch.randn(1, n_kv_heads, S, head_dim, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
-        win = (int(window), 0) if mask == "window" else (-1, -1)
-        out = attention(q, k, v, causal=mask != "full", window=win, backend=backend)
+        out = attention(q, k, v, causal=mask != "full", window=win, backend=backend, softcap=softcap)
     out.float().sum().backward()  # a scalar loss, as training's
 
 
@@ -134,6 +149,7 @@ def warmup(
     backend: str = "auto",
     workers: int | None = None,
     lengths: list[int] | None = None,
+    softcap: float = 0.0,
 ) -> WarmupReport:
     """Compile every kernel that forward and backward attention use for each (mask, length bucket), concurrently.
 
@@ -141,16 +157,18 @@ def warmup(
         head_dim, n_heads, n_kv_heads: the model's attention shape (n_kv_heads defaults to n_heads); the kernels
             are compiled for these head counts, as training will call them.
         dtype: torch.bfloat16 or torch.float16.
-        masks: any of "full", "causal", "window" (causal sliding window of ``window`` tokens), "documents" and
-            "documents_full" (packed documents, causal or not inside each, through `flash_attn_varlen_func`).
+        masks: any of "full", "causal", "window" (causal sliding window of ``window`` tokens), "documents",
+            "documents_full" and "documents_window" (packed documents through `flash_attn_varlen_func`: causal, not
+            causal, or causal with the sliding window inside each).
         max_seq_len: the longest sequence training will use; lengths up to it, one per tile-table bucket, run.
-        window: the window's left size, for the "window" mask.
+        window: the window's left size (keys i - window <= j <= i), for the window masks.
         device: a CUDA device (default: the current one).
         backend: the attention backend of the dense masks, as training calls them ("auto": what dispatch picks;
             "triton" pins longctx's kernels where auto would take cuDNN).
         workers: compile threads (default: one per CPU core, at most 32).
         lengths: the exact lengths to compile for, when a run uses only those (a trainer's fixed sequence length):
             instead of one per length bucket up to ``max_seq_len``.
+        softcap: the logit softcap the model's attention uses (0: none; it compiles other kernels).
 
     Returns:
         A `WarmupReport`: the compile time, each kernel's, and the time of each call once compiled.
@@ -168,9 +186,11 @@ def warmup(
         raise ValueError(
             f"lengths must be a non-empty list of positive ints (or None: one per bucket), got {lengths!r}"
         )
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0:
+        raise ValueError(f"softcap must be a number >= 0 (0: no softcap), got {softcap!r}")
     dev = _validate(head_dim, n_heads, n_kv_heads, dtype, tuple(masks), max_seq_len, window, device)
-    plan = [(mask, S) for mask in masks for S in (list(lengths) if lengths is not None else _lengths(max_seq_len))]
-    shape = (head_dim, n_heads, n_kv_heads, dtype, window, backend, dev)
+    plan = _plan(masks, lengths, max_seq_len)
+    shape = (head_dim, n_heads, n_kv_heads, dtype, window, backend, float(softcap), dev)
     report = WarmupReport()
     torch.cuda.synchronize(dev)
     t0 = time.perf_counter()
@@ -199,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=None)
     ap.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
     ap.add_argument("--masks", default="causal", help=f"comma-separated, of {', '.join(MASKS)}")
-    ap.add_argument("--window", type=int, default=None, help="left window size for the 'window' mask")
+    ap.add_argument("--window", type=int, default=None, help="left window size for the window masks")
+    ap.add_argument("--softcap", type=float, default=0.0, help="the attention logit softcap (0: none)")
     ap.add_argument("--seq-length", type=int, default=32768, help="the longest sequence training will use")
     ap.add_argument("--backend", default="auto", help="the dense masks' attention backend, as training calls it")
     ap.add_argument("--workers", type=int, default=None, help="compile threads (default: one per CPU core)")
@@ -226,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             window=args.window,
             backend=args.backend,
             workers=args.workers,
+            softcap=args.softcap,
         )
     except (ValueError, TypeError) as exc:
         print(f"longctx warmup: {exc}", file=sys.stderr)

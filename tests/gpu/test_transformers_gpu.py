@@ -141,6 +141,40 @@ def test_packed_bf16_against_sdpa(flash_kwargs):
     _check(_model("mistral"), {**batch, "use_cache": False})
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_compile_ahead_leaves_nothing_to_compile(family, packed):
+    """After `compile_ahead`, a training step of the model (rows of one length, or packed documents) compiles no
+    attention kernel: Triton's jit_cache_hook sees no miss."""
+    knobs = getattr(pytest.importorskip("triton"), "knobs", None)
+    if knobs is None or not hasattr(knobs.runtime, "jit_cache_hook"):
+        pytest.skip("this Triton has no jit_cache_hook")
+    model = _model(family)
+    model.set_attn_implementation("longctx")
+    report = lt.compile_ahead(model, 2048, packed=packed)
+    assert report.failed == []
+    if packed:
+        g = torch.Generator().manual_seed(4)
+        feats = [{"input_ids": torch.randint(0, V, (n,), generator=g).tolist()} for n in (300, 1, 517, 129, 800)]
+        batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(feats)
+        batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        batch["use_cache"] = False
+    else:
+        x = _tokens(2, 1000)
+        batch = dict(input_ids=x, labels=x)
+    misses = []
+    old = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = lambda *a, **k: misses.append(k.get("fn"))
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(**batch)
+        out.loss.backward()
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_cache_hook = old
+    assert misses == []
+
+
 def test_apply_bf16_against_sdpa():
     """apply (full recompute, fused loss): gradients as accurate as SDPA's under bf16 autocast."""
     x = _tokens(1, 2048, seed=5)

@@ -46,17 +46,16 @@ def test_warmup_compiles_everything_the_calls_need():
     _forget_compiled_kernels()
     report = wu.warmup(masks=masks, max_seq_len=2048, workers=8, **{k: v for k, v in kw.items() if k != "window"})
     assert report.kernels and report.failed == []
-    assert [(m, s) for m, s, _ in report.calls] == [(m, s) for m in masks for s in (1024, 2048)]
+    assert [(m, s) for m, s, _ in report.calls] == wu._plan(masks, None, 2048)
 
     misses = []
     old = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = lambda *a, **k: misses.append(k.get("fn", a))
     try:
         gen = torch.Generator().manual_seed(0)
-        for mask in masks:
-            for S in (1024, 2048):
-                wu._call(mask, S, kw["head_dim"], kw["n_heads"], kw["n_kv_heads"], kw["dtype"], None, "triton",
-                         torch.device("cuda"), gen)  # fmt: skip
+        for mask, S in wu._plan(masks, None, 2048):
+            wu._call(mask, S, kw["head_dim"], kw["n_heads"], kw["n_kv_heads"], kw["dtype"], None, "triton", 0.0,
+                     torch.device("cuda"), gen)  # fmt: skip
         torch.cuda.synchronize()
     finally:
         knobs.runtime.jit_cache_hook = old

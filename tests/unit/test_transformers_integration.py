@@ -368,3 +368,30 @@ def test_from_pretrained_takes_the_implementation(tmp_path):
     ref = _model("qwen2")
     ref.set_attn_implementation("sdpa")
     _assert_close(model(input_ids=x).logits, ref(input_ids=x).logits)
+
+
+# -- compile_ahead: the attention description handed to longctx.warmup ---------------------------------------------
+
+
+def test_compile_ahead_reads_the_attention_from_the_config():
+    shape = lt._attention_shape(LlamaConfig(**_SMALL), packed=False)
+    assert shape == dict(head_dim=12, n_heads=4, n_kv_heads=2, masks=["causal"], window=None, softcap=0.0)
+    # every layer slides (transformers' window of 64 tokens is longctx's left window 63)
+    shape = lt._attention_shape(MistralConfig(**_SMALL, sliding_window=64), packed=True)
+    assert shape["masks"] == ["documents_window"] and shape["window"] == 63
+    # alternating layers and the logit softcap (Gemma 2)
+    shape = lt._attention_shape(Gemma2Config(**_SMALL, sliding_window=32, attn_logit_softcapping=50.0), packed=False)
+    assert shape["masks"] == ["causal", "window"] and shape["window"] == 31 and shape["softcap"] == 50.0
+    # Qwen2 with the window off: plain causal
+    assert lt._attention_shape(Qwen2Config(**_SMALL), packed=True)["masks"] == ["documents"]
+    # head dim from the width where the config has none
+    cfg = LlamaConfig(**{**_SMALL, "head_dim": None})
+    assert lt._attention_shape(cfg, packed=False)["head_dim"] == 12
+
+
+def test_compile_ahead_needs_a_model_on_the_gpu():
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**_SMALL))
+    with pytest.raises(ValueError, match="CUDA device"):
+        lt.compile_ahead(model, 1024)
+    with pytest.raises(TypeError, match="packed"):
+        lt.compile_ahead(model, 1024, packed="yes")

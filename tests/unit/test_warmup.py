@@ -20,6 +20,15 @@ def test_lengths_cover_each_bucket_once():
     assert wu._lengths(512) == [512]
 
 
+def test_plan_adds_an_uneven_token_count_for_packed_documents():
+    assert wu._plan(["causal"], None, 2048) == [("causal", 1024), ("causal", 2048)]
+    assert wu._plan(["documents"], None, 2048) == [
+        ("documents", 1024), ("documents", 1023), ("documents", 2048), ("documents", 2047)
+    ]  # fmt: skip
+    # exact lengths are taken as given
+    assert wu._plan(["documents", "causal"], [4096], 65536) == [("documents", 4096), ("causal", 4096)]
+
+
 def test_doc_lengths_fill_the_sequence_with_many_documents():
     gen = torch.Generator().manual_seed(0)
     for total in (1024, 16384, 65536):
@@ -42,6 +51,9 @@ def test_doc_lengths_fill_the_sequence_with_many_documents():
         (dict(lengths=[]), "lengths"),
         (dict(lengths=[4096, 0]), "lengths"),
         (dict(lengths=4096), "lengths"),
+        (dict(softcap=-1.0), "softcap"),
+        (dict(softcap="30"), "softcap"),
+        (dict(masks=["documents_window"]), "window"),
         (dict(workers=2.0), "workers"),
     ],
 )
