@@ -797,7 +797,8 @@ def compile_ahead(
 
     The attention's shape comes from the model's config: heads, key/value heads, head dim, the logit softcap
     (``attn_logit_softcapping``) and which layers use the sliding window (``layer_types``, else every layer when
-    ``sliding_window`` is set).
+    ``sliding_window`` is set). Under context parallelism (`apply` with a group) the ranks call the kernels on their
+    chunks, which this does not warm.
 
     Args:
         model: a causal LM on a CUDA device.
