@@ -124,3 +124,23 @@ def test_warmup_report():
     table = rep.table()
     assert "compiled 3 kernels in 3.00 s" in table and "add up to 5.50 s" in table
     assert "did not compile: ws: RuntimeError: x" in table
+
+
+def test_launchers_run_every_kernel_through_runtime_launch():
+    """A kernel launched as ``kernel[grid](...)`` outside `runtime.launch` would escape `compile_ahead` (the warm-up
+    would then compile it one after the other in its real pass). Only the autotuned launches, whose grid is a
+    function of the chosen config, may do so: they run in any case."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(runtime.__file__).parent
+    tables = {"_PRE_HOOKS"}  # dicts of functions, called as table[key](...)
+    direct = []
+    for path in sorted(folder.glob("*.py")):
+        if path.name == "runtime.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            call = isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+            if call and not isinstance(node.func.slice, ast.Lambda) and ast.unparse(node.func.value) not in tables:
+                direct.append(f"{path.name}:{node.lineno}")
+    assert direct == [], f"kernels launched around runtime.launch: {direct}"
