@@ -9,16 +9,12 @@ batch; the loss value must equal the single-process loss and the gradients, summ
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import traceback
 from functools import cache
 
 import pytest
 import torch
 
-from tests.distributed.spawn import spawn_world
+from tests.distributed.spawn import assert_ranks_ok, run_case_world
 
 pytest.importorskip("transformers")
 
@@ -119,35 +115,16 @@ def _run_case(name: str, rank: int, world: int) -> None:
     _close(local, shard(full, 1, None, layout), "logits")
 
 
-def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    results = {}
-    path = os.path.join(out_dir, f"rank{rank}.json")
-    try:
-        for name in CASES:
-            try:
-                _run_case(name, rank, world)
-                results[name] = "ok"
-            except Exception as e:  # noqa: BLE001 - reported per case
-                results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"
-            with open(path + ".tmp", "w") as f:
-                json.dump(results, f)
-            os.replace(path + ".tmp", path)
-    finally:
-        dist.destroy_process_group()
+def case_names(world: int) -> list[str]:
+    """The cases every rank runs (`tests.distributed.spawn.run_case_world`), the same at any world size."""
+    return list(CASES)
 
 
 @cache
 def run_world() -> dict[str, list[str]]:
-    per_rank, hung = spawn_world(_worker, WORLD, WORLD_TIMEOUT_S)
-    return {n: [pr.get(n, f"did not run (hung ranks {hung})") for pr in per_rank] for n in CASES}
+    return run_case_world(__name__, WORLD, WORLD_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_transformers_cp_gloo(name: str) -> None:
-    results = run_world()[name]
-    assert all(r == "ok" for r in results), "\n".join(f"rank {i}: {r}" for i, r in enumerate(results))
+    assert_ranks_ok(run_world()[name])
