@@ -307,13 +307,16 @@ def measured_index(gpu: str, key: str, n: int) -> int:
 
 # Warp-specialised forward (Gluon, Hopper): head dim -> (BLOCK_N, STAGES, PIPE): key tile, shared-memory ring depth,
 # intra-warpgroup overlap. 3 stages win for dense bands and long causal ones; 2 stages for causal-like bands up to 4K.
-WS_CONFIG: dict[int, tuple[int, int, bool]] = {64: (128, 3, True), 128: (128, 3, True)}
+# D=256: 64-row key tiles in 2 stages (Q of both warpgroups and the ring take 192 KB of shared memory; 128-row tiles
+# or a third stage do not fit), the fastest of four configs at every length and band measured.
+WS_CONFIG: dict[int, tuple[int, int, bool]] = {64: (128, 3, True), 128: (128, 3, True), 256: (64, 2, True)}
 WS_CONFIG_SHORT_CAUSAL: dict[int, tuple[int, int, bool]] = {128: (128, 2, True)}
 
 
 def ws_fwd_config(head_dim: int, sq: int, sk: int, banded: bool) -> tuple[int, int, bool] | None:
     """The warp-specialised forward's config, or None where the Triton forward measured faster: D=64 with a band,
-    and D=128 causal-like bands up to 2K (their masked diagonal tiles are a large share of the work)."""
+    and D=128 causal-like bands up to 2K (their masked diagonal tiles are a large share of the work). At D=256 it
+    was the faster forward everywhere measured (1K-16K; full, causal, sliding window, softcap)."""
     if head_dim == 64 and banded:
         return None
     if head_dim == 128 and banded:
@@ -340,11 +343,13 @@ def ws_bwd_config(head_dim: int) -> tuple[int, int, bool] | None:
 
 # Triton block-sparse kernels at D=128, tried before the dense tables' entries: with the prefetched block index and
 # the swapped grid, forward 128x64 / 8 warps / 3 stages with TMA K/V and dK/dV 64x128/8/3 were the fastest on every
-# mask case of the H100 sweep. Other head dims use the dense tables (their first entries that divide the mask block).
+# mask case of the H100 sweep. D=256 dQ: 128x32 / 8 / 2 beat the dense table's first entry on four document masks
+# (4K-16K, the whole backward 1.15-1.20x). Other head dims and kernels use the dense tables (their first entries that
+# divide the mask block).
 SPARSE_TABLES = {
     "fwd": {128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)]},
     "dkdv": {128: [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3)]},
-    "dq": {128: [(128, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 4)]},
+    "dq": {128: [(128, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 4)], 256: [(128, 32, 8, 2), (128, 64, 8, 1)]},
 }
 
 
@@ -367,8 +372,9 @@ def sparse_tile_choices(kind: str, bd: int, mask_bs: int, interpret: bool = Fals
 
 # Warp-specialised (Gluon, Hopper) block-sparse kernels, per head dim: forward (BLOCK_N, STAGES, PIPE) and backward
 # (BLOCK_M, STAGES, EARLY_DV). The dense warp-specialised kernels' configs: 2 or 3 stages measured within the
-# run-to-run spread of each other on the sparse masks, and EARLY_DV slower.
-SPARSE_WS_FWD = {64: (128, 3, True), 128: (128, 3, True)}
+# run-to-run spread of each other on the sparse masks, and EARLY_DV slower. D=256 has a forward only (the dense
+# one's config; it beat the Triton forward on 10 of 12 document masks, 4K-16K) and keeps the Triton backward.
+SPARSE_WS_FWD = {64: (128, 3, True), 128: (128, 3, True), 256: (64, 2, True)}
 SPARSE_WS_BWD = {64: (64, 2, False), 128: (64, 2, False)}
 
 

@@ -30,13 +30,14 @@ def _block_mask(name, Sq, Sk, block_size=128, H=None):
 
 
 @pytest.mark.parametrize("S", [1024, 1000])  # block-aligned (no bounds masks on full blocks) and ragged
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("name", list(MASKS))
 def test_ws_masks_against_oracle(name, D, S, spy):
     bm = _block_mask(name, S, S)
     q, k, v = _inputs(2, 8, 2, S, S, D, torch.bfloat16, seed=11)
     _check(q, k, v, bm)
-    assert spy() == {"fwd": 1, "bwd": 1}
+    # D=256: the warp-specialised forward, the Triton backward (its lse from the Gluon forward)
+    assert spy() == {"fwd": 1, "bwd": 0 if D == 256 else 1}
 
 
 @pytest.mark.parametrize("name", ["docs_causal", "general", "local_global"])

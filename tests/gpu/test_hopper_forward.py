@@ -1,7 +1,7 @@
 """GPU tests of the warp-specialised forward (`kernels.flash_fwd_ws`, Gluon; Hopper only, skipped elsewhere).
 
 test_flash_kernels.py runs the whole matrix through `triton_attention`, which takes this kernel for the inputs it
-supports (fp16/bf16, D in {64, 128}) on an sm_90 GPU. Here: that it is really the kernel taken there, and
+supports (fp16/bf16, D in {64, 128, 256}) on an sm_90 GPU. Here: that it is really the kernel taken there, and
 that it agrees with the Triton forward and with the float64 oracle on the shapes that stress its pipeline
 (many key tiles per ring slot, runs of length 0 and 1, ragged tails, GQA, the flash_attn_func layout).
 """
@@ -28,17 +28,25 @@ def _untuned():
 BANDS = {"full": (None, None), "causal": (None, 0), "window": (-300, 0), "two_sided": (-77, 130)}
 
 
-def test_ws_is_taken(ws_switches, count_calls):
+@pytest.mark.parametrize("D,band", [(128, "full"), (256, "full"), (256, "causal")])
+def test_ws_is_taken(ws_switches, count_calls, D, band):
     tf = ws_switches
     calls = count_calls(tf, "_forward_ws")
-    q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
-    tf.triton_forward(q, q, q, scale=0.1, band=tf.Band(None, None))
-    assert calls, "the warp-specialised forward was not used for bf16 D=128 on Hopper"
+    q = torch.randn(1, 2, 256, D, device="cuda", dtype=torch.bfloat16)
+    tf.triton_forward(q, q, q, scale=0.1, band=tf.Band(*BANDS[band]))
+    assert calls, f"the warp-specialised forward was not used for bf16 D={D} {band} on Hopper"
+
+
+# configs per head dim: at D=256 the key tile is 64 rows (128-row tiles do not fit shared memory)
+CFGS = {
+    64: [(128, 2, True), (128, 2, False), (64, 3, True)],
+    128: [(128, 2, True), (128, 2, False), (64, 3, True)],
+    256: [(64, 2, True), (64, 2, False), (32, 3, True)],
+}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("cfg", [(128, 2, True), (128, 2, False), (64, 3, True)], ids=["128x2p", "128x2", "64x3p"])
+@pytest.mark.parametrize("D,cfg", [(d, c) for d, cs in CFGS.items() for c in cs], ids=str)
 @pytest.mark.parametrize("band", list(BANDS))
 @pytest.mark.parametrize("sq,sk", [(1000, 1000), (129, 2049), (2048, 300), (17, 40)], ids=str)
 def test_ws_matches_oracle(ws_switches, dtype, D, cfg, band, sq, sk):
@@ -69,9 +77,10 @@ def test_ws_matches_oracle(ws_switches, dtype, D, cfg, band, sq, sk):
     assert torch.all(out[~fin] == 0)  # rows that see no key give 0
 
 
-def test_ws_bshd_layout(ws_switches):
+@pytest.mark.parametrize("D", [128, 256])
+def test_ws_bshd_layout(ws_switches, D):
     tf = ws_switches
-    B, S, H, D = 2, 777, 4, 128
+    B, S, H = 2, 777, 4
     x = [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     q, k, v = (t.transpose(1, 2) for t in x)  # (B, H, S, D) views of the flash_attn_func layout
     with tuning.override(ws=True):

@@ -73,6 +73,11 @@ SCRIPT = COMMON + textwrap.dedent(
     lay = torch.rand(2, 3, 4, generator=torch.Generator().manual_seed(1)) < 0.5
     q, k, v = inputs(1, 2, 2, 48, 64, 24, torch.float32, 3)
     check(q, k, v, longctx.BlockMask.from_layout(lay, 16, 48, 64), "layout")
+    # a head dim past 128 (D=200, padded to 256); GQA, ragged
+    docs = torch.tensor([0] * 7 + [1] * 23)
+    bm = longctx.block_mask(bsm.document_mask(docs) & bsm.causal_mask, None, None, 30, 30, block_size=16, device="cpu")
+    q, k, v = inputs(1, 2, 1, 30, 30, 200, torch.float32, 12)
+    check(q, k, v, bm, "d200")
     # packed documents through flash_attn_varlen_func (Sq != Sk per document, length-1 documents, causal)
     lq, lk = [1, 30, 5, 20], [3, 18, 5, 1]
     cu = lambda L: torch.tensor([0] + torch.tensor(L).cumsum(0).tolist(), dtype=torch.int32)
@@ -136,7 +141,7 @@ def _run(script: str, extra_env: dict | None = None) -> str:
 
 
 def test_sparse_kernels_in_interpreter():
-    assert _run(SCRIPT).count("ok") == 7
+    assert _run(SCRIPT).count("ok") == 8
 
 
 def test_sparse_kernels_with_descriptor_loads_in_interpreter():

@@ -39,6 +39,8 @@ CASES = {
     "dense_tma_pipelined_f32": ("dense", 1, 2, 2, 40, 70, 16, "float32", 5.0, {"tma": True, "pipe": True}),
     "sparse_documents_causal_gqa_f32": ("sparse", 1, 4, 2, 48, 48, 16, "float32", 3.0, {"mask": "docs"}),
     "sparse_stored_tiles_f16": ("sparse", 1, 2, 2, 40, 56, 16, "float16", 4.0, {"mask": "tiles"}),
+    # a head dim past 128 (D=200, padded to 256)
+    "sparse_documents_d200_f32": ("sparse", 1, 2, 1, 37, 37, 200, "float32", 3.0, {"mask": "docs"}),
     "varlen_causal_gqa_f32": ("varlen", 1, 4, 2, 0, 0, 16, "float32", 2.5, {}),
 }
 

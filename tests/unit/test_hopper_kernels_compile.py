@@ -31,7 +31,8 @@ from longctx.launchers import runtime
         (128, 8192, True, True, tuning.WS_CONFIG[128]),  # windows / shifted bands: like causal
         (64, 8192, False, False, tuning.WS_CONFIG[64]),
         (64, 16384, False, True, None),  # D=64 with a band: the Triton forward
-        (256, 16384, False, False, None),  # no config: the Triton forward
+        (256, 16384, False, False, tuning.WS_CONFIG[256]),
+        (256, 1024, False, True, tuning.WS_CONFIG[256]),  # D=256: faster at every length and band measured
         (96, 4096, False, False, None),
     ],
 )
@@ -98,7 +99,7 @@ def _check_resources(k, tmp_path) -> list[tuple[int, int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("D,causal", [(128, True), (64, False)])
+@pytest.mark.parametrize("D,causal", [(128, True), (64, False), (256, True)])
 def test_ws_compiles_for_sm90_without_spills(D, causal, tmp_path, sm90_compile):
     from longctx.kernels.gluon import flash_fwd_ws as ws
 
@@ -110,7 +111,13 @@ def test_ws_compiles_for_sm90_without_spills(D, causal, tmp_path, sm90_compile):
              "desc_v": runtime._gluon_desc(t, block_n)}  # fmt: skip
     k = sm90_compile(ws.attn_fwd_ws_kernel, consts, descs, {"O": "*bf16", "LSE": "*fp32", "qk_scale": "fp32"})
     usage = _check_resources(k, tmp_path)
-    assert all(stack == 0 and local == 0 for stack, local in usage), usage
+    assert all(stack <= FWD_STACK_BOUND[D] and local == 0 for stack, local in usage), usage
+
+
+# Stack bytes allowed in the forward's cubin. D=256 (its 64 x 256 fp32 output tile takes 128 registers a thread):
+# 512 bytes with Triton 3.6 and 400 with 3.9 in this signature, where every integer argument is an i32; compiled
+# as the JIT specialises a contiguous launch (dev/sass_diff.py), it spills nothing.
+FWD_STACK_BOUND = {64: 0, 128: 0, 256: 512}
 
 
 # Stack bytes allowed in the backward's cubin. D=128 is known to spill: measured 432 bytes dense, 424 causal (Triton
@@ -169,17 +176,23 @@ _SPARSE_TYPES.update({n: "*i32" for n in ("KV_NUM", "KV_IDX", "Q_NUM", "Q_IDX", 
 # columns; 16 in interval form; 224 with Triton 3.9), 104 at D=64; the backward 160 at D=128, 24 at D=64. The
 # spills sit in the per-item code (the item's lists, pointers and epilogue), not in the tile loops (SASS read
 # offline). More than the bound: the kernels spill more than they did, a regression to look at.
-SPARSE_STACK_BOUND = {("fwd", 64): 128, ("fwd", 128): 256, ("bwd", 64): 64, ("bwd", 128): BWD_STACK_BOUND[128]}
+SPARSE_STACK_BOUND = {
+    ("fwd", 64): 128,
+    ("fwd", 128): 256,
+    ("fwd", 256): 256,
+    ("bwd", 64): 64,
+    ("bwd", 128): BWD_STACK_BOUND[128],
+}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "kind,even", [(1, True), (2, False), (3, False)], ids=["analytic-even", "tiles-ragged", "intervals-ragged"]
 )
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_sparse_ws_compiles_for_sm90(D, kind, even, tmp_path, sm90_compile):
     """The block-sparse warp-specialised kernels (`kernels.flash_sparse_ws`) with the configs of
-    `tuning.sparse_ws_config`, within shared memory and the stack bounds above."""
+    `tuning.sparse_ws_config`, within shared memory and the stack bounds above (D=256: the forward only)."""
     from longctx import tuning
     from longctx.kernels.gluon import flash_sparse_ws as ws
 
@@ -193,6 +206,8 @@ def test_sparse_ws_compiles_for_sm90(D, kind, even, tmp_path, sm90_compile):
     usage = _check_resources(sm90_compile(ws.sparse_fwd_ws_kernel, consts, descs, _SPARSE_TYPES), tmp_path)
     assert all(local == 0 and stack <= SPARSE_STACK_BOUND["fwd", D] for stack, local in usage), usage
 
+    if tuning.sparse_ws_config("bwd", D) is None:
+        return
     block_m, stages, early_dv = tuning.sparse_ws_config("bwd", D)
     rows = int(ws.CTA_ROWS)
     desc_rows = runtime._gluon_rows_desc(torch.empty(1, 1, 256, dtype=torch.float32), block_m)

@@ -12,9 +12,10 @@ read there); this module only applies them:
 - forward: the warp-specialised kernel (`kernels.gluon.flash_fwd_ws`) for fp16/bf16 on Hopper where
   `tuning.ws_fwd_config` says it is faster, else the Triton kernel with K/V through TMA descriptors where the
   tensors allow it (`tuning.fwd_kv_loads`).
-- backward: the warp-specialised kernel (dQ by the copy engine's bulk reduction) for fp16/bf16 on Hopper, else the
-  Triton dK/dV kernel with dQ added by atomics where `tuning.atomic_dq` says it is faster, else a separate dQ kernel;
-  at D=256 the dK/dV kernel runs twice, for dV and for dK (`tuning.split_dkdv`).
+- backward: the warp-specialised kernel (dQ by the copy engine's bulk reduction) for fp16/bf16 on Hopper at D 64
+  and 128 (`tuning.ws_bwd_config`), else the Triton dK/dV kernel with dQ added by atomics where `tuning.atomic_dq`
+  says it is faster, else a separate dQ kernel; at D=256 the dK/dV kernel runs twice, for dV and for dK
+  (`tuning.split_dkdv`).
   Atomics add in no fixed order: ``deterministic=True`` always takes the Triton kernels with the separate dQ kernel,
   each gradient element written once (bitwise repeatable). The user switch ``LONGCTX_DETERMINISTIC=1`` is read by
   the backends (`longctx.switches`) and arrives here as ``deterministic``.
@@ -182,8 +183,9 @@ def _ws_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _ws_inputs_ok(*tensors: torch.Tensor) -> bool:
-    """Inputs the warp-specialised kernels can take: fp16/bf16 on a Hopper GPU, head dim 64 or 128, TMA-loadable
-    (unit stride on D, 16-byte aligned rows), no broadcast (stride 0) dims, sequences of at least 16."""
+    """Inputs the warp-specialised kernels can take: fp16/bf16 on a Hopper GPU, a head dim of `tuning.WS_CONFIG`
+    (64, 128, 256; the backward has its own, `tuning.WS_BWD_CONFIG`), TMA-loadable (unit stride on D, 16-byte aligned
+    rows), no broadcast (stride 0) dims, sequences of at least 16."""
     q = tensors[0]
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return False

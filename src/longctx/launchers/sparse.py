@@ -2,12 +2,13 @@
 rows that see nothing). The backward's Delta / base-2 lse come from the dense backward's preprocessing kernel
 (`longctx.launchers.flash.bwd_preprocess`).
 
-Kernels: on Hopper, fp16/bf16 inputs with head dim 64 or 128 and a mask block that is a multiple of 128 take the
-warp-specialised, persistent Gluon kernels (`longctx.kernels.gluon.flash_sparse_ws`); their backward adds dQ by the
-copy engine's bulk reduction (not in a fixed order), so ``deterministic=True`` keeps the Triton kernels
-(`longctx.kernels.triton.flash_sparse`), which serve every other input too, and take over where a Triton version
-does not compile the Gluon kernels. The persistent kernels take their work items in `_schedule`'s order (heads in
-order, the longest items first within a head), kept per mask (`_schedule_cached`).
+Kernels: on Hopper, fp16/bf16 inputs with head dim 64 or 128 (the forward also 256: `tuning.sparse_ws_config`) and
+a mask block that is a multiple of 128 take the warp-specialised, persistent Gluon kernels
+(`longctx.kernels.gluon.flash_sparse_ws`); their backward adds dQ by the copy engine's bulk reduction (not in a
+fixed order), so ``deterministic=True`` keeps the Triton kernels (`longctx.kernels.triton.flash_sparse`), which serve
+every other input too, and take over where a Triton version does not compile the Gluon kernels. The persistent
+kernels take their work items in `_schedule`'s order (heads in order, the longest items first within a head), kept
+per mask (`_schedule_cached`).
 
 Tiles of the Triton kernels: the entry of `longctx.tuning.sparse_tile_choices` that `tuning.MEASURED_TILES` names
 for this GPU (autotuned over the first two at run time only with ``LONGCTX_TUNING=autotune=1``); the Gluon kernels'
@@ -183,8 +184,8 @@ def _ws_config(kind: str, n_heads: int, mask_bs: int, *tensors: torch.Tensor) ->
     """The warp-specialised kernel's config for these inputs (`tuning.sparse_ws_config`), or None where the Triton
     kernels run: switched off (tuning key ``sparse_ws`` / ``sparse_ws_bwd``) or failed to compile, a mask block that
     is not a multiple of the kernels' 128 rows, 2^31 work items or more (their int32 index), or inputs the Gluon
-    kernels do not take (`launchers.flash._ws_inputs_ok`: fp16/bf16, head dim 64 or 128, sm_90, TMA-loadable
-    strides)."""
+    kernels do not take (`launchers.flash._ws_inputs_ok`: fp16/bf16, head dim 64, 128 or 256, sm_90, TMA-loadable
+    strides), or a head dim without a config of this kind (D=256 has no backward)."""
     n_items = n_heads * _cdiv(max(tensors[0].shape[2], tensors[1].shape[2]), 128)
     if tuning.get("sparse_ws" if kind == "fwd" else "sparse_ws_bwd") is False or kind in _WS_BROKEN:
         return None
