@@ -330,12 +330,14 @@ def ws_fwd_config(head_dim: int, sq: int, sk: int, banded: bool) -> tuple[int, i
 
 # Warp-specialised backward (Gluon, Hopper): head dim -> (BLOCK_M, STAGES, EARLY_DV): query tile, ring depth, dV's
 # product issued before dS^T (EARLY_DV: the same speed, and dS from the rounded P, so off; 3 stages gained nothing).
-WS_BWD_CONFIG: dict[int, tuple[int, int, bool]] = {64: (64, 2, False), 128: (64, 2, False)}
+# D=256 runs its own dK/dV kernel (`flash_bwd_ws_d256`: 64-row tiles, no EARLY_DV), which takes STAGES only.
+WS_BWD_CONFIG: dict[int, tuple[int, int, bool]] = {64: (64, 2, False), 128: (64, 2, False), 256: (64, 2, False)}
 
 
 def ws_bwd_config(head_dim: int) -> tuple[int, int, bool] | None:
     """The warp-specialised backward's config: it was faster than the Triton backward at every case measured (D 64
-    and 128, 2K-16K, dense, causal, GQA), so no rule beyond the head dims it has."""
+    and 128, 2K-16K, dense, causal, GQA; D=256, 1K-16K, dense and causal: 1.33-1.39x), so no rule beyond the head
+    dims it has."""
     return WS_BWD_CONFIG.get(head_dim)
 
 

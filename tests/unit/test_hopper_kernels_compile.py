@@ -151,6 +151,30 @@ def test_ws_bwd_compiles_for_sm90(D, causal, tmp_path, sm90_compile):
     _check_dq_by_bulk_reduction(k)
 
 
+# Stack bytes allowed in the D=256 dK/dV kernel's cubin: 408 with Triton 3.6 in this signature (every integer
+# argument an i32), in the second consumer's loop and the epilogues' 64-bit pointers. More: a regression to look at.
+BWD_D256_STACK_BOUND = 512
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal,softcap", [(False, False), (True, False), (True, True)])
+def test_ws_bwd_d256_compiles_for_sm90(causal, softcap, tmp_path, sm90_compile):
+    """`kernels.flash_bwd_ws_d256`: K, V, the Q / dO ring and the P^T / dS^T exchange within an H100 block's shared
+    memory, the register budgets, no local memory beyond the stack bound."""
+    from longctx.kernels.gluon import flash_bwd_ws_d256 as ws
+
+    _, stages, _ = tuning.ws_bwd_config(256)
+    t = torch.empty(1, 1, 256, 256, dtype=torch.bfloat16)
+    consts = dict(BLOCK_D=256, HAS_LO=False, HAS_HI=causal, STAGES=stages, CONSUMER_REGS=240, PRODUCER_REGS=24,
+                  SOFTCAP=softcap)  # fmt: skip
+    descs = {name: runtime._gluon_desc(t, int(ws.BLOCK_M)) for name in ("desc_q", "desc_k", "desc_v", "desc_do")}
+    types = {"LSE2": "*fp32", "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16", "qk_scale": "fp32", "sm_scale": "fp32",
+             "softcap_scale": "fp32"}  # fmt: skip
+    k = sm90_compile(ws.attn_bwd_dkdv_ws_d256_kernel, consts, descs, types)
+    usage = _check_resources(k, tmp_path)
+    assert all(local == 0 and stack <= BWD_D256_STACK_BOUND for stack, local in usage), usage
+
+
 def _dqa_desc(D: int, block_m: int):
     """The launchers' descriptor of the float32 dQ accumulator (B, Hq, Sq, D)."""
     return tf._dqa_desc(torch.empty(1, 1, 256, D, dtype=torch.float32), block_m, D)

@@ -13,8 +13,9 @@ read there); this module only applies them:
   `tuning.ws_fwd_config` says it is faster, else the Triton kernel with K/V through TMA descriptors where the
   tensors allow it (`tuning.fwd_kv_loads`).
 - backward: the warp-specialised kernel (dQ by the copy engine's bulk reduction) for fp16/bf16 on Hopper at D 64
-  and 128 (`tuning.ws_bwd_config`), else the Triton dK/dV kernel with dQ added by atomics where `tuning.atomic_dq`
-  says it is faster, else a separate dQ kernel; at D=256 the dK/dV kernel runs twice, for dV and for dK
+  and 128 (`tuning.ws_bwd_config`); at D=256 the warp-specialised dK/dV kernel (`kernels.gluon.flash_bwd_ws_d256`)
+  and the Triton dQ kernel. Else the Triton dK/dV kernel with dQ added by atomics where `tuning.atomic_dq` says it
+  is faster, else a separate dQ kernel; at D=256 the dK/dV kernel runs twice, for dV and for dK
   (`tuning.split_dkdv`).
   Atomics add in no fixed order: ``deterministic=True`` always takes the Triton kernels with the separate dQ kernel,
   each gradient element written once (bitwise repeatable). The user switch ``LONGCTX_DETERMINISTIC=1`` is read by
@@ -270,6 +271,26 @@ def _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, lo_i, hi_i, has_l
     )  # fmt: skip
 
 
+def _backward_ws_d256(q, k, v, do, delta, lse2, dk, dv, scale, lo_i, hi_i, has_lo, has_hi, config, softcap=0.0) -> None:
+    """Launch `flash_bwd_ws_d256.attn_bwd_dkdv_ws_d256_kernel`: dK, dV into ``dk`` / ``dv`` (dQ is the Triton dQ
+    kernel's). ``delta`` / ``lse2``: the preprocessing kernel's unpadded (B, Hq, Sq) rows. Config from
+    `_ws_bwd_config` (its STAGES; the kernel's tiles are fixed)."""
+    from longctx.kernels.gluon import flash_bwd_ws_d256 as wide
+
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    rows, cta = int(wide.BLOCK_M), int(wide.BLOCK_N)
+    qk_scale, softcap_scale = _score_scales(scale, softcap)
+    launch(
+        wide.attn_bwd_dkdv_ws_d256_kernel, (_cdiv(Sk, cta), B * Hkv),
+        _gluon_desc(q, rows), _gluon_desc(k, cta), _gluon_desc(v, cta), _gluon_desc(do, rows), lse2, delta, dk, dv,
+        *dk.stride(), *dv.stride(),
+        Hq, Hkv, Sq, Sk, Hq // Hkv, lo_i, hi_i, qk_scale, float(scale), softcap_scale,
+        BLOCK_D=D, HAS_LO=has_lo, HAS_HI=has_hi, STAGES=config[1],
+        CONSUMER_REGS=240, PRODUCER_REGS=24, SOFTCAP=softcap != 0, num_warps=4, maxnreg=168,
+    )  # fmt: skip
+
+
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"expected q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D); got {q.shape}, {k.shape}, {v.shape}")
@@ -435,8 +456,11 @@ def _backward_impl(
         and _ws_inputs_ok(q, k, v, do)
     ):
         ws_config = _ws_bwd_config(D)
-    # the WS kernel loads each head's lse2 / Delta rows by TMA: 16-byte aligned rows, so padded to 4 floats
-    delta, lse2 = bwd_preprocess(out, do, lse, dlse, bd, _cdiv(Sq, 4) * 4 if ws_config is not None else None)
+    # the WS kernel loads each head's lse2 / Delta rows by TMA: 16-byte aligned rows, so padded to 4 floats (the
+    # D=256 one reads them with pointers, as the Triton dQ kernel after it does)
+    wide = ws_config is not None and D == 256
+    padded = ws_config is not None and not wide
+    delta, lse2 = bwd_preprocess(out, do, lse, dlse, bd, _cdiv(Sq, 4) * 4 if padded else None)
     qk_scale, softcap_scale = _score_scales(scale, softcap)
     common = dict(
         Sq=Sq,
@@ -467,7 +491,18 @@ def _backward_impl(
         atomic = bool(forced)
     else:
         atomic = tuning.atomic_dq(bd, Sq, Band(lo, hi).is_dense, Hq != Hkv)
-    if ws_config is not None:
+    dkdv_done = False
+    if wide:
+        # dK and dV by the warp-specialised D=256 kernel; dQ by the Triton dQ kernel below
+        try:
+            _backward_ws_d256(q, k, v, do, delta, lse2, dk, dv, scale, lo_i, hi_i, has_lo, has_hi, ws_config, softcap)
+        except Exception as exc:  # as below: warn once, use the Triton kernels
+            if type(exc).__name__ != "CompilationError":
+                raise
+            _disable_ws(exc, backward=True)
+        else:
+            dkdv_done, atomic = True, False
+    elif ws_config is not None:
         dqa = torch.zeros((B, Hq, Sq, D), device=q.device, dtype=torch.float32)
         try:
             _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, lo_i, hi_i, has_lo, has_hi, ws_config, softcap)
@@ -488,7 +523,9 @@ def _backward_impl(
     dkdv_args = [q, k, v, do, lse2, delta, dk, dv, dqa, *q.stride(), *k.stride(), *v.stride(), *do.stride()]
     dkdv_args += [*dk.stride(), *dv.stride(), *dqa.stride()[:3]]
     with_dq = dict(ATOMIC_DQ=atomic, DQ_TMA=dq_tma)
-    if split:
+    if dkdv_done:
+        launches = []
+    elif split:
         launches = [("dv", dict(WANT_DK=False, **with_dq)), ("dk", dict(WANT_DV=False, **with_dq))]
     else:
         launches = [("dkdv_atomic" if atomic else "dkdv", with_dq)]

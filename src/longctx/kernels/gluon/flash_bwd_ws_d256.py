@@ -1,0 +1,284 @@
+"""dK and dV at head dim 256 for Hopper, warp-specialised, in Gluon.
+
+Why a kernel of its own: `flash_bwd_ws` gives each consumer warpgroup 64 key rows with their fp32 dK and dV in
+registers, which at D=256 is 256 registers a thread, past the 240 a consumer gets; and K and V of its 128 key rows
+alone would fill 128 KB of shared memory. The Triton path splits dV and dK into two launches instead, and both
+recompute the scores. Here the two consumer warpgroups share the CTA's 64 key rows and split the head dim: warpgroup
+w holds the dK and dV columns ``[128 w, 128 (w + 1))`` (128 registers), and the scores by query columns, so that
+no product is computed twice:
+
+- producer (a worker, 1 warp): K and V of the CTA once, then Q and dO of each query tile (64 rows) into a ring of
+  ``STAGES`` slots.
+- consumer w in {0, 1} (4 warps each; consumer 0 is the default partition), per query tile:
+
+      S^T_w  = K Q_w^T          (64 keys x the tile's queries [32 w, 32 (w + 1)), over all 256 columns)
+      dP^T_w = V dO_w^T
+      P^T_w  = exp2(S^T_w * scale * log2(e) - lse2_w),   dS^T_w = P^T_w * (dP^T_w - Delta_w)
+      P^T_w, dS^T_w (bf16) -> the exchange tiles' columns [32 w, 32 (w + 1)); both halves ready (mbarrier)
+      dV_w += P^T dO[:, cols_w]     (the whole 64 x 64 P^T from shared memory)
+      dK_w += dS^T Q[:, cols_w]
+
+  The exchange tiles are double-buffered with "ready" (both halves written) and "free" (both products done)
+  mbarriers, as `flash_bwd_ws`'s dS^T tile. Their shared layout swizzles 64 bytes, so each warpgroup's 32 columns
+  are whole swizzle atoms.
+
+dQ is not computed here: the launcher runs the Triton dQ kernel after it (`launchers.flash`), as the Triton path
+does at D=256. lse2 (the forward's lse in base 2, +inf on rows that see nothing) and Delta come from
+`flash_bwd.bwd_preprocess_kernel`, read with pointer loads (unpadded rows, as the dQ kernel reads them).
+
+Semantics are those of `flash_bwd.bwd_dkdv_kernel`: the band ``lo <= j - i <= hi``; the query tiles of the CTA in
+masked / unmasked / masked runs (`flash_fwd._tile_ranges` read transposed); rows past Sq arrive as zeros from TMA and
+get lse2 = +inf (P = 0); key rows past Sk arrive as zeros, are masked in every tile of the CTA that holds them, and
+their dK / dV are not stored. Logit softcapping (SOFTCAP) as in `flash_bwd_ws`.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from longctx.kernels.gluon.flash_fwd_ws import _tanh, wgmma_layout
+from longctx.kernels.triton.flash_fwd import _tile_ranges
+
+# fmt: off
+
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # see flash_fwd_ws
+
+BLOCK_N = gl.constexpr(64)  # key rows per CTA, shared by both consumers
+BLOCK_M = gl.constexpr(64)  # query rows per tile: 32 per consumer
+NUM_CONSUMERS = gl.constexpr(2)
+EX_SLOTS = gl.constexpr(2)  # depth of the P^T / dS^T exchange
+
+
+@gluon.jit
+def _program(Hkv):
+    """(batch, kv head, first key row) of this CTA; key tiles fastest (the resident CTAs share a head's Q / dO in
+    L2, as `flash_bwd_ws._program`)."""
+    pid_bh = gl.program_id(1)
+    return pid_bh // Hkv, pid_bh % Hkv, gl.program_id(0) * BLOCK_N
+
+
+@gluon.jit
+def _query_ranges(start_n, Sq, Sk, lo, hi, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr):
+    """Query tiles that see the CTA's keys, as masked / unmasked / masked runs; the CTA holding the ragged end of Sk
+    masks every tile (`flash_bwd_ws._query_ranges`)."""
+    col_last = gl.minimum(start_n + BLOCK_N, Sk) - 1
+    q_lo, full_lo, full_hi, q_end = _tile_ranges(start_n, col_last, Sq, -hi, -lo, HAS_HI, HAS_LO, BLOCK_M)
+    if start_n + BLOCK_N > Sk:
+        full_lo = q_end
+        full_hi = q_end
+    return q_lo, full_lo, full_hi, q_end
+
+
+@gluon.jit
+def _producer(desc_q, desc_k, desc_v, desc_do, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, do_ready, q_empty,
+              Sq, Sk, Hkv, GROUP, lo, hi, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: K and V of the CTA, then Q and dO of every query tile (per query head of the group), in the
+    consumers' order, STAGES slots ahead."""
+    off_b, off_kvh, start_n = _program(Hkv)
+    mbarrier.expect(kv_bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
+    _tma_load(desc_k, [off_b, off_kvh, start_n, 0], kv_bar, k_smem)
+    _tma_load(desc_v, [off_b, off_kvh, start_n, 0], kv_bar, v_smem)
+    q_lo, full_lo, full_hi, q_end = _query_ranges(start_n, Sq, Sk, lo, hi, HAS_LO, HAS_HI)
+    i = 0
+    for g in range(GROUP):
+        off_h = off_kvh * GROUP + g
+        for start_m in range(q_lo, q_end, BLOCK_M):
+            s = i % STAGES
+            ph = (i // STAGES) & 1
+            mbarrier.wait(q_empty.index(s), ph ^ 1)  # both consumers finished their products on this slot
+            mbarrier.expect(q_ready.index(s), desc_q.block_type.nbytes)
+            _tma_load(desc_q, [off_b, off_h, start_m, 0], q_ready.index(s), q_smem.index(s))
+            mbarrier.expect(do_ready.index(s), desc_do.block_type.nbytes)
+            _tma_load(desc_do, [off_b, off_h, start_m, 0], do_ready.index(s), do_smem.index(s))
+            i += 1  # noqa: SIM113 (Gluon loops have no enumerate)
+
+
+@gluon.jit
+def _tile(dk, dv, i, k_all, v_all, q_smem, do_smem, p_smem, ds_smem, q_ready, do_ready, q_empty, ex_ready, ex_free,
+          LSE2_bh, DELTA_bh, offs_n, start_m, Sq, Sk, lo, hi, qk_scale, softcap_scale, WG: gl.constexpr,
+          s_layout: gl.constexpr, MASKED: gl.constexpr, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
+          BLOCK_D: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr):
+    """One query tile [start_m, start_m + 64): this warpgroup's 32 query columns of the scores, then its half of the
+    head dim of dV and dK from the whole tile's P^T and dS^T. ``i`` counts tiles in the producer's order."""
+    dtype: gl.constexpr = q_smem.dtype
+    HALF_M: gl.constexpr = BLOCK_M // NUM_CONSUMERS
+    HALF_D: gl.constexpr = BLOCK_D // NUM_CONSUMERS
+    s = i % STAGES
+    ph = (i // STAGES) & 1
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    offs_m = start_m + WG * HALF_M + gl.arange(0, HALF_M, layout=col_layout)
+    row_ok = offs_m < Sq
+    # (issued before the products are waited for: their latency hides behind the tensor cores)
+    lse2 = gl.load(LSE2_bh + offs_m, mask=row_ok, other=float("inf"))
+    delta = gl.load(DELTA_bh + offs_m, mask=row_ok, other=0.0)
+    q_buf = q_smem.index(s).reshape([BLOCK_M, BLOCK_D])
+    do_buf = do_smem.index(s).reshape([BLOCK_M, BLOCK_D])
+    zero = gl.zeros([BLOCK_N, HALF_M], gl.float32, layout=s_layout)
+
+    # -- S^T_w = K Q_w^T and dP^T_w = V dO_w^T, back to back; P^T_w while the second one runs --
+    q_w = q_buf.slice(WG * HALF_M, HALF_M, dim=0)
+    do_w = do_buf.slice(WG * HALF_M, HALF_M, dim=0)
+    mbarrier.wait(q_ready.index(s), ph)
+    sT = warpgroup_mma(k_all, q_w.permute((1, 0)), zero, use_acc=False, is_async=True)
+    mbarrier.wait(do_ready.index(s), ph)
+    dpT = warpgroup_mma(v_all, do_w.permute((1, 0)), zero, use_acc=False, is_async=True)
+    sT, _, _ = warpgroup_mma_wait(1, deps=(sT, k_all, q_w))
+    if SOFTCAP:
+        tT = _tanh(sT * softcap_scale)
+        sT = tT
+    pT = gl.exp2(sT * qk_scale - lse2[None, :])
+    if MASKED:
+        diff = offs_n[:, None] - offs_m[None, :]  # j - i
+        keep = row_ok[None, :] & (offs_n[:, None] < Sk)
+        if HAS_LO:
+            keep = keep & (diff >= lo)
+        if HAS_HI:
+            keep = keep & (diff <= hi)
+        pT = gl.where(keep, pT, 0.0)
+    p16 = pT.to(dtype)
+    if SOFTCAP:
+        pT = pT * (1.0 - tT * tT)  # dS^T through the cap: d(softcap * tanh(x / softcap)) / dx = 1 - t^2
+    dpT, _, _ = warpgroup_mma_wait(0, deps=(dpT, v_all, do_w))
+    ds16 = (pT * (dpT - delta[None, :])).to(dtype)
+
+    # -- both warpgroups' halves of P^T and dS^T into the exchange tiles --
+    slot = i % EX_SLOTS
+    eph = (i // EX_SLOTS) & 1
+    mbarrier.wait(ex_free.index(slot), eph ^ 1)
+    p_smem.index(slot).slice(WG * HALF_M, HALF_M, dim=1).store(p16)
+    ds_smem.index(slot).slice(WG * HALF_M, HALF_M, dim=1).store(ds16)
+    fence_async_shared()
+    mbarrier.arrive(ex_ready.index(slot), count=1)
+    mbarrier.wait(ex_ready.index(slot), eph)
+
+    # -- dV_w += P^T dO[:, cols_w]; dK_w += dS^T Q[:, cols_w] --
+    p_all = p_smem.index(slot)
+    ds_all = ds_smem.index(slot)
+    do_cols = do_buf.slice(WG * HALF_D, HALF_D, dim=1)
+    q_cols = q_buf.slice(WG * HALF_D, HALF_D, dim=1)
+    dv = warpgroup_mma(p_all, do_cols, dv, is_async=True)
+    dk = warpgroup_mma(ds_all, q_cols, dk, is_async=True)
+    dv, dk, _, _, _, _ = warpgroup_mma_wait(0, deps=(dv, dk, p_all, ds_all, do_cols, q_cols))
+    mbarrier.arrive(ex_free.index(slot), count=1)
+    mbarrier.arrive(q_empty.index(s), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _run(dk, dv, i, k_all, v_all, q_smem, do_smem, p_smem, ds_smem, q_ready, do_ready, q_empty, ex_ready, ex_free,
+         LSE2_bh, DELTA_bh, offs_n, start, end, Sq, Sk, lo, hi, qk_scale, softcap_scale, WG: gl.constexpr,
+         s_layout: gl.constexpr, MASKED: gl.constexpr, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
+         BLOCK_D: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr):
+    """Query tiles [start, end) of one query head."""
+    for start_m in range(start, end, BLOCK_M):
+        dk, dv = _tile(dk, dv, i, k_all, v_all, q_smem, do_smem, p_smem, ds_smem, q_ready, do_ready, q_empty,
+                       ex_ready, ex_free, LSE2_bh, DELTA_bh, offs_n, start_m, Sq, Sk, lo, hi, qk_scale, softcap_scale,
+                       WG, s_layout, MASKED, HAS_LO, HAS_HI, BLOCK_D, STAGES, SOFTCAP)
+        i += 1
+    return dk, dv, i
+
+
+@gluon.jit
+def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty, ex_ready,
+              ex_free, LSE2, DELTA, DK, DV,
+              stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+              stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+              Hq, Hkv, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale, softcap_scale, WG: gl.constexpr,
+              HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
+              SOFTCAP: gl.constexpr):
+    """One warpgroup: columns [128 WG, 128 (WG + 1)) of dK and dV of the CTA's 64 keys, summed over the group's
+    query heads."""
+    HALF_D: gl.constexpr = BLOCK_D // NUM_CONSUMERS
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_M // NUM_CONSUMERS)
+    acc_layout: gl.constexpr = wgmma_layout(HALF_D)
+    off_b, off_kvh, start_n = _program(Hkv)
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    k_all = k_smem.reshape([BLOCK_N, BLOCK_D])
+    v_all = v_smem.reshape([BLOCK_N, BLOCK_D])
+    dk = gl.zeros([BLOCK_N, HALF_D], gl.float32, layout=acc_layout)
+    dv = gl.zeros([BLOCK_N, HALF_D], gl.float32, layout=acc_layout)
+    q_lo, full_lo, full_hi, q_end = _query_ranges(start_n, Sq, Sk, lo, hi, HAS_LO, HAS_HI)
+    mbarrier.wait(kv_bar, 0)
+    i = 0
+    for g in range(GROUP):
+        off_h = off_kvh * GROUP + g
+        row0 = (off_b * Hq + off_h).to(gl.int64) * Sq
+        dk, dv, i = _run(dk, dv, i, k_all, v_all, q_smem, do_smem, p_smem, ds_smem, q_ready, do_ready, q_empty,
+                         ex_ready, ex_free, LSE2 + row0, DELTA + row0, offs_n, q_lo, full_lo, Sq, Sk, lo, hi, qk_scale,
+                         softcap_scale, WG, s_layout, True, HAS_LO, HAS_HI, BLOCK_D, STAGES, SOFTCAP)
+        dk, dv, i = _run(dk, dv, i, k_all, v_all, q_smem, do_smem, p_smem, ds_smem, q_ready, do_ready, q_empty,
+                         ex_ready, ex_free, LSE2 + row0, DELTA + row0, offs_n, full_lo, full_hi, Sq, Sk, lo, hi,
+                         qk_scale, softcap_scale, WG, s_layout, False, HAS_LO, HAS_HI, BLOCK_D, STAGES, SOFTCAP)
+        dk, dv, i = _run(dk, dv, i, k_all, v_all, q_smem, do_smem, p_smem, ds_smem, q_ready, do_ready, q_empty,
+                         ex_ready, ex_free, LSE2 + row0, DELTA + row0, offs_n, full_hi, q_end, Sq, Sk, lo, hi, qk_scale,
+                         softcap_scale, WG, s_layout, True, HAS_LO, HAS_HI, BLOCK_D, STAGES, SOFTCAP)
+
+    # -- epilogue: dK carries the softmax scale (s = scale * q.k), dV does not; key rows past Sk are not stored --
+    rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    cols = WG * HALF_D + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, acc_layout))
+    mask = (rows[:, None] < Sk) & (cols[None, :] < BLOCK_D)
+    dk_ptrs = (DK + off_b.to(gl.int64) * stride_dkb + off_kvh.to(gl.int64) * stride_dkh
+               + rows[:, None].to(gl.int64) * stride_dkn + cols[None, :] * stride_dkd)
+    dv_ptrs = (DV + off_b.to(gl.int64) * stride_dvb + off_kvh.to(gl.int64) * stride_dvh
+               + rows[:, None].to(gl.int64) * stride_dvn + cols[None, :] * stride_dvd)
+    gl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask)
+    gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask)
+
+
+@gluon.jit(do_not_specialize=["Sq", "Sk", "lo", "hi"])
+def attn_bwd_dkdv_ws_d256_kernel(
+    desc_q, desc_k, desc_v, desc_do, LSE2, DELTA, DK, DV,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    Hq, Hkv, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale, softcap_scale,
+    BLOCK_D: gl.constexpr, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SOFTCAP: gl.constexpr = False,
+):
+    """Grid: (cdiv(Sk, 64), B * Hkv); launched with num_warps=4 (consumer 0) plus the workers' 4 + 1 warps.
+
+    desc_q / desc_do: 4-D over (B, Hq, Sq, D), block (1, 1, 64, D); desc_k / desc_v over (B, Hkv, Sk, D), block
+    (1, 1, 64, D); D = BLOCK_D = 256 (the head dim is not padded). LSE2 / DELTA: contiguous (B, Hq, Sq) float32 from
+    the preprocessing kernel. DK / DV: (B, Hkv, Sk, D) with their own strides. SOFTCAP: the logit softcap
+    (qk_scale and softcap_scale as the forward's, sm_scale unchanged)."""
+    dtype: gl.constexpr = desc_q.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
+    k_smem = gl.allocate_shared_memory(dtype, desc_k.block_type.shape, desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, desc_v.block_type.shape, desc_v.layout)
+    # 64-byte swizzle: each consumer's 32 columns are whole swizzle atoms
+    ex_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    p_smem = gl.allocate_shared_memory(dtype, [EX_SLOTS, BLOCK_N, BLOCK_M], ex_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [EX_SLOTS, BLOCK_N, BLOCK_M], ex_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ex_ready = gl.allocate_shared_memory(gl.int64, [EX_SLOTS, 1], mbarrier.MBarrierLayout())
+    ex_free = gl.allocate_shared_memory(gl.int64, [EX_SLOTS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(s), count=1)
+        mbarrier.init(do_ready.index(s), count=1)
+        mbarrier.init(q_empty.index(s), count=NUM_CONSUMERS)
+    for s in gl.static_range(EX_SLOTS):
+        mbarrier.init(ex_ready.index(s), count=NUM_CONSUMERS)
+        mbarrier.init(ex_free.index(s), count=NUM_CONSUMERS)
+
+    gl.warp_specialize([
+        (_consumer, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty, ex_ready,
+                     ex_free, LSE2, DELTA, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb,
+                     stride_dvh, stride_dvn, stride_dvd, Hq, Hkv, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale,
+                     softcap_scale, 0, HAS_LO, HAS_HI, BLOCK_D, STAGES, SOFTCAP)),
+        (_consumer, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty, ex_ready,
+                     ex_free, LSE2, DELTA, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb,
+                     stride_dvh, stride_dvn, stride_dvd, Hq, Hkv, Sq, Sk, GROUP, lo, hi, qk_scale, sm_scale,
+                     softcap_scale, 1, HAS_LO, HAS_HI, BLOCK_D, STAGES, SOFTCAP)),
+        (_producer, (desc_q, desc_k, desc_v, desc_do, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, do_ready,
+                     q_empty, Sq, Sk, Hkv, GROUP, lo, hi, HAS_LO, HAS_HI, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
