@@ -374,10 +374,11 @@ def sparse_tile_choices(kind: str, bd: int, mask_bs: int, interpret: bool = Fals
 
 # Warp-specialised (Gluon, Hopper) block-sparse kernels, per head dim: forward (BLOCK_N, STAGES, PIPE) and backward
 # (BLOCK_M, STAGES, EARLY_DV). The dense warp-specialised kernels' configs: 2 or 3 stages measured within the
-# run-to-run spread of each other on the sparse masks, and EARLY_DV slower. D=256 has a forward only (the dense
-# one's config; it beat the Triton forward on 10 of 12 document masks, 4K-16K) and keeps the Triton backward.
+# run-to-run spread of each other on the sparse masks, and EARLY_DV slower. D=256: the dense forward's config (it
+# beat the Triton forward on 10 of 12 document masks, 4K-16K); the backward runs `flash_bwd_ws_d256`'s block-sparse
+# dK/dV kernel (STAGES only, as the dense one) and the Triton dQ kernel.
 SPARSE_WS_FWD = {64: (128, 3, True), 128: (128, 3, True), 256: (64, 2, True)}
-SPARSE_WS_BWD = {64: (64, 2, False), 128: (64, 2, False)}
+SPARSE_WS_BWD = {64: (64, 2, False), 128: (64, 2, False), 256: (64, 2, False)}
 
 
 def sparse_ws_config(kind: str, head_dim: int) -> tuple[int, int, bool] | None:

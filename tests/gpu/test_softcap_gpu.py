@@ -199,7 +199,8 @@ def ws_runs(monkeypatch):
     def wrap(module) -> dict:
         runs = {"fwd": 0, "bwd": 0}
         monkeypatch.setattr(module, "_WS_BROKEN", set())
-        for kind, name in (("fwd", "_forward_ws"), ("bwd", "_backward_ws")):
+        # (the D=256 backward's dK / dV kernel has a launcher of its own)
+        for kind, name in (("fwd", "_forward_ws"), ("bwd", "_backward_ws"), ("bwd", "_backward_ws_d256")):
 
             def counted(*args, _real=getattr(module, name), _kind=kind, **kwargs):
                 result = _real(*args, **kwargs)
@@ -238,7 +239,7 @@ WS_SHAPES = {30.0: (1, 4, 2, 1024, 1024), 5.0: (2, 4, 1, 777, 1000)}  # GQA, blo
 @pytest.mark.hopper
 @pytest.mark.parametrize("cap", list(WS_SHAPES))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_ws_dense_softcap(D, causal, cap, ws_switches, ws_runs):
     """The warp-specialised forward and backward with SOFTCAP, forced on, at their default configs."""
     runs = _dense_ws(ws_switches, ws_runs, *WS_SHAPES[cap], D, causal=causal, cap=cap, ws=True, ws_bwd=True)
@@ -310,6 +311,9 @@ WS_MASKS = {  # name -> (block mask of S, H), the kinds of partial blocks the ke
         (128, "local_global", 1500, 5.0),
         (64, "general", 1000, 5.0),
         (128, "layout", 1100, 5.0),
+        (256, "documents", 1024, 30.0),
+        (256, "general", 1000, 5.0),
+        (256, "layout", 1100, 5.0),
     ],
     ids=str,
 )

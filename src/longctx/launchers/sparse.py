@@ -310,6 +310,27 @@ def _backward_ws(
     )  # fmt: skip
 
 
+def _backward_ws_d256(
+    q, k, v, do, delta, lse2, dk, dv, scale: float, targs: list, tkw: dict, mask_bs: int, config, softcap=0.0
+):
+    """Launch `flash_bwd_ws_d256.sparse_bwd_dkdv_ws_d256_kernel`: dK, dV into ``dk`` / ``dv`` (dQ is the Triton
+    block-sparse dQ kernel's); lse2 / Delta unpadded; config from `tuning.sparse_ws_config` (its STAGES)."""
+    from longctx.kernels.gluon import flash_bwd_ws_d256 as wide
+
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    rows, cta = int(wide.BLOCK_M), int(wide.BLOCK_N)
+    qk_scale, softcap_scale = _tf._score_scales(scale, softcap)
+    runtime.launch(
+        wide.sparse_bwd_dkdv_ws_d256_kernel, (_cdiv(Sk, cta), B * Hkv),
+        runtime._gluon_desc(q, rows), runtime._gluon_desc(k, cta), runtime._gluon_desc(v, cta),
+        runtime._gluon_desc(do, rows), lse2, delta, dk, dv, *dk.stride(), *dv.stride(), *targs,
+        Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, qk_scale=qk_scale, sm_scale=scale,
+        softcap_scale=softcap_scale, BLOCK_D=D, MASK_BS=mask_bs, EVEN=Sq % mask_bs == 0 and Sk % mask_bs == 0,
+        STAGES=config[1], CONSUMER_REGS=240, PRODUCER_REGS=24, SOFTCAP=softcap != 0, num_warps=4, maxnreg=168, **tkw,
+    )  # fmt: skip
+
+
 def _forward_impl(
     q, k, v, scale: float, mt: tuple, meta: list, softcap: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -377,9 +398,21 @@ def _backward_impl(
         runtime._patch_interpreter_for_numpy2()
     nondet = not deterministic
     ws = _ws_config("bwd", B * Hkv, mask_bs, q, k, v, do) if nondet else None
-    # (B, Hq, Sq) each; for the warp-specialised kernel each head's rows padded to 4 floats (TMA alignment)
-    delta, lse2 = _tf.bwd_preprocess(out, do, lse, dlse, bd, _cdiv(Sq, 4) * 4 if ws is not None else None)
-    if ws is not None:
+    # D=256: the warp-specialised dK / dV kernel, then the Triton dQ kernel
+    wide = ws is not None and D == 256
+    # (B, Hq, Sq) each; for the warp-specialised kernel each head's rows padded to 4 floats (TMA alignment; the D=256
+    # one reads them with pointers, as the Triton dQ kernel after it)
+    delta, lse2 = _tf.bwd_preprocess(out, do, lse, dlse, bd, _cdiv(Sq, 4) * 4 if ws is not None and not wide else None)
+    dkdv_done = False
+    if wide:
+        targs, tkw = _mask_args(mt, meta, B, Hq, transposed=True)
+        try:
+            _backward_ws_d256(q, k, v, do, delta, lse2, dk, dv, scale, targs, tkw, mask_bs, ws, softcap)
+        except Exception as exc:
+            _ws_failed("bwd", exc)
+        else:
+            dkdv_done = True
+    elif ws is not None:
         dqa = torch.zeros((B, Hq, Sq, D), device=q.device, dtype=torch.float32)
         targs, tkw = _mask_args(mt, meta, B, Hq, transposed=True)
         try:
@@ -407,15 +440,16 @@ def _backward_impl(
     )
     # -- dK / dV: one kv tile per program over the transposed lists; then dQ: one query tile over the lists --
     targs, tkw = _mask_args(mt, meta, B, Hq, transposed=True)
-    _launch(
-        "dkdv",
-        bd,
-        mask_bs,
-        _grid(B * Hkv, lambda bm_, bn_: _cdiv(Sk, bn_)),
-        [q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride()]
-        + [*dk.stride(), *dv.stride(), *targs],
-        dict(Hq=Hq, Hkv=Hkv, **common, **tkw),
-    )
+    if not dkdv_done:
+        _launch(
+            "dkdv",
+            bd,
+            mask_bs,
+            _grid(B * Hkv, lambda bm_, bn_: _cdiv(Sk, bn_)),
+            [q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride()]
+            + [*dk.stride(), *dv.stride(), *targs],
+            dict(Hq=Hq, Hkv=Hkv, **common, **tkw),
+        )
     margs, mkw = _mask_args(mt, meta, B, Hq, transposed=False)
     _launch(
         "dq",
