@@ -151,8 +151,9 @@ def test_ws_bwd_compiles_for_sm90(D, causal, tmp_path, sm90_compile):
     _check_dq_by_bulk_reduction(k)
 
 
-# Stack bytes allowed in the D=256 dK/dV kernel's cubin: 408 with Triton 3.6 in this signature (every integer
-# argument an i32), in the second consumer's loop and the epilogues' 64-bit pointers. More: a regression to look at.
+# Stack bytes allowed in the D=256 dK/dV kernels' cubins (dense and block-sparse): 384-408 with Triton 3.6 in this
+# signature (every integer argument an i32), in the second consumer's loop and the epilogues' 64-bit pointers. More:
+# a regression to look at.
 BWD_D256_STACK_BOUND = 512
 
 
@@ -216,7 +217,8 @@ SPARSE_STACK_BOUND = {
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_sparse_ws_compiles_for_sm90(D, kind, even, tmp_path, sm90_compile):
     """The block-sparse warp-specialised kernels (`kernels.flash_sparse_ws`) with the configs of
-    `tuning.sparse_ws_config`, within shared memory and the stack bounds above (D=256: the forward only)."""
+    `tuning.sparse_ws_config`, within shared memory and the stack bounds above (D=256: the backward is
+    `flash_bwd_ws_d256`'s block-sparse dK/dV kernel)."""
     from longctx import tuning
     from longctx.kernels.gluon import flash_sparse_ws as ws
 
@@ -230,7 +232,15 @@ def test_sparse_ws_compiles_for_sm90(D, kind, even, tmp_path, sm90_compile):
     usage = _check_resources(sm90_compile(ws.sparse_fwd_ws_kernel, consts, descs, _SPARSE_TYPES), tmp_path)
     assert all(local == 0 and stack <= SPARSE_STACK_BOUND["fwd", D] for stack, local in usage), usage
 
-    if tuning.sparse_ws_config("bwd", D) is None:
+    if D == 256:  # the backward: `flash_bwd_ws_d256`'s block-sparse dK/dV kernel
+        from longctx.kernels.gluon import flash_bwd_ws_d256 as wide
+
+        descs = {name: runtime._gluon_desc(t, int(wide.BLOCK_M)) for name in ("desc_q", "desc_k", "desc_v", "desc_do")}
+        consts = dict(BLOCK_D=D, EVEN=even, STAGES=tuning.sparse_ws_config("bwd", D)[1], CONSUMER_REGS=240,
+                      PRODUCER_REGS=24, **mask)  # fmt: skip
+        types = {**_SPARSE_TYPES, "LSE2": "*fp32", "DELTA": "*fp32", "softcap_scale": "fp32"}
+        usage = _check_resources(sm90_compile(wide.sparse_bwd_dkdv_ws_d256_kernel, consts, descs, types), tmp_path)
+        assert all(local == 0 and stack <= BWD_D256_STACK_BOUND for stack, local in usage), usage
         return
     block_m, stages, early_dv = tuning.sparse_ws_config("bwd", D)
     rows = int(ws.CTA_ROWS)

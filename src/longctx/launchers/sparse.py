@@ -2,10 +2,11 @@
 rows that see nothing). The backward's Delta / base-2 lse come from the dense backward's preprocessing kernel
 (`longctx.launchers.flash.bwd_preprocess`).
 
-Kernels: on Hopper, fp16/bf16 inputs with head dim 64 or 128 (the forward also 256: `tuning.sparse_ws_config`) and
-a mask block that is a multiple of 128 take the warp-specialised, persistent Gluon kernels
-(`longctx.kernels.gluon.flash_sparse_ws`); their backward adds dQ by the copy engine's bulk reduction (not in a
-fixed order), so ``deterministic=True`` keeps the Triton kernels (`longctx.kernels.triton.flash_sparse`), which serve
+Kernels: on Hopper, fp16/bf16 inputs with head dim 64 or 128 and a mask block that is a multiple of 128 take the
+warp-specialised, persistent Gluon kernels (`longctx.kernels.gluon.flash_sparse_ws`); at head dim 256, its forward,
+and for the backward the warp-specialised dK/dV kernel of `longctx.kernels.gluon.flash_bwd_ws_d256` with the Triton
+dQ kernel (`tuning.sparse_ws_config`). Their backward adds dQ by the copy engine's bulk reduction (not in a fixed
+order), so ``deterministic=True`` keeps the Triton kernels (`longctx.kernels.triton.flash_sparse`), which serve
 every other input too, and take over where a Triton version does not compile the Gluon kernels. The persistent
 kernels take their work items in `_schedule`'s order (heads in order, the longest items first within a head), kept
 per mask (`_schedule_cached`).
