@@ -41,19 +41,16 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 from longctx.kernels.gluon import flash_sparse_ws as sws
-from longctx.kernels.gluon.flash_fwd_ws import _tanh, wgmma_layout
+from longctx.kernels.gluon.flash_fwd_ws import _tanh, _tma_load, wgmma_layout
 from longctx.kernels.triton.flash_fwd import _tile_ranges
 from longctx.kernels.triton.flash_sparse import _visible
 
 # fmt: off
-
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # see flash_fwd_ws
 
 BLOCK_N = gl.constexpr(64)  # key rows per CTA, shared by both consumers
 BLOCK_M = gl.constexpr(64)  # query rows per tile: 32 per consumer
