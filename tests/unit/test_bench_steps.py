@@ -108,3 +108,13 @@ def test_bench_transformers_runner_through_the_step_timer(monkeypatch):
     monkeypatch.setattr(bench_tf, "build", lambda *a, **k: (_ for _ in ()).throw(ValueError("no such model")))
     r = runner.run(64, 1, 0, None)
     assert r["status"] == "error" and r["error"] == "ValueError: no such model"
+
+
+@pytest.mark.parametrize("provider", ["hf-eager-ckpt", "longctx-apply"])
+def test_bench_transformers_gemma2_runner(provider):
+    """The Gemma-2-shaped model (head dim, softcap, sliding-window layers) trains a step under each provider."""
+    pytest.importorskip("transformers")
+    runner = bench_tf.Runner(provider, bench_tf.SHAPE_GEMMA2_QUICK, 128, CPU, "gemma2")
+    r = runner.run(64, 1, 0, None)
+    assert r["status"] == "ok" and r["tokens_per_s"] > 0
+    assert runner.model.config.attn_logit_softcapping == 50.0 and "sliding_attention" in runner.model.config.layer_types

@@ -1,11 +1,16 @@
-"""`longctx bench transformers`: a HuggingFace `LlamaForCausalLM` with longctx (`apply`) against plain transformers.
+"""`longctx bench transformers`: a HuggingFace causal LM with longctx (`apply`) against plain transformers.
 
-The same model shape (default: the Llama-shaped 336M of the memory benchmark: hidden 1024, 24 layers, 16 query /
-4 kv heads, ffn 2816, vocab 32000), batch 1, bf16 autocast, fp32 parameters, AdamW; one training step is forward,
-backward and the optimizer step. Providers:
+Models (``--model``): ``llama``, the Llama-shaped 336M of the memory benchmark (`LlamaForCausalLM`: hidden 1024,
+24 layers, 16 query / 4 kv heads, ffn 2816, vocab 32000); ``gemma2``, a Gemma-2-shaped one (`Gemma2ForCausalLM`:
+hidden 1024, 16 layers, 8 query / 4 kv heads of head dim 256, attention logit softcap 50, sliding-window layers of
+4096 alternating with full ones, ffn 4096, vocab 32000, no final logit softcap). Batch 1, bf16 autocast, fp32
+parameters, AdamW; one training step is forward, backward and the optimizer step. Providers:
 
     hf-sdpa-ckpt          transformers as a user has it: attn_implementation="sdpa", gradient checkpointing,
-                          the loss through the (S, vocab) logits
+                          the loss through the (S, vocab) logits (Gemma 2: transformers' SDPA path drops the
+                          attention softcap, so this is another model; shown for its speed)
+    hf-eager-ckpt         the same with attn_implementation="eager" (what transformers advises for Gemma 2: the
+                          softcap computed, the (S, S) scores materialised)
     longctx-apply         attn_implementation="longctx" + longctx.integrations.transformers.apply: full
                           recomputation (uniform, 1 layer), the logits-free loss
     longctx-apply-offload the same with the checkpointed layer inputs offloaded to pinned host memory
@@ -17,9 +22,11 @@ runs out of memory, or exceeds ``--memory-cap-gib``, does not fit).
 
     longctx bench transformers                               # the GPU run
     longctx bench transformers --seq-lengths 8192,32768 --longest
+    longctx bench transformers --model gemma2 --seq-lengths 4096,8192,16384
     python -m longctx.bench.transformers --quick             # a CPU check of the same code on a tiny model
 
-Writes ``<out-dir>/transformers_<gpu><tag>.json`` and ``.md``.
+Writes ``<out-dir>/transformers_<gpu><tag>.json`` and ``.md`` (the tag gains ``_<model>`` for models other than
+llama).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import torch
 from longctx.bench import result_stem
 from longctx.bench.steps import ERROR, OOM, StepResult, adamw, free, is_oom, time_steps, training_step
 
-PROVIDERS = ("hf-sdpa-ckpt", "longctx-apply", "longctx-apply-offload")
+PROVIDERS = ("hf-sdpa-ckpt", "hf-eager-ckpt", "longctx-apply", "longctx-apply-offload")
 
 SHAPE_336M = dict(
     vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
@@ -47,30 +54,48 @@ SHAPE_QUICK = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2,
 )  # fmt: skip
+_GEMMA2 = dict(attn_logit_softcapping=50.0, final_logit_softcapping=None)
+SHAPE_GEMMA2 = dict(
+    vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096, **_GEMMA2,
+)  # fmt: skip
+SHAPE_GEMMA2_QUICK = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, sliding_window=48, **_GEMMA2,
+)  # fmt: skip
+# model -> (config class, class name in the report, GPU shape, --quick shape, default providers)
+MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", SHAPE_336M, SHAPE_QUICK,
+              ("hf-sdpa-ckpt", "longctx-apply", "longctx-apply-offload")),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", SHAPE_GEMMA2, SHAPE_GEMMA2_QUICK,
+               ("hf-eager-ckpt", "hf-sdpa-ckpt", "longctx-apply")),
+}  # fmt: skip
 
 
-def build(provider: str, shape: dict[str, int], max_len: int, device: torch.device):
-    """The model of ``provider`` (fp32 parameters on ``device``), with its settings applied."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def build(provider: str, shape: dict[str, Any], max_len: int, device: torch.device, model: str = "llama"):
+    """The ``model`` of ``provider`` (fp32 parameters on ``device``), with its settings applied."""
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     import longctx.integrations.transformers as lt
 
-    cfg = LlamaConfig(**shape, max_position_embeddings=max_len, use_cache=False, tie_word_embeddings=False)
+    if provider not in PROVIDERS:
+        raise ValueError(f"unknown provider {provider!r}; expected one of {', '.join(PROVIDERS)}")
+    config_cls = getattr(transformers, MODELS[model][0])
+    cfg = config_cls(**shape, max_position_embeddings=max_len, use_cache=False, tie_word_embeddings=False)
     torch.manual_seed(0)
-    impl = "sdpa" if provider.startswith("hf-") else "longctx"
+    impl = {"hf-sdpa-ckpt": "sdpa", "hf-eager-ckpt": "eager"}.get(provider, "longctx")
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=torch.float32)
-    model.train()
-    if provider == "hf-sdpa-ckpt":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif provider in ("longctx-apply", "longctx-apply-offload"):
+        net = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=torch.float32)
+    net.train()
+    if provider.startswith("hf-"):
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
         lt.apply(
-            model, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+            net, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
             cpu_offloading=provider.endswith("offload"), fused_loss=True,
         )  # fmt: skip
-    else:
-        raise ValueError(f"unknown provider {provider!r}; expected one of {', '.join(PROVIDERS)}")
-    return model
+    return net
 
 
 def measure(model, opt: torch.optim.Optimizer, s: int, steps: int, warmup: int, device: torch.device) -> StepResult:
@@ -84,13 +109,15 @@ def measure(model, opt: torch.optim.Optimizer, s: int, steps: int, warmup: int, 
 class Runner:
     """One provider's model and optimizer, rebuilt after an out-of-memory error."""
 
-    def __init__(self, provider: str, shape: dict[str, int], max_len: int, device: torch.device) -> None:
-        self.provider, self.shape, self.max_len, self.device = provider, shape, max_len, device
+    def __init__(
+        self, provider: str, shape: dict[str, Any], max_len: int, device: torch.device, model: str = "llama"
+    ) -> None:
+        self.provider, self.shape, self.max_len, self.device, self.arch = provider, shape, max_len, device, model
         self.model = self.opt = None
 
     def _ensure(self) -> None:
         if self.model is None:
-            self.model = build(self.provider, self.shape, self.max_len, self.device)
+            self.model = build(self.provider, self.shape, self.max_len, self.device, self.arch)
             self.opt = adamw(self.model, self.device)
 
     def release(self) -> None:
@@ -144,13 +171,20 @@ def report(meta: dict[str, Any], ladder: dict[str, list[dict]], longest: dict[st
     provs = meta["providers"]
     env = meta["env"]
     lines = [
-        f"# HuggingFace LlamaForCausalLM ({meta['params_m']:.0f}M) with longctx vs plain transformers",
+        f"# HuggingFace {MODELS[meta.get('model', 'llama')][1]} ({meta['params_m']:.0f}M) with longctx vs plain "
+        "transformers",
         "",
         f"{env['gpu']}, torch {env['torch']}, transformers {env['transformers']}, triton {env.get('triton')}, "
         f"cuDNN {env.get('cudnn')}. Batch 1, bf16 autocast, fp32 parameters, AdamW; one step = forward + backward + "
-        "optimizer step; median of the timed steps. hf-sdpa-ckpt: SDPA + transformers' gradient checkpointing + "
-        "the loss through the logits; longctx-apply: attn_implementation='longctx' + apply(full uniform 1, "
-        "fused_loss); -offload: with cpu_offloading.",
+        "optimizer step; median of the timed steps. hf-sdpa-ckpt / hf-eager-ckpt: SDPA / eager attention + "
+        "transformers' gradient checkpointing + the loss through the logits; longctx-apply: "
+        "attn_implementation='longctx' + apply(full uniform 1, fused_loss); -offload: with cpu_offloading."
+        + (
+            " Gemma 2: transformers' SDPA path drops the attention logit softcap (another model, shown for its "
+            "speed); eager and longctx compute it."
+            if meta.get("model") == "gemma2"
+            else ""
+        ),
         "",
         "| S | " + " | ".join(f"{p} tokens/s | {p} peak GiB" for p in provs) + " |",
         "|---|" + "---|---|" * len(provs),
@@ -193,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the comparison; returns the exit status."""
     ap = argparse.ArgumentParser(prog="longctx bench transformers", description=__doc__.splitlines()[0])
     ap.add_argument("--seq-lengths", type=_ints, default=[8192, 32768, 65536], help="the ladder of S")
-    ap.add_argument("--providers", default=",".join(PROVIDERS), help=f"subset of {','.join(PROVIDERS)}")
+    ap.add_argument("--model", choices=list(MODELS), default="llama", help="the model family (module docstring)")
+    ap.add_argument(
+        "--providers", default=None, help=f"subset of {','.join(PROVIDERS)} (default: the model's, see MODELS)"
+    )
     ap.add_argument("--steps", type=int, default=3, help="timed steps per S")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per S")
     ap.add_argument("--longest", action="store_true", help="also search the longest S that trains")
@@ -206,12 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default="", help="suffix naming what the run covers, not when")
     args = ap.parse_args(argv)
 
-    providers = [p for p in args.providers.split(",") if p]
+    providers = [p for p in (args.providers or ",".join(MODELS[args.model][4])).split(",") if p]
     bad = [p for p in providers if p not in PROVIDERS]
     if bad:
         ap.error(f"unknown providers {bad}; expected a subset of {','.join(PROVIDERS)}")
     if args.quick:
-        device, shape, quantum = torch.device("cpu"), SHAPE_QUICK, 64
+        device, shape, quantum = torch.device("cpu"), MODELS[args.model][3], 64
         seqs, steps, warmup = [64, 128], 1, 0
         cap = (args.memory_cap_gib or 0.003) * 2**30  # about 3 MiB: the search brackets
         start, limit, budget = 64, 1024, 60.0
@@ -220,24 +257,26 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("the comparison runs on a CUDA GPU; use --quick for the CPU check")
         from longctx.bench.cp.search import QUANTUM
 
-        device, shape, quantum = torch.device("cuda"), SHAPE_336M, QUANTUM
+        device, shape, quantum = torch.device("cuda"), MODELS[args.model][2], QUANTUM
         seqs, steps, warmup = args.seq_lengths, args.steps, args.warmup
         cap = args.memory_cap_gib * 2**30 if args.memory_cap_gib else None
         start, limit, budget = args.search_start, args.search_limit, args.search_budget_s
     max_len = max([*seqs, limit])
     env = _env(device)
     h, L, V, f = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"], shape["intermediate_size"]
-    kv = h * shape["num_key_value_heads"] // shape["num_attention_heads"]
-    params = 2 * V * h + L * (2 * h * h + 2 * h * kv + 3 * h * f + 2 * h) + h
+    hd = shape.get("head_dim", h // shape["num_attention_heads"])
+    qo, kv = hd * shape["num_attention_heads"], hd * shape["num_key_value_heads"]
+    params = 2 * V * h + L * (2 * h * qo + 2 * h * kv + 3 * h * f + 2 * h) + h
     meta: dict[str, Any] = {
-        "benchmark": "transformers", "env": env, "shape": shape, "params_m": params / 1e6, "providers": providers,
+        "benchmark": "transformers", "model": args.model, "env": env, "shape": shape, "params_m": params / 1e6,
+        "providers": providers,
         "seq_lengths": seqs, "steps": steps, "warmup": warmup, "quantum": quantum, "resolution": 0.08,
         "memory_cap_bytes": cap, "date": _dt.date.today().isoformat(),
     }  # fmt: skip
     ladder: dict[str, list[dict]] = {}
     longest: dict[str, dict] = {}
     for p in providers:
-        runner = Runner(p, shape, max_len, device)
+        runner = Runner(p, shape, max_len, device, args.model)
         ladder[p] = []
         for s in seqs:
             r = runner.run(s, steps, warmup, cap)
@@ -260,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{p:>22} longest S: {res['best']} (does not fit: {res['over']}; {res['stop']})", flush=True)
         runner.release()
     text = report(meta, ladder, longest)
-    stem = result_stem(args.out_dir, "transformers", env["gpu"], args.tag + ("_quick" if args.quick else ""))
+    tag = args.tag + ("" if args.model == "llama" else f"_{args.model}") + ("_quick" if args.quick else "")
+    stem = result_stem(args.out_dir, "transformers", env["gpu"], tag)
     Path(stem).parent.mkdir(parents=True, exist_ok=True)
     clean = {p: {k: v for k, v in res.items() if k != "tries"} | {"tries": res["tries"]} for p, res in longest.items()}
     Path(stem + ".json").write_text(json.dumps({"meta": meta, "ladder": ladder, "longest": clean}, indent=1,

@@ -30,7 +30,7 @@ _BENCHES = {
     "memory": ("longctx.bench.memory", "longest trainable S, tokens/s and peak memory against transformers"),
     "transformers": (
         "longctx.bench.transformers",
-        "a transformers Llama with longctx (apply) against plain transformers",
+        "a transformers Llama or Gemma 2 with longctx (apply) against plain transformers",
     ),
 }
 
