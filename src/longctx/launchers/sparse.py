@@ -186,7 +186,7 @@ def _ws_config(kind: str, n_heads: int, mask_bs: int, *tensors: torch.Tensor) ->
     kernels run: switched off (tuning key ``sparse_ws`` / ``sparse_ws_bwd``) or failed to compile, a mask block that
     is not a multiple of the kernels' 128 rows, 2^31 work items or more (their int32 index), or inputs the Gluon
     kernels do not take (`launchers.flash._ws_inputs_ok`: fp16/bf16, head dim 64, 128 or 256, sm_90, TMA-loadable
-    strides), or a head dim without a config of this kind (D=256 has no backward)."""
+    strides), or a head dim without a config of this kind."""
     n_items = n_heads * _cdiv(max(tensors[0].shape[2], tensors[1].shape[2]), 128)
     if tuning.get("sparse_ws" if kind == "fwd" else "sparse_ws_bwd") is False or kind in _WS_BROKEN:
         return None
@@ -399,8 +399,11 @@ def _backward_impl(
         runtime._patch_interpreter_for_numpy2()
     nondet = not deterministic
     ws = _ws_config("bwd", B * Hkv, mask_bs, q, k, v, do) if nondet else None
-    # D=256: the warp-specialised dK / dV kernel, then the Triton dQ kernel
+    # D=256: the warp-specialised dK / dV kernel (a (key tiles, B * Hkv) grid: at most 65535 heads), then the Triton
+    # dQ kernel
     wide = ws is not None and D == 256
+    if wide and B * Hkv > 65535:
+        ws, wide = None, False
     # (B, Hq, Sq) each; for the warp-specialised kernel each head's rows padded to 4 floats (TMA alignment; the D=256
     # one reads them with pointers, as the Triton dQ kernel after it)
     delta, lse2 = _tf.bwd_preprocess(out, do, lse, dlse, bd, _cdiv(Sq, 4) * 4 if ws is not None and not wide else None)
