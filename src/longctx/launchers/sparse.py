@@ -407,9 +407,10 @@ def _backward_impl(
     # (B, Hq, Sq) each; for the warp-specialised kernel each head's rows padded to 4 floats (TMA alignment; the D=256
     # one reads them with pointers, as the Triton dQ kernel after it)
     delta, lse2 = _tf.bwd_preprocess(out, do, lse, dlse, bd, _cdiv(Sq, 4) * 4 if ws is not None and not wide else None)
+    # the transposed lists, for whichever kernel computes dK / dV
+    targs, tkw = _mask_args(mt, meta, B, Hq, transposed=True)
     dkdv_done = False
     if wide:
-        targs, tkw = _mask_args(mt, meta, B, Hq, transposed=True)
         try:
             _backward_ws_d256(q, k, v, do, delta, lse2, dk, dv, scale, targs, tkw, mask_bs, ws, softcap)
         except Exception as exc:
@@ -418,7 +419,6 @@ def _backward_impl(
             dkdv_done = True
     elif ws is not None:
         dqa = torch.zeros((B, Hq, Sq, D), device=q.device, dtype=torch.float32)
-        targs, tkw = _mask_args(mt, meta, B, Hq, transposed=True)
         try:
             _backward_ws(q, k, v, do, delta, lse2, dk, dv, dqa, scale, targs, tkw, mask_bs, ws, softcap)
         except Exception as exc:
@@ -443,7 +443,6 @@ def _backward_impl(
         DOT_PRECISION=runtime._dot_precision(q.dtype),
     )
     # -- dK / dV: one kv tile per program over the transposed lists; then dQ: one query tile over the lists --
-    targs, tkw = _mask_args(mt, meta, B, Hq, transposed=True)
     if not dkdv_done:
         _launch(
             "dkdv",

@@ -341,14 +341,22 @@ def _sparse_producer(desc_q, desc_k, desc_v, desc_do, q_smem, do_smem, k_smem, v
         n_full, FULL_row, n_part, PART_row = sws._lists(Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh,
                                                         stride_ib, stride_ih, stride_ik, off_b, off_h,
                                                         start_n // MASK_BS)
-        for j in range(n_full * SUB):
-            start_m = gl.load(FULL_row + j // SUB) * MASK_BS + (j % SUB) * BLOCK_M
-            _load_tile(desc_q, desc_do, q_smem, do_smem, q_ready, do_ready, q_empty, off_b, off_h, start_m, i, STAGES)
-            i += 1
-        for j in range(n_part * SUB):
-            start_m = gl.load(PART_row + j // SUB) * MASK_BS + (j % SUB) * BLOCK_M
-            _load_tile(desc_q, desc_do, q_smem, do_smem, q_ready, do_ready, q_empty, off_b, off_h, start_m, i, STAGES)
-            i += 1
+        i = _load_list(desc_q, desc_do, q_smem, do_smem, q_ready, do_ready, q_empty, off_b, off_h, FULL_row,
+                       n_full * SUB, i, MASK_BS, STAGES)
+        i = _load_list(desc_q, desc_do, q_smem, do_smem, q_ready, do_ready, q_empty, off_b, off_h, PART_row,
+                       n_part * SUB, i, MASK_BS, STAGES)
+
+
+@gluon.jit
+def _load_list(desc_q, desc_do, q_smem, do_smem, q_ready, do_ready, q_empty, off_b, off_h, IDX_row, n_tiles, i,
+               MASK_BS: gl.constexpr, STAGES: gl.constexpr):
+    """Q and dO of the query tiles of one block list (``n_tiles`` 64-row tiles of its blocks); returns ``i``."""
+    SUB: gl.constexpr = MASK_BS // BLOCK_M
+    for j in range(n_tiles):
+        start_m = gl.load(IDX_row + j // SUB) * MASK_BS + (j % SUB) * BLOCK_M
+        _load_tile(desc_q, desc_do, q_smem, do_smem, q_ready, do_ready, q_empty, off_b, off_h, start_m, i, STAGES)
+        i += 1
+    return i
 
 
 @gluon.jit
