@@ -6,7 +6,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+import longctx
 from longctx.cli.main import main
 
 
@@ -40,6 +42,70 @@ def test_check_reports_a_backend_that_raises(capsys, monkeypatch):
     assert "ERROR (RuntimeError: simulated compiler error)" in out and "second line" not in out
     assert " ok" in out  # math still checked
     assert "failing rows" in out
+
+
+@pytest.mark.parametrize("what", ["out", "grad", "inf"])
+def test_check_fails_a_backend_returning_garbage(capsys, monkeypatch, what):
+    """A NaN output, a NaN gradient or an inf output makes the row fail: a NaN error is never skipped."""
+    from longctx.cli import commands as tools
+
+    real = tools.attention
+
+    class _PoisonGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return torch.full_like(g, float("nan"))
+
+    def garbage(q, *args, backend=None, **kw):
+        if backend != "tiled":
+            return real(q, *args, backend=backend, **kw)
+        if what == "grad":
+            q = _PoisonGrad.apply(q)
+        res = real(q, *args, backend=backend, **kw)
+        out, lse = res if isinstance(res, tuple) else (res, None)
+        if what in ("out", "inf"):
+            out = out + float("nan" if what == "out" else "inf")
+        return (out, lse) if isinstance(res, tuple) else out
+
+    monkeypatch.setattr(tools, "attention", garbage)
+    assert main(["check", "--seed", "0"]) == 1
+    out = capsys.readouterr().out
+    tiled_rows = [line for line in out.splitlines() if line.startswith("tiled ")]
+    assert tiled_rows and all("FAIL" in line for line in tiled_rows), out
+    assert "all backends agree" not in out and "failing rows" in out
+
+
+def test_failing_skips_only_what_was_not_compared():
+    from longctx.cli.commands import failing
+
+    pt = dict(out=1e-3, lse=1e-3, dq=1e-3, dk=1e-3, dv=1e-3)
+    ok = dict(out=1e-3, lse=None, dq=1e-3, dk=1e-3, dv=1e-3)
+    assert failing(ok, pt, torch.bfloat16) == []
+    assert failing({**ok, "dq": float("nan")}, pt, torch.bfloat16) == ["dq"]
+    assert failing({**ok, "out": float("inf")}, pt, torch.bfloat16) == ["out"]
+    assert failing({**ok, "dv": 2 * 1e-3 + 2e-3 + 1e-6}, pt, torch.bfloat16) == ["dv"]
+
+
+def test_error_vs_oracle_reports_nan_for_a_nan_among_finite_values():
+    """torch's max may skip NaN on some paths; the error must be NaN whenever any element is."""
+    from longctx.cli.commands import error_vs_oracle
+    from longctx.masks import Band
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(4))
+
+    def run(a, b, c):
+        out, lse = longctx.attention(a, b, c, backend="math", return_lse=True)
+        out = out.clone()
+        out[0, 0, 3, 1] = float("nan")
+        return out, lse
+
+    ours, _ = error_vs_oracle(q, k, v, do, run, scale=8**-0.5, band=Band.from_args(16, 16, False))
+    assert ours["out"] != ours["out"] and ours["lse"] == ours["lse"]
 
 
 def test_demo_memory_small(capsys):

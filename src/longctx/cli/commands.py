@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import platform
 import sys
 import time
@@ -14,7 +15,7 @@ from longctx.masks import Band
 from longctx.memory.measure import peak_live_bytes, saved_bytes
 from longctx.reference.naive import naive_attention
 
-__all__ = ["info", "check", "demo_memory", "check_cases", "error_vs_oracle", "tolerance_floor"]
+__all__ = ["info", "check", "demo_memory", "check_cases", "error_vs_oracle", "failing", "tolerance_floor"]
 
 
 def _versions() -> dict[str, str]:
@@ -109,10 +110,12 @@ def error_vs_oracle(
         q: (B, Hq, Sq, D); k, v: (B, Hkv, Sk, D); do: the output gradient, (B, Hq, Sq, D).
         run: ``run(q, k, v) -> (out, lse | None)``, the attention under test.
         scale: softmax scale; band: the mask, as for the oracle.
-        with_lse: whether ``run`` returns an lse worth comparing (else its error is reported as nan).
+        with_lse: whether ``run`` returns an lse worth comparing (else its error is ``None``).
 
     Returns:
-        ``(ours, plain_pytorch)``: dicts of max-abs errors with keys out, lse, dq, dk, dv.
+        ``(ours, plain_pytorch)``: dicts of max-abs errors with keys out, lse, dq, dk, dv. An error is NaN or inf
+        when the result holds NaN or inf where the oracle is finite; it is ``None`` only for the lse of a ``run``
+        that returns none.
     """
 
     def grads(fn, qq, kk, vv):
@@ -132,18 +135,30 @@ def error_vs_oracle(
     names = ("out", "lse", "dq", "dk", "dv")
 
     def err(x, r):
-        if x is None:
+        if x is None:  # a missing gradient, or an lse asked for and not returned
             return float("nan")
         x, r = x.double(), r.double()
         both_inf = torch.isinf(x) & torch.isinf(r) & (torch.sign(x) == torch.sign(r))
         d = torch.where(both_inf, torch.zeros_like(x), (x - r).abs())
-        return float(d.max()) if d.numel() else 0.0
+        if not d.numel():
+            return 0.0
+        return float("nan") if bool(d.isnan().any()) else float(d.max())
 
     e_ours = {n: err(a, r) for n, a, r in zip(names, ours, ref)}
     e_pt = {n: err(a, r) for n, a, r in zip(names, pt, ref)}
     if not with_lse:
-        e_ours["lse"] = e_pt["lse"] = float("nan")
+        e_ours["lse"] = e_pt["lse"] = None
     return e_ours, e_pt
+
+
+def failing(ours: dict[str, float | None], pt: dict[str, float | None], dtype: torch.dtype) -> list[str]:
+    """The quantities that break the check's rule: error <= 2 x plain PyTorch's error + floor, and finite.
+
+    Only a quantity not compared (``None``: the lse of a backend that returns none) is skipped; a NaN or inf
+    error, which is what a NaN or inf result gives, fails.
+    """
+    floor = tolerance_floor(dtype)
+    return [n for n, e in ours.items() if e is not None and not (math.isfinite(e) and e <= 2 * pt[n] + floor)]
 
 
 def check(device: str | None = None, seed: int | None = None) -> int:
@@ -204,10 +219,9 @@ def check(device: str | None = None, seed: int | None = None) -> int:
                     cells = " ".join(f"{'-':>9s}" for _ in range(5))
                     print(f"{name:15s} {dname:9s} {case['name']:22s} {cells}  ERROR ({type(exc).__name__}: {first})")
                     continue
-                floor = tolerance_floor(dtype)
-                bad = [n for n in ours if ours[n] == ours[n] and not ours[n] <= 2 * pt[n] + floor]
+                bad = failing(ours, pt, dtype)
                 failures += bool(bad)
-                cells = " ".join(f"{ours[n]:9.2e}" if ours[n] == ours[n] else f"{'-':>9s}" for n in ours)
+                cells = " ".join(f"{'-':>9s}" if ours[n] is None else f"{ours[n]:9.2e}" for n in ours)
                 status = "ok" if not bad else "FAIL (" + ", ".join(bad) + ")"
                 print(f"{name:15s} {dname:9s} {case['name']:22s} {cells}  {status}")
     print(f"{'all backends agree with the oracle' if not failures else f'{failures} failing rows'}")
