@@ -16,6 +16,12 @@ import tempfile
 import traceback
 from collections.abc import Callable
 
+SKIPPED = "skipped: "
+
+
+class CaseSkipped(Exception):
+    """Raised by a case that cannot run on this machine; the test reports it as skipped, with the reason."""
+
 
 def spawn_world(
     worker: Callable[[int, int, str, str], None], world: int, timeout_s: float
@@ -64,6 +70,8 @@ def _case_worker(module: str, env: dict[str, str], rank: int, world: int, store_
             try:
                 cases._run_case(name, rank, world)
                 results[name] = "ok"
+            except CaseSkipped as e:
+                results[name] = SKIPPED + str(e)
             except Exception as e:  # noqa: BLE001 - reported per case
                 results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
             with open(path + ".tmp", "w") as f:  # written after every case: a hang still leaves the record
@@ -98,6 +106,11 @@ def case_params(worlds, case_names: Callable[[int], list[str]], group: str) -> l
 
 
 def assert_ranks_ok(results: list[str]) -> None:
-    """Every rank's result of one case is "ok"; else the failing ranks and their errors."""
+    """Every rank's result of one case is "ok" (or every rank skipped it: the test is skipped with the reason);
+    else the failing ranks and their errors."""
+    import pytest
+
+    if results and all(res.startswith(SKIPPED) for res in results):
+        pytest.skip(results[0][len(SKIPPED) :])
     failed = {r: res for r, res in enumerate(results) if res != "ok"}
     assert not failed, "\n".join(f"rank {r}: {res}" for r, res in failed.items())
