@@ -68,7 +68,12 @@ def test_cp_mode_with_gloo():
         for mask in ("causal", "causal_document"):
             r = by[(meth, mask)]
             assert r["code"] == "ok", (meth, mask, r["reason"])
-            assert r["world"] == WORLD and r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["fwd_tflops"] > 0
+            assert r["world"] == WORLD and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["fwd_tflops"] > 0
+            # the backward is forward + backward minus forward, or empty with the reason (never a made-up time)
+            if r["bwd_ms"] is None:
+                assert r["bwd_tflops"] is None and r["reason"].startswith("backward not derived"), r
+            else:
+                assert r["bwd_ms"] == pytest.approx(r["fwd_bwd_ms"] - r["fwd_ms"]) and r["bwd_ms"] > 0, r
             # per-GPU FLOPs: the mask's kept area at S = 128, over 2 ranks
             assert r["fwd_tflops"] == pytest.approx(4 * r["kept_area"] * 4 * 16 / WORLD / r["fwd_ms"] * 1e-9)
         assert by[(meth, "share_question")]["code"] == "unsupported"

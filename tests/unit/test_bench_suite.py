@@ -90,6 +90,11 @@ def test_summary_of_context_parallel_rows():
         r.update(mode="cp", world=2)
     md = markdown(rows, META, [])
     assert "| 2048 | 4096 | causal | 400.0 | 200.0 (50%) | n/a |" in md
+    # a CP row keeps its measured forward + backward; a backward that cannot be derived stays empty
+    fwd_ms = rows[1]["fwd_ms"]
+    rows[1].update(bwd_ms=None, bwd_tflops=None, fwd_bwd_ms=fwd_ms * 3.5 / 2, reason="backward not derived")
+    md = markdown(rows, META, [])
+    assert "| 2048 | 4096 | causal | 400.0 | 400.0 (100%) | n/a |" in md
 
 
 class _Raises(Provider):
@@ -242,3 +247,15 @@ def test_merge_takes_each_length_from_the_run_that_measured_it(tmp_path, capsys)
     assert data["meta"]["command"] == "run a ; run b"
     with pytest.raises(ValueError, match="no results.json"):
         cli_main(["bench", "suite", "--merge", str(tmp_path), "--out", str(out)])
+
+
+@pytest.mark.parametrize("other", [dict(gpu="OtherGPU"), dict(torch="9.8"), dict(Hq=32)])
+def test_merge_refuses_runs_of_another_gpu_stack_or_shape(tmp_path, other):
+    from longctx.cli.main import main as cli_main
+
+    write_report(str(tmp_path / "a"), [_row("longctx_triton", "causal", 4096, 400, 300)], META)
+    write_report(str(tmp_path / "b"), [_row("longctx_triton", "causal", 16384, 450, 350)], dict(META, **other))
+    key = next(iter(other))
+    with pytest.raises(ValueError, match=f"another setup .*{key}"):
+        cli_main(["bench", "suite", "--merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "m")])
+    assert not (tmp_path / "m").exists()

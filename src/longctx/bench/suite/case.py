@@ -37,6 +37,7 @@ COLUMNS = (
     "kept_fraction",
     "fwd_ms",
     "bwd_ms",
+    "fwd_bwd_ms",
     "fwd_tflops",
     "bwd_tflops",
     "peak_extra_mib",

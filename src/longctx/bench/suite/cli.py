@@ -186,9 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# What two runs must share to be one report (its header states them once).
+MERGE_SAME = ("gpu", "world", "torch", "triton", "cuda", "cudnn", "B", "Hq", "Hkv", "D", "dtype", "mask_params")
+
+
 def _merge(run_dirs: list[str], out: str | None) -> int:
     """One report from several kernel-mode run folders: each sequence length's rows come from the last folder that
-    measured something at it (so a run's budget-skipped lengths give way to a run made for them)."""
+    measured something at it (so a run's budget-skipped lengths give way to a run made for them). Runs of another
+    GPU, software stack or shape are refused (`MERGE_SAME`)."""
     import json
 
     if not out:
@@ -200,6 +205,15 @@ def _merge(run_dirs: list[str], out: str | None) -> int:
             raise ValueError(f"--merge: {d!r} has no results.json (not a longctx bench suite run folder)")
         with open(path) as f:
             runs.append(json.load(f))
+    first = runs[0]["meta"]
+    for d, run in zip(run_dirs[1:], runs[1:]):
+        differ = [k for k in MERGE_SAME if run["meta"].get(k) != first.get(k)]
+        if differ:
+            what = ", ".join(f"{k} {first.get(k)!r} vs {run['meta'].get(k)!r}" for k in differ)
+            raise ValueError(
+                f"--merge: {d!r} was measured on another setup than {run_dirs[0]!r} ({what}); merge only runs of "
+                "one GPU, one software stack and one shape, and keep the others as reports of their own"
+            )
     by_len: dict[int, list[dict]] = {}
     for run in runs:
         for S in sorted({r["S"] for r in run["results"]}):

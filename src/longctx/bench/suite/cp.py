@@ -3,8 +3,10 @@
 Runs inside an initialised process group (torchrun with NCCL on GPUs, or gloo on the CPU for tiny shapes). For
 every tokens-per-GPU value n and mask, the sequence is S = n x ranks; every rank draws its own shard of q, k, v
 (values do not matter for timing), and each method in `CP_METHODS` runs forward alone and forward + backward; the
-time of a point is the slowest rank's. ``single_gpu`` is ``longctx.attention`` on one rank's n tokens with the same
-mask (at length n: documents drawn for n tokens), the reference of weak scaling.
+time of a point is the slowest rank's. The backward is not timed alone (a method's backward needs its forward's
+communication state): ``bwd_ms`` is forward + backward minus forward, left empty with a reason when noise makes that
+non-positive; ``fwd_bwd_ms`` is the measured forward + backward. ``single_gpu`` is ``longctx.attention`` on one
+rank's n tokens with the same mask (at length n: documents drawn for n tokens), the reference of weak scaling.
 
 A method is one entry of `CP_METHODS`: ``supports(mask, world, case) -> reason or None`` and ``build(case, group)
 -> fn(q_loc, k_loc, v_loc) -> out_loc``. The band masks (full, causal, sliding windows) go through
@@ -143,10 +145,14 @@ def _measure(fn: Callable, case: KernelCase, world: int, cfg: SuiteConfig, warmu
     peak = None
     if cfg.device.startswith("cuda"):
         peak = _max_over_ranks((torch.cuda.max_memory_allocated() - base) / 2**20, cfg.device, group)
-    bwd = max(both - fwd, 1e-6)
     fl = case.fwd_flops() / world  # per GPU
-    out = dict(fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=fl / fwd * 1e-9, bwd_tflops=2.5 * fl / bwd * 1e-9)
-    return {**out, "peak_extra_mib": peak}
+    out = dict(fwd_ms=fwd, fwd_bwd_ms=both, fwd_tflops=fl / fwd * 1e-9, peak_extra_mib=peak)
+    bwd = both - fwd  # the backward is not timed alone here: it is what forward + backward adds to the forward
+    if bwd > 0:
+        out.update(bwd_ms=bwd, bwd_tflops=2.5 * fl / bwd * 1e-9)
+    else:
+        out.update(reason=f"backward not derived: forward + backward {both:.3f} ms <= forward {fwd:.3f} ms (noise)")
+    return out
 
 
 def _agree(ok: bool, device: str, group) -> bool:
@@ -179,7 +185,8 @@ def _point(name: str, case: KernelCase, w: int, cfg: SuiteConfig, warmup: int, i
         return row
     code = OOM if err is not None and is_oom(err) else ERROR
     why = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}" if err is not None else "failed on another rank"
-    row.update(code=code, reason=why, fwd_ms=None, bwd_ms=None, fwd_tflops=None, bwd_tflops=None, peak_extra_mib=None)
+    none = dict.fromkeys(("fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "peak_extra_mib"))
+    row.update(code=code, reason=why, **none)
     return row
 
 

@@ -121,7 +121,8 @@ def _header(meta: dict) -> list[str]:
         f"Shape: batch {meta.get('B')}, {meta.get('Hq')} query / {meta.get('Hkv')} kv heads, head dim {meta.get('D')}, "
         f"{meta.get('dtype')}; masks: {meta.get('mask_params') or 'catalogue defaults'}; document seeds "
         f"{meta.get('seeds')}. FLOPs over the mask's kept area: forward 4 x area x Hq x D, backward 2.5x forward "
-        f"(timed alone: autograd.grad of a saved graph). Times: {meta.get('timer', '?')}. Peak memory: bytes "
+        "(kernel mode: the backward timed alone, autograd.grad of a saved graph). "
+        f"Times: {meta.get('timer', '?')}. Peak memory: bytes "
         "allocated during one forward + backward above the inputs. Cells: TFLOP/s (median over seeds); n/a = the "
         "provider cannot run the mask, OOM = out of memory, skip = capped or over the time budget, err = it raised.",
         "",
@@ -216,7 +217,9 @@ def _cp_table(rows: list[dict]) -> list[str]:
         f"## Context parallelism: {world} ranks, per-GPU TFLOP/s of forward + backward (time: the slowest rank)",
         "",
         "Weak scaling: S = tokens per GPU x ranks; `single GPU` is longctx.attention on one rank's tokens with the "
-        "same mask. In brackets: per-GPU throughput over the single GPU's.",
+        "same mask. In brackets: per-GPU throughput over the single GPU's. Forward + backward is timed as one "
+        "(3.5x the forward FLOPs over that time); the backward columns of the CSV are that time minus the forward "
+        "alone, empty where noise makes the difference non-positive.",
         "",
         "| tokens/GPU | S | mask | single GPU | " + " | ".join(methods) + " |",
         "|---|---|---|---|" + "---|" * len(methods),
@@ -244,11 +247,14 @@ def _cp_table(rows: list[dict]) -> list[str]:
 
 
 def _tot(r: dict | None) -> float | None:
-    """Per-GPU TFLOP/s of forward + backward together (3.5x the forward FLOPs over both times)."""
-    if r is None or r["code"] != OK or not r.get("fwd_ms") or not r.get("bwd_ms"):
+    """Per-GPU TFLOP/s of forward + backward together (3.5x the forward FLOPs over their measured time)."""
+    if r is None or r["code"] != OK or not r.get("fwd_ms"):
+        return None
+    both = r.get("fwd_bwd_ms") or (r["fwd_ms"] + r["bwd_ms"] if r.get("bwd_ms") else None)
+    if not both:
         return None
     fwd_flops = r["fwd_tflops"] * r["fwd_ms"]  # TFLOP/s x ms, per GPU
-    return 3.5 * fwd_flops / (r["fwd_ms"] + r["bwd_ms"])
+    return 3.5 * fwd_flops / both
 
 
 def _notes(rows: list[dict]) -> list[str]:
