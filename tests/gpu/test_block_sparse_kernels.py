@@ -182,19 +182,15 @@ def test_against_flex_attention(name):
         assert eo <= 2 * ef + 2e-3, f"{name} {n}: ours {eo:.3e} vs flex {ef:.3e}"
 
 
-def test_mask_build_64k_is_fast():
-    import time
-
+def test_mask_build_64k_counts_the_documents_area():
+    """A 64K-token causal-documents mask built on the GPU keeps exactly the documents' causal triangles (its build
+    time is a benchmark figure: `longctx bench masks`, not a test threshold)."""
     S = 65536
-    ids, _ = _docs(S, 0, 512, 8192)
+    ids, lengths = _docs(S, 0, 512, 8192)
     mm = bsm.document_mask(ids.cuda()) & bsm.causal_mask
-    longctx.block_mask(mm, None, None, S, S, device="cuda")  # warm-up
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
     bm = longctx.block_mask(mm, None, None, S, S, device="cuda")
-    torch.cuda.synchronize()
-    assert time.perf_counter() - t0 < 0.5
-    assert 0.0 < bm.kept_fraction() < 0.1
+    area = sum(L * (L + 1) // 2 for L in lengths)
+    assert bm.kept_fraction() == pytest.approx(area / S**2, rel=1e-12)
 
 
 @pytest.mark.parametrize("name", ["docs_causal", "general"])

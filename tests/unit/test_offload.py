@@ -72,14 +72,16 @@ def test_chunk_inputs_leave_autograd():
     assert plain - offloaded == L * B * S * h * 4, (plain, offloaded)
 
 
-def test_offloader_slots_round_trip_on_cpu():
+def test_offloader_keeps_cpu_tensors_in_place():
+    """A CPU tensor is already in host memory: the offloader keeps that very tensor in its slot (no copy); the
+    device-to-host round trip itself is a GPU test (tests/gpu/test_memory_gpu.py)."""
     off = ActivationOffloader()
     off.begin()
     ts = [torch.randn(3, 4) for _ in range(3)]
     slots = [off.offload(t) for t in ts]
     assert slots == [0, 1, 2]
     for i in reversed(slots):
-        assert torch.equal(off.fetch(i), ts[i])
+        assert off.fetch(i) is ts[i]
 
 
 def test_host_memory_is_read():

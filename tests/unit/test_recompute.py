@@ -232,7 +232,6 @@ def test_selective_adds_nothing_with_a_fused_core_attention():
     assert all(torch.equal(ga[n], gb[n]) for n in ga)
 
 
-@pytest.mark.skipif("tiled" not in longctx.backends(), reason="the tiled flash backend is not registered yet")
 def test_selective_adds_nothing_with_the_tiled_backend():
     assert train_step_flops(make("selective", backend="tiled")) == train_step_flops(make("none", backend="tiled"))
 
