@@ -28,6 +28,9 @@ CASES = {
     "mqa_causal_sq>sk_masked_rows_d64_f32": (1, 4, 1, 53, 37, 64, "float32", {"causal": True}, {}),
     "window_both_d40_f16": (2, 2, 1, 45, 45, 40, "float16", {"window": (7, 3)}, {}),
     "window_causal_d64_f32": (1, 2, 2, 20, 50, 64, "float32", {"causal": True, "window": (10, 0)}, {}),
+    # flash-attn's window semantics: causal takes the right side as 0; a side of Sk or more is unbounded
+    "window_causal_two_sided_d16_f32": (1, 4, 2, 40, 40, 16, "float32", {"causal": True, "window": (6, 6)}, {}),
+    "window_right_wide_sq>sk_d16_f32": (1, 2, 1, 30, 12, 16, "float32", {"window": (3, 12)}, {}),
     "shifted_band_d16_f16": (1, 4, 2, 40, 20, 16, "float16", {"band": (-23, -15)}, {}),
     "band_lo_only_d32_f32": (1, 2, 1, 30, 41, 32, "float32", {"band": (5, None)}, {}),
     "band_far_away_d16_f32": (1, 2, 1, 19, 23, 16, "float32", {"band": (-500, -400)}, {}),
@@ -101,7 +104,7 @@ _SCRIPT = textwrap.dedent(
     import json, math, sys, zlib
     import torch
     import longctx
-    from longctx.masks import Band
+    from longctx.masks import Band, flash_window
     from longctx import tuning
     from longctx.ops.flash import triton_attention
     from longctx.reference.naive import naive_attention
@@ -130,7 +133,8 @@ _SCRIPT = textwrap.dedent(
                 if "band" in bk:
                     band = Band(*bk["band"])
                 else:
-                    band = Band.from_args(Sq, Sk, causal=bk.get("causal", False), window=bk.get("window"))
+                    causal = bk.get("causal", False)
+                    band = Band.from_args(Sq, Sk, causal, flash_window(bk.get("window"), causal=causal, seqlen_k=Sk))
                 qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
                 if "band" in bk:
                     out, lse = triton_attention(qg, kg, vg, scale=scale, band=band,

@@ -147,12 +147,12 @@ def test_bool_flags_must_be_bools_like_causal(name, value):
         longctx.attention(q, k, v, causal=1)
 
 
-def test_causal_with_a_window_to_the_right_is_an_error_not_a_silent_drop():
+def test_causal_with_a_window_to_the_right_is_flash_attns_causal_window():
+    """As flash-attn: causal=True takes the window's right side as 0 (tests/unit/test_flash_window.py checks values)."""
     q, k, v = qkv()
-    with pytest.raises(ValueError, match=r"window=\(4, 3\) asks for 3; pass window=\(4, 0\)"):
-        longctx.attention(q, k, v, causal=True, window=(4, 3))
-    for window in [(4, 0), (4, -1), (-1, -1)]:  # right 0 or unbounded: causal caps it at the diagonal
-        longctx.attention(q, k, v, causal=True, window=window)
+    ref = longctx.attention(q, k, v, causal=True, window=(4, 0))
+    for window in [(4, 3), (4, -1), (4, 10**6)]:
+        torch.testing.assert_close(longctx.attention(q, k, v, causal=True, window=window), ref, rtol=0, atol=0)
 
 
 def test_block_mask_must_be_a_block_mask():

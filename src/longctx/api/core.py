@@ -9,7 +9,7 @@ import numbers
 import torch
 
 from longctx.dispatch import AttnInputs, BackendChoice, get_backend, select_backend
-from longctx.masks import Band, BlockMask, normalize_window
+from longctx.masks import Band, BlockMask, flash_window
 
 __all__ = [
     "attention",
@@ -108,13 +108,8 @@ def validate(
         scale = float(scale)
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
-    left, right = normalize_window(window)
-    if causal and right > 0:
-        raise ValueError(
-            f"causal=True sees no key to the right of the diagonal, but window={tuple(window)!r} asks for {right}; "
-            f"pass window=({left}, 0) for a causal window, or causal=False for a two-sided one"
-        )
-    band = Band.from_args(Sq, k.shape[2], causal=causal, window=(left, right))
+    Sk = k.shape[2]
+    band = Band.from_args(Sq, Sk, causal=causal, window=flash_window(window, causal=causal, seqlen_k=Sk))
     return scale, band
 
 
@@ -244,7 +239,8 @@ def attention(
                           q2   x  x  x  x  x
 
         window: ``(left, right)``, FlashAttention's window_size; -1 is unbounded. Query i sees key j iff
-            ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``; with causal, right is 0.
+            ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``. As in flash-attn, with causal the right side is 0
+            whatever was passed, and a side of Sk or more is unbounded (`longctx.masks.flash_window`).
         scale: multiplies the scores; default ``1 / sqrt(D)``.
         backend: "auto" or a name from ``longctx.backends()`` ("triton", "tiled", "math", "sdpa_cudnn",
             "sdpa_flash", "sdpa_efficient", "flex").
@@ -267,7 +263,7 @@ def attention(
         TypeError: non-tensor inputs, unsupported dtypes, mixed dtypes outside autocast, a causal, return_lse or
             deterministic that is not a bool, a block_mask that is not a `longctx.BlockMask`.
         ValueError: wrong ranks or mismatched shapes, Hq not a multiple of Hkv, mixed devices, window
-            values below -1, causal=True with a window reaching right of the diagonal, a non-finite scale,
+            values below -1, a non-finite scale,
             a negative or non-finite softcap, an unknown backend, or a pinned backend that cannot run these inputs.
     """
     q, k, v, run_ctx = follow_autocast(q, k, v)

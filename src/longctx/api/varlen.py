@@ -28,7 +28,7 @@ import torch
 
 from longctx.api.core import follow_autocast, unsupported_flash_args
 from longctx.dispatch import AttnInputs, get_backend, select_backend
-from longctx.masks import Band, BlockMask, DocBand, normalize_window
+from longctx.masks import Band, BlockMask, DocBand, flash_window
 from longctx.masks.build import _build_analytic
 
 __all__ = [
@@ -171,7 +171,8 @@ def flash_attn_varlen_func(
         softmax_scale: default 1/sqrt(D).
         causal: bottom-right within each document (query i of a document with Lq queries and Lk keys sees
             local keys j <= i + Lk - Lq; with Lq > Lk the first rows see nothing and give 0).
-        window_size: (left, right) within each document, -1 unbounded.
+        window_size: (left, right) within each document, -1 unbounded; as in flash-attn, a side of max_seqlen_k or
+            more is unbounded and causal makes the right side 0 (`longctx.masks.flash_window`).
         deterministic: accepted (every longctx backward here is deterministic).
         return_attn_probs: also return ``(softmax_lse (Hq, total_q) float32, None)``.
         backend: "auto" (CUDA: "triton_sparse" when it can run, else "tiled"; CPU: "tiled"), "tiled",
@@ -225,7 +226,7 @@ def flash_attn_varlen_func(
         )
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    window = normalize_window(tuple(window_size))
+    window = flash_window(tuple(window_size), causal=causal, seqlen_k=max_seqlen_k)
     if softmax_scale is None:
         scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
     else:

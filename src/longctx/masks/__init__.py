@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from longctx.masks.band import Band, TileKind, normalize_window
+from longctx.masks.band import Band, TileKind, flash_window, normalize_window
 from longctx.masks.block_mask import BlockMask
 from longctx.masks.build import block_mask
 from longctx.masks.catalogue import CATALOGUE, SEEDED_MASKS, MaskCase, doc_lengths, make_mask, mask_names
@@ -33,6 +33,7 @@ from longctx.masks.mask_mods import (
 __all__ = [
     "Band",
     "TileKind",
+    "flash_window",
     "normalize_window",
     "BlockMask",
     "block_mask",

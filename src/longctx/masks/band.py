@@ -21,7 +21,9 @@ PyTorch SDPA's `is_causal` aligns top-left instead (query i sees keys j <= i); t
 Sq == Sk.
 
 A window ``(left, right)`` (FlashAttention's ``window_size``; -1 means unbounded on that side) lets query i
-see keys ``i + offset - left <= j <= i + offset + right``; with ``causal=True`` the right side is 0.
+see keys ``i + offset - left <= j <= i + offset + right``. The public functions read it as flash-attn's kernels do
+(`flash_window`): a side of Sk or more is unbounded, and with ``causal=True`` the right side is 0, whatever was
+passed (transformers' flash-attention path passes ``(w - 1, w - 1)`` with ``causal=True`` for sliding windows).
 
 Context parallelism reuses the same band with a shifted diagonal: a query chunk that starts at global
 position ``qs`` attending a key chunk at ``ks`` sees ``lo - (qs - ks) <= j - i <= hi - (qs - ks)`` in
@@ -35,7 +37,7 @@ from enum import Enum
 
 import torch
 
-__all__ = ["Band", "TileKind", "normalize_window"]
+__all__ = ["Band", "TileKind", "flash_window", "normalize_window"]
 
 
 class TileKind(Enum):
@@ -66,6 +68,27 @@ def normalize_window(window: tuple[int, int] | list[int] | None) -> tuple[int, i
                 f"window {name} must be >= -1 (-1 means unbounded on that side), got {val}; window={tuple(window)!r}"
             )
     return (int(left), int(right))
+
+
+def flash_window(window: tuple[int, int] | list[int] | None, *, causal: bool, seqlen_k: int) -> tuple[int, int]:
+    """flash-attn's ``window_size`` as its kernels apply it: ``(left, right)`` with -1 for an unbounded side.
+
+    A side of ``seqlen_k`` or more is unbounded (-1), then ``causal=True`` sets the right side to 0, as
+    flash-attn 2.x's ``mha_fwd`` / ``mha_varlen_fwd`` do (the varlen forms compare with ``max_seqlen_k``). Only the
+    right side's bound changes a result, and only where Sq > Sk: with ``right >= Sk`` the first queries see every key
+    instead of none.
+
+    Raises:
+        ValueError / TypeError: as `normalize_window`.
+    """
+    left, right = normalize_window(window)
+    if left >= seqlen_k:
+        left = -1
+    if right >= seqlen_k:
+        right = -1
+    if causal:
+        right = 0
+    return left, right
 
 
 @dataclass(frozen=True)
