@@ -1,5 +1,7 @@
-"""A pair of attention launchers for a device and dtype: ``fwd(q, k, v, scale, band) -> (out, lse)`` and
-``bwd(do, q, k, v, out, lse, scale, band) -> (dq, dk, dv)`` (dq, dk, dv in float32, float64 for float64 inputs).
+"""Attention launchers for a device and dtype: ``fwd(q, k, v, scale, band) -> (out, lse)`` and
+``bwd(do, q, k, v, out, lse, scale, band) -> (dq, dk, dv)`` (dq, dk, dv in float32, float64 for float64 inputs),
+and the same over a `BlockMask`, ``sparse_fwd(q, k, v, scale, block_mask)`` and ``sparse_bwd(do, q, k, v, out, lse,
+scale, block_mask)`` (one launch per step of context parallelism over packed documents).
 
 Their callers never go through an autograd.Function of a backend: context parallelism calls them block by block
 and merges the partial results with their lse itself (as ring-flash-attention does with flash-attn's launchers);
@@ -33,21 +35,35 @@ class Launchers:
     name: str
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    sparse_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    sparse_backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _grad_dtype(dtype: torch.dtype) -> torch.dtype:
+    # float32 (float64) gradients: the per-block results are summed over the ranks in that precision
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @functools.cache  # built once: cp_attention resolves its launchers on every call
 def _tiled() -> Launchers:
     from longctx.reference.tiled import tiled_backward, tiled_forward
+    from longctx.reference.tiled_sparse import block_sparse_backward, block_sparse_forward
 
     def fwd(q, k, v, *, scale: float, band: Band):
         return tiled_forward(q, k, v, scale=scale, band=band)
 
     def bwd(do, q, k, v, out, lse, *, scale: float, band: Band):
-        # float32 (float64) gradients: the per-block results are summed over the ring in that precision.
-        gdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        return tiled_backward(do, q, k, v, out, lse, scale=scale, band=band, grad_dtype=gdt)
+        return tiled_backward(do, q, k, v, out, lse, scale=scale, band=band, grad_dtype=_grad_dtype(q.dtype))
 
-    return Launchers("tiled", fwd, bwd)
+    def sparse_fwd(q, k, v, *, scale: float, block_mask):
+        return block_sparse_forward(q, k, v, scale=scale, band=Band(), block_mask=block_mask)
+
+    def sparse_bwd(do, q, k, v, out, lse, *, scale: float, block_mask):
+        return block_sparse_backward(
+            do, q, k, v, out, lse, scale=scale, band=Band(), block_mask=block_mask, grad_dtype=_grad_dtype(q.dtype)
+        )
+
+    return Launchers("tiled", fwd, bwd, sparse_fwd, sparse_bwd)
 
 
 @functools.cache
@@ -76,7 +92,18 @@ def _triton() -> Launchers:
             do, q, k, v, out, lse, scale=scale, band=band, deterministic=switches.deterministic(), **extra
         )
 
-    return Launchers("triton", fwd, bwd)
+    from longctx.launchers import sparse
+
+    def sparse_fwd(q, k, v, *, scale: float, block_mask):
+        return sparse.sparse_forward(q, k, v, scale=scale, block_mask=block_mask)
+
+    def sparse_bwd(do, q, k, v, out, lse, *, scale: float, block_mask):
+        return sparse.sparse_backward(
+            do, q, k, v, out, lse, scale=scale, block_mask=block_mask, deterministic=switches.deterministic(),
+            grad_dtype=torch.float32,
+        )  # fmt: skip
+
+    return Launchers("triton", fwd, bwd, sparse_fwd, sparse_bwd)
 
 
 def resolve_launchers(backend: str, device: torch.device, dtype: torch.dtype) -> Launchers:

@@ -292,9 +292,10 @@ def _backward_ws(
     n_tiles = _cdiv(Sk, rows)
     grid, cnt = _work_grid(n_tiles * B * Hkv, q.device)
     sched = _schedule_cached(targs[0], targs[2], n_tiles, rows, mask_bs, Hq // Hkv)
-    # dK / dV leave by the copy engine where the query tiles have 64 rows (`flash_sparse_ws._bwd_item`); else the
-    # descriptor slots take unused placeholders
-    dkdv_tma = block_m != rows
+    # dK / dV leave by the copy engine where the query tiles have 64 rows and the gradients 16 bits
+    # (`flash_sparse_ws._bwd_item`); else the descriptor slots take unused placeholders
+    dkdv16 = dk.dtype in (torch.float16, torch.bfloat16)
+    dkdv_tma = block_m != rows and dkdv16
     desc_dk, desc_dv = [runtime._gluon_desc(t, int(sws.WG_ROWS)) for t in (dk, dv)] if dkdv_tma else [dk, dv]
     qk_scale, softcap_scale = _tf._score_scales(scale, softcap)
     runtime.launch(
@@ -307,7 +308,8 @@ def _backward_ws(
         n_tiles * B * Hkv, n_tiles, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, GROUP=Hq // Hkv, stride_lse=lse2.shape[2],
         qk_scale=qk_scale, sm_scale=scale, softcap_scale=softcap_scale, BLOCK_D=D, MASK_BS=mask_bs,
         EVEN=Sq % mask_bs == 0 and Sk % mask_bs == 0, BLOCK_M=block_m, STAGES=stages, EARLY_DV=early_dv,
-        CONSUMER_REGS=240, PRODUCER_REGS=24, SOFTCAP=softcap != 0, num_warps=4, maxnreg=168, **tkw,
+        CONSUMER_REGS=240, PRODUCER_REGS=24, SOFTCAP=softcap != 0, DKDV_16BIT=dkdv16, num_warps=4, maxnreg=168,
+        **tkw,
     )  # fmt: skip
 
 
@@ -385,13 +387,27 @@ def _forward_impl(
 
 
 def _backward_impl(
-    do, q, k, v, out, lse, dlse, scale: float, mt: tuple, meta: list, deterministic: bool = False, softcap: float = 0.0
+    do,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dlse,
+    scale: float,
+    mt: tuple,
+    meta: list,
+    deterministic: bool = False,
+    softcap: float = 0.0,
+    grad_dtype: torch.dtype | None = None,
 ):
     _check(q, k, v, meta)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     mask_bs = meta[0]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # the kernels store through the pointers' dtype: float32 gradients (context parallelism's partial sums) cost no
+    # extra pass
+    dq, dk, dv = (torch.empty_like(t, dtype=grad_dtype or t.dtype) for t in (q, k, v))
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     bd = tuning.block_d(D)
@@ -487,10 +503,14 @@ def sparse_backward(
     dlse: torch.Tensor | None = None,
     deterministic: bool = False,
     softcap: float = 0.0,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block-sparse backward: (dq, dk, dv) in the input dtypes and layouts. With ``deterministic`` (or
-    ``LONGCTX_DETERMINISTIC=1``) bitwise repeatable (the Triton kernels, no atomics); else the warp-specialised
-    kernels may run, which add dQ by a bulk reduction in no fixed order. ``softcap``: the forward's (0: off)."""
+    """Block-sparse backward: (dq, dk, dv) in the input dtypes and layouts (``grad_dtype``, e.g. float32, when
+    given). With ``deterministic`` (or ``LONGCTX_DETERMINISTIC=1``) bitwise repeatable (the Triton kernels, no
+    atomics); else the warp-specialised kernels may run, which add dQ by a bulk reduction in no fixed order.
+    ``softcap``: the forward's (0: off)."""
     block_mask.check_compatible(q, k)
     mt, meta = block_mask.kernel_tensors(), block_mask.kernel_meta()
-    return _backward_impl(do, q, k, v, out, lse, dlse, float(scale), mt, meta, deterministic, float(softcap))
+    return _backward_impl(
+        do, q, k, v, out, lse, dlse, float(scale), mt, meta, deterministic, float(softcap), grad_dtype
+    )

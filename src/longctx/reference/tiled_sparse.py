@@ -141,8 +141,10 @@ def block_sparse_backward(
     block_mask: BlockMask,
     dlse: torch.Tensor | None = None,
     softcap: float = 0.0,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Recomputing backward over the transposed block lists: (dq, dk, dv) in the input dtype."""
+    """Recomputing backward over the transposed block lists: (dq, dk, dv) in the input dtype (``grad_dtype`` when
+    given)."""
     bm = block_mask
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -197,7 +199,7 @@ def block_sparse_backward(
                 dk_t += torch.matmul(ds.transpose(-1, -2), q_t).sum(1) * scale
             dk[b, kv_h, ks:ke] += dk_t
             dv[b, kv_h, ks:ke] += dv_t
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(grad_dtype or q.dtype), dk.to(grad_dtype or k.dtype), dv.to(grad_dtype or v.dtype)
 
 
 class TiledBlockSparse(torch.autograd.Function):

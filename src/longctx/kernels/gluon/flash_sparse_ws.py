@@ -570,7 +570,8 @@ def _bwd_item(e, n, i, q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, d
               SCHED, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale, sm_scale, softcap_scale,
               WG: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DOC: gl.constexpr,
               HAS_GLOBAL: gl.constexpr, EVEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-              STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, SOFTCAP: gl.constexpr):
+              STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr, SOFTCAP: gl.constexpr,
+              DKDV_TMA: gl.constexpr):
     """Work item entry ``e`` (`_entry`), the CTA's ``n``-th, for one warpgroup: dK and dV of 64 keys, summed over the group's query
     heads; its share of dQ. ``i`` counts the query tiles consumed so far (ring slot and phase); returns it."""
     s_layout: gl.constexpr = fws.wgmma_layout(BLOCK_M)
@@ -618,10 +619,10 @@ def _bwd_item(e, n, i, q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, d
                              sm_scale, softcap_scale, WG, s_layout, op_layout, dq_layout, True, MASK_KIND, HAS_DOC,
                              HAS_GLOBAL, MASK_BS, BLOCK_M, BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV, SOFTCAP)
     mbarrier.arrive(kv_free.index(0), count=1)  # the item's wgmmas are done: K / V may be refilled
-    if not DQ_SPLIT_M:
+    if DKDV_TMA:
         _store_dkdv_tma(dk, dv, desc_dk, desc_dv, dq_smem.index(WG), off_b, off_kvh, my_n, sm_scale, BLOCK_D)
     else:
-        # 128-row query tiles: the dQ tile is too small for dK / dV, which leave from registers
+        # 128-row query tiles (the dQ tile is too small for dK / dV) or float32 dK / dV: they leave from registers
         bws.tma.store_wait(0)  # the last dQ reduction has read its shared tile
         bws._store_dkdv(dk, dv, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh,
                         stride_dvn, stride_dvd, off_b, off_kvh, my_n, Sk, sm_scale, acc_layout, BLOCK_D)
@@ -641,7 +642,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_sme
                   softcap_scale, WG: gl.constexpr, MASK_BS: gl.constexpr, MASK_KIND: gl.constexpr,
                   HAS_DOC: gl.constexpr, HAS_GLOBAL: gl.constexpr, EVEN: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_D: gl.constexpr, STAGES: gl.constexpr, DQ_SPLIT_M: gl.constexpr, EARLY_DV: gl.constexpr,
-                  SOFTCAP: gl.constexpr):
+                  SOFTCAP: gl.constexpr, DKDV_TMA: gl.constexpr):
     """One warpgroup: its 64 keys of every item the producer hands out, until the tickets run out."""
     t = gl.program_id(0)
     e = _entry(t, SCHED)
@@ -657,7 +658,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_sme
                       QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                       stride_tq, SCHED, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global, qk_scale,
                       sm_scale, softcap_scale, WG, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M, BLOCK_D,
-                      STAGES, DQ_SPLIT_M, EARLY_DV, SOFTCAP)
+                      STAGES, DQ_SPLIT_M, EARLY_DV, SOFTCAP, DKDV_TMA)
         t, e, _, _ = _read_ticket(tickets, tk_ready, tk_empty, n)
         n += 1
     bws.tma.store_wait(0)  # the last copy out of shared memory is done before the CTA ends
@@ -677,15 +678,18 @@ def sparse_bwd_ws_kernel(
     HAS_GLOBAL: gl.constexpr, EVEN: gl.constexpr,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, EARLY_DV: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SOFTCAP: gl.constexpr = False,
+    DKDV_16BIT: gl.constexpr = True,
 ):
     """Grid: (at most one CTA per SM,), each taking work items ``tile + n_tiles * (b * Hkv + h)`` (tiles of 128
     keys) in the order of SCHED by ticket from the zeroed int32 counter CNT (the next item's K / V load once both
     consumers are done with this one's); dK / dV leave through desc_dk / desc_dv, block (1, 1, 64, BLOCK_D), with
-    64-row query tiles; num_warps=4 plus the workers' 4 + 1 warps. Descriptors, lse2 / Delta and DQA / desc_dqa (dQ
+    64-row query tiles and 16-bit gradients (DKDV_16BIT; float32 dK / dV leave from registers); num_warps=4 plus the workers' 4 + 1 warps. Descriptors, lse2 / Delta and DQA / desc_dqa (dQ
     by the copy engine's bulk reduction) as `flash_bwd_ws.attn_bwd_ws_kernel`'s; the transposed block lists and the
     mask arguments as `flash_sparse.sparse_bwd_dkdv_kernel`'s. EVEN: Sq and Sk are multiples of MASK_BS. SOFTCAP,
     qk_scale, sm_scale and softcap_scale as `flash_bwd_ws.attn_bwd_ws_kernel`'s."""
     DQ_SPLIT_M: gl.constexpr = BLOCK_M == CTA_ROWS
+    # dK / dV by the copy engine through the dQ tile (64-row query tiles, 16-bit gradients); else from registers
+    DKDV_TMA: gl.constexpr = DKDV_16BIT and not DQ_SPLIT_M
     (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty, ds_ready,
      ds_free, dq_smem) = bws._shared(desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, desc_dqa, BLOCK_M,
                                      STAGES, True)
@@ -700,7 +704,7 @@ def sparse_bwd_ws_kernel(
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                          stride_tq, SCHED, n_items, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global,
                          qk_scale, sm_scale, softcap_scale, 0, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M,
-                         BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV, SOFTCAP)),
+                         BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV, SOFTCAP, DKDV_TMA)),
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse2_smem, delta_smem, ds_smem, kv_bar, kv_free, q_ready,
                          do_ready, q_empty, ds_ready, ds_free, tickets, tk_ready, tk_empty, DK, DV, DQA, desc_dqa,
                          dq_smem, desc_dk, desc_dv, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
@@ -709,7 +713,7 @@ def sparse_bwd_ws_kernel(
                          QDOC, KDOC, QPOS, KPOS, stride_qdoc, stride_kdoc, TILES, TILE_IDS, stride_tb, stride_th,
                          stride_tq, SCHED, n_items, n_tiles, Hq, Hkv, Sq, Sk, GROUP, lo, hi, kv_global, q_global,
                          qk_scale, sm_scale, softcap_scale, 1, MASK_BS, MASK_KIND, HAS_DOC, HAS_GLOBAL, EVEN, BLOCK_M,
-                         BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV, SOFTCAP)),
+                         BLOCK_D, STAGES, DQ_SPLIT_M, EARLY_DV, SOFTCAP, DKDV_TMA)),
         (_bwd_producer, (desc_q, desc_k, desc_v, desc_do, desc_lse2, desc_delta, q_smem, do_smem, k_smem, v_smem,
                          lse2_smem, delta_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, tickets, tk_ready,
                          tk_empty, CNT, Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_nb, stride_nh, stride_ib, stride_ih,
