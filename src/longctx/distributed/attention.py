@@ -13,9 +13,10 @@ from collections.abc import Sequence
 import torch
 
 from longctx.api import validate
-from longctx.distributed.allgather import AllGatherAttention
+from longctx.distributed.allgather import AllGatherAttention, DocAllGatherAttention
 from longctx.distributed.blocks import Documents, Mask
 from longctx.distributed.comm import GroupInfo, comm_device, cp_group_info, cpu_group, sub_group
+from longctx.distributed.doc_ring import DocRingAttention
 from longctx.distributed.ring import RingAttention
 from longctx.distributed.sharding import LAYOUTS, ChunkLayout, chunks_per_rank, local_chunks
 from longctx.distributed.ulysses import HeadToSeq, SeqToHead, UlyssesAttention, kv_replication
@@ -315,6 +316,14 @@ def _hybrid_layouts(
     return ChunkLayout(seq_total, tuple(ring)), tuple(subs)
 
 
+@functools.lru_cache(maxsize=256)
+def _all_chunks(seq_total: int, world: int, layout) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """Every rank's runs under ``layout`` (a name or a `ChunkLayout`)."""
+    if isinstance(layout, ChunkLayout):
+        return layout.chunks
+    return tuple(tuple(local_chunks(seq_total, r, world, layout)) for r in range(world))
+
+
 def run_method(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -329,9 +338,16 @@ def run_method(
     ulysses_size: int | None = None,
 ) -> torch.Tensor:
     """The method's autograd functions on checked (B, H, S/P, D) shards; ``mask``: a global `Band` or `Documents`."""
+    docs = isinstance(mask, Documents)
     if method == "ring":
+        if docs:
+            return DocRingAttention.apply(q, k, v, info, _all_chunks(q.shape[2] * info.world, info.world, layout),
+                                          mask, scale, launchers)  # fmt: skip
         return RingAttention.apply(q, k, v, info, layout, mask, scale, launchers)
     if method == "allgather":
+        if docs:
+            chunks = _all_chunks(q.shape[2] * info.world, info.world, layout)
+            return DocAllGatherAttention.apply(q, k, v, info, chunks, mask, scale, launchers)
         return AllGatherAttention.apply(q, k, v, info, layout, mask, scale, launchers)
     if method == "ulysses":
         rep = kv_replication(q.shape[1], k.shape[1], info.world)  # > 1 where Hkv < P: kv heads are repeated
@@ -346,7 +362,10 @@ def run_method(
     if rep > 1:  # Hkv < U: every member must receive the kv head its query heads read
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     q_h, k_h, v_h = (SeqToHead.apply(t, a2a, subs[j]) for t in (q, k, v))  # (B, H/U, S*U/P, D)
-    out_h = RingAttention.apply(q_h, k_h, v_h, ring, ring_layout, mask, scale, launchers)
+    if isinstance(mask, Documents):
+        out_h = DocRingAttention.apply(q_h, k_h, v_h, ring, ring_layout.chunks, mask, scale, launchers)
+    else:
+        out_h = RingAttention.apply(q_h, k_h, v_h, ring, ring_layout, mask, scale, launchers)
     return HeadToSeq.apply(out_h, a2a, subs[j])
 
 

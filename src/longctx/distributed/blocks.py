@@ -11,6 +11,11 @@ chunk is cut at the document boundaries into pieces that lie in one document; a 
 pieces of its own document, each pair an ordinary band call (document offsets cancel: both sides of a pair are
 in one document, so ``j - i`` is the same in global and in document positions). The calls are cached: every
 layer and both passes reuse them.
+
+The methods do not launch those calls one by one: a `SparseStep` is all of one step's calls as one block-sparse
+launch (every local query row against a contiguous range of the current keys, the mask "same document and band"
+built once from each token's document and global position, `step_block_mask`), whose partial result is merged
+once. `export_rows` says which of a rank's tokens any other rank's queries see: the only K/V a method needs to move.
 """
 
 from __future__ import annotations
@@ -26,6 +31,13 @@ from longctx.masks import Band, TileKind
 __all__ = [
     "Call",
     "Documents",
+    "SparseStep",
+    "doc_step",
+    "step_block_mask",
+    "export_rows",
+    "step_forward",
+    "step_backward",
+    "STEP_BLOCK",
     "plan_calls",
     "gather_calls",
     "doc_token_areas",
@@ -36,6 +48,9 @@ __all__ = [
 ]
 
 Chunk = tuple[int, int, int]  # (local_start, length, global_start)
+
+# The block size of the steps' masks: the block-sparse kernels' tile.
+STEP_BLOCK = 128
 
 
 @dataclass(frozen=True)
@@ -123,6 +138,106 @@ def _doc_calls(docs: Documents, q_chunks: tuple[Chunk, ...], k_chunks: tuple[Chu
             if kind is not TileKind.EMPTY:
                 calls.append(Call(ql, ql + qn, kl, kl + kn, dense if kind is TileKind.FULL else b))
     return tuple(calls)
+
+
+@dataclass(frozen=True)
+class SparseStep:
+    """One step as one block-sparse launch: every local query row (``q_chunks``) against the keys [k0, k1) of the
+    current K/V, whose runs are ``k_chunks`` (local starts relative to k0). None of a step is empty."""
+
+    docs: Documents
+    q_chunks: tuple[Chunk, ...]
+    k0: int
+    k1: int
+    k_chunks: tuple[Chunk, ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def doc_step(docs: Documents, q_chunks: tuple[Chunk, ...], k_chunks: tuple[Chunk, ...]) -> SparseStep | None:
+    """The step of the local queries against keys laid out as ``k_chunks``, restricted to the keys some query sees;
+    None when no query sees any key of them (nothing to launch)."""
+    calls = _doc_calls(docs, q_chunks, k_chunks)
+    if not calls:
+        return None
+    k0, k1 = min(c.k0 for c in calls), max(c.k1 for c in calls)
+    kept = []
+    for kl, kn, kg in k_chunks:
+        a, b = max(kl, k0), min(kl + kn, k1)
+        if b > a:
+            kept.append((a - k0, b - a, kg + a - kl))
+    return SparseStep(docs, q_chunks, k0, k1, tuple(kept))
+
+
+def _positions(chunks: tuple[Chunk, ...], device) -> torch.Tensor:
+    """Global positions (int64) of the rows laid out as ``chunks``, in local order."""
+    return torch.cat([torch.arange(g, g + n, dtype=torch.int64) for _, n, g in chunks]).to(device)
+
+
+@functools.lru_cache(maxsize=256)
+def step_block_mask(step: SparseStep, device: str, block_size: int = STEP_BLOCK):
+    """The `BlockMask` (batch 1, heads 1, Sq = local rows, Sk = k1 - k0) of a step: key j is visible to query i
+    iff both lie in one document and the band holds between their global positions. Built once per step (every
+    layer and both passes reuse it), on ``device``."""
+    from longctx.masks.build import _build_analytic
+    from longctx.masks.mask_mods import DocBand
+
+    cu = torch.tensor(step.docs.cu, dtype=torch.int64, device=device)
+    qp, kp = _positions(step.q_chunks, device), _positions(step.k_chunks, device)
+    qd, kd = (torch.searchsorted(cu, p, right=True) - 1 for p in (qp, kp))
+    band = step.docs.band
+    rule = DocBand(
+        q_doc=qd.to(torch.int32), k_doc=kd.to(torch.int32), q_pos=qp.to(torch.int32), k_pos=kp.to(torch.int32),
+        lo=band.lo, hi=band.hi,
+    )  # fmt: skip
+    return _build_analytic(rule, qp.numel(), kp.numel(), block_size, torch.device(device), None, "cp step")
+
+
+def step_forward(step: SparseStep, q, k, v, *, scale: float, launchers):
+    """(out, lse) of one step, one launch: every local query row of ``q`` (B, Hq, S_loc, D) against the keys
+    ``k[:, :, step.k0:step.k1]`` (rows that see none of them: output 0, lse -inf)."""
+    bm = step_block_mask(step, str(q.device))
+    ks = slice(step.k0, step.k1)
+    return launchers.sparse_forward(q, k[:, :, ks], v[:, :, ks], scale=scale, block_mask=bm)
+
+
+def step_backward(step: SparseStep, do, q, k, v, out, lse, *, scale: float, launchers):
+    """(dq, dk, dv) of one step, in the launchers' accumulation dtype: dq (B, Hq, S_loc, D) for every local row, dk
+    and dv for the keys ``[step.k0, step.k1)`` only."""
+    bm = step_block_mask(step, str(q.device))
+    ks = slice(step.k0, step.k1)
+    return launchers.sparse_backward(do, q, k[:, :, ks], v[:, :, ks], out, lse, scale=scale, block_mask=bm)
+
+
+@functools.lru_cache(maxsize=256)
+def export_rows(docs: Documents, layout_chunks: tuple[tuple[Chunk, ...], ...]) -> tuple[tuple[Chunk, ...], ...]:
+    """Per rank s, the runs ``(local_start on s, length, global_start)`` of its tokens holding a key that some query
+    of another rank sees (same document, band inside it), in local order: the only K/V rows of s any method
+    needs to send. Empty for every rank when no document crosses ranks."""
+    total = sum(n for runs in layout_chunks for _, n, _ in runs)
+    owned = sorted((g, n, s, ls) for s, runs in enumerate(layout_chunks) for ls, n, g in runs)
+    starts = [g for g, _, _, _ in owned]
+    out: list[list[list[int]]] = [[] for _ in layout_chunks]
+    for r, runs in enumerate(layout_chunks):
+        for c in _gather_calls(docs, tuple(runs), total):
+            i = max(0, bisect.bisect_right(starts, c.k0) - 1)
+            while i < len(owned) and owned[i][0] < c.k1:
+                g, n, s, ls = owned[i]
+                a, b = max(c.k0, g), min(c.k1, g + n)
+                if b > a and s != r:
+                    out[s].append([ls + a - g, b - a, a])
+                i += 1
+    result = []
+    for rows in out:
+        merged: list[list[int]] = []
+        for ls, n, g in sorted(rows):
+            # overlapping rows lie in one run; touching ones merge only where they touch globally too
+            pl, pn, pg = merged[-1] if merged else (0, -1, 0)
+            if merged and (ls < pl + pn or (ls == pl + pn and g == pg + pn)):
+                merged[-1][1] = max(pl + pn, ls + n) - pl
+            else:
+                merged.append([ls, n, g])
+        result.append(tuple(tuple(m) for m in merged))
+    return tuple(result)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -21,6 +21,8 @@ __all__ = [
     "exchange",
     "gather_seq",
     "reduce_scatter_seq",
+    "gather_flat",
+    "reduce_scatter_flat",
     "all_to_all",
 ]
 
@@ -228,6 +230,34 @@ def reduce_scatter_seq(x_full: torch.Tensor, dim: int, info: GroupInfo, layout) 
     # gloo has no reduce-scatter: an all-reduce of the rank-major stack, then this rank's slice.
     dist.all_reduce(stacked, group=info.group)
     return stacked[info.rank].clone()
+
+
+def gather_flat(x: torch.Tensor, info: GroupInfo) -> torch.Tensor:
+    """All-gather a flat tensor of the same size on every rank: (P, n), row p from rank p."""
+    assert info.members is None, "gather_flat runs on a whole group"
+    x = x.contiguous().view(-1)
+    out = torch.empty((info.world, x.numel()), dtype=x.dtype, device=x.device)
+    if info.world == 1:
+        out[0].copy_(x)
+    elif info.is_nccl:
+        dist.all_gather_into_tensor(out, x, group=info.group)
+    else:
+        dist.all_gather(list(out.unbind(0)), x, group=info.group)
+    return out
+
+
+def reduce_scatter_flat(x: torch.Tensor, info: GroupInfo) -> torch.Tensor:
+    """Sum (P, n) over the group; this rank's row of the sum, (n,)."""
+    assert info.members is None, "reduce_scatter_flat runs on a whole group"
+    x = x.contiguous()
+    if info.world == 1:
+        return x[0]
+    if info.is_nccl:
+        out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x, group=info.group)
+        return out
+    dist.all_reduce(x, group=info.group)  # gloo has no reduce-scatter
+    return x[info.rank].clone()
 
 
 def all_to_all(x: torch.Tensor, info: GroupInfo) -> torch.Tensor:

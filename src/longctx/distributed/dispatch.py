@@ -1,30 +1,27 @@
-"""The dispatcher: packed documents sharded over a context-parallel group by the work each rank computes.
+"""The dispatcher: packed documents sharded over a context-parallel group, whole where they fit, balanced by work.
 
-Sharding packed documents by tokens balances tokens, not work: under a causal mask the area a query row computes
-grows with its position in its document, and one long document next to many short ones leaves some ranks with
-several times the work of others. `dispatch_plan` cuts the packed sequence into chunks of ``chunk_size`` tokens,
-computes the mask area of each chunk (the number of visible (query, key) pairs of its query rows: same document
-and band, `blocks.doc_token_areas`) and deals the chunks to the ranks greedily, largest first, each to the rank
-with the least work so far among those with room left (every rank gets the same number of chunks, so the same
-number of tokens: the rest of the model is balanced by tokens).
+Sharding packed documents by tokens balances tokens, not work (under a causal mask the area a query row computes
+grows with its position in its document), and cuts documents, which costs communication: a document whose
+queries and keys lie on one rank needs no other rank's K/V. `dispatch_plan` keeps every document it can whole on
+one rank and balances the mask area per rank, splitting only documents longer than a shard or too large to
+balance (`placement`; every rank holds the same number of tokens: the rest of the model is balanced by tokens).
 
     plan = dispatch_plan(cu_seqlens, causal=True)              # the same on every rank
     x_loc = plan.dispatch(x)                                   # (total, ...) -> this rank's (total / P, ...)
-    out_loc = plan.attention(q_loc, k_loc, v_loc, method="ring")   # (total / P, H, D), varlen layout
+    out_loc = plan.attention(q_loc, k_loc, v_loc, method="p2p")    # (total / P, H, D), varlen layout
     out = plan.undispatch(out_loc)                             # back to (total, ...) in order
 
-A rank's tokens are its chunks in global order, merged where adjacent (a `sharding.ChunkLayout`); every method
-of `cp_attention` runs on that layout with the `blocks.Documents` mask: the ring skips the (query, key) chunk
-pairs that have no visible entry, all-gather attends each local document piece only to the keys its band
-reaches in its document, Ulysses attends over the whole packed sequence one document at a time. The plan's own
-method, "p2p" (`P2PAttention`), moves only the K/V chunks some local query can see: ``plan.needs`` lists them per
-pair of ranks when the plan is built (`plan_needs`), and ``plan.traffic`` counts the bytes per rank against the
-ring and all-gather.
+A rank's tokens are its runs in global order (a `sharding.ChunkLayout`); every method of `cp_attention` runs on
+that layout with the `blocks.Documents` mask, one block-sparse launch per step (`blocks.SparseStep`): the ring and
+all-gather move only the tokens another rank can see (`blocks.export_rows`; nothing at all when every document is
+whole), Ulysses attends over the whole packed sequence in one launch. The plan's own method, "p2p"
+(`p2p.P2PAttention`), moves only the K/V rows some local query can see, point to point: ``plan.needs`` lists them
+per pair of ranks (`placement.plan_needs`), and ``plan.traffic`` counts the bytes per rank against the ring and
+all-gather.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -40,11 +37,13 @@ from longctx.distributed.attention import (
     check_cu_seqlens,
     run_method,
 )
-from longctx.distributed.blocks import Call, Documents, doc_token_areas, gather_calls, merge_into, plan_calls
-from longctx.distributed.comm import GroupInfo, RingComm, cp_group_info, exchange, gather_seq
-from longctx.distributed.sharding import ChunkLayout
+from longctx.distributed.blocks import Documents, export_rows
+from longctx.distributed.comm import GroupInfo, cp_group_info, gather_seq
+from longctx.distributed.p2p import P2PAttention, routes
+from longctx.distributed.placement import default_chunk_size, doc_band, plan_layout, plan_needs
+from longctx.distributed.sharding import ChunkLayout, take_local
 from longctx.launchers.select import resolve_launchers
-from longctx.masks import Band, normalize_window
+from longctx.masks import normalize_window
 
 __all__ = [
     "dispatch_plan",
@@ -54,126 +53,10 @@ __all__ = [
     "plan_layout",
     "plan_needs",
     "default_chunk_size",
-    "balance_chunks",
 ]
 
-# "p2p" exists only here: it needs the chunk plan to know which K/V chunks each rank's queries can see.
+# "p2p" exists only here: it needs the plan to know which K/V rows each rank's queries can see.
 PLAN_METHODS = (*METHODS, "p2p")
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
-def default_chunk_size(tokens_per_rank: int) -> int:
-    """The chunk size when none is given: a divisor of the tokens per rank, a multiple of 128 (a kernel tile)
-    giving at least 16 chunks per rank where one exists (16 chunks keep the greedy within a few percent of
-    the mean on document mixes), else at least 4; else the largest divisor giving at least 8 chunks."""
-    divs = _divisors(tokens_per_rank)
-    for min_chunks in (16, 4):
-        good = [c for c in divs if c % 128 == 0 and tokens_per_rank // c >= min_chunks]
-        if good:
-            return max(good)
-    good = [c for c in divs if tokens_per_rank // c >= 8]
-    return max(good) if good else 1
-
-
-def balance_chunks(areas: list[int], world: int) -> list[list[int]]:
-    """Deal ``len(areas)`` chunks (a multiple of ``world``) to ``world`` ranks, the same number each: largest
-    area first, each to the least loaded rank with room (ties: the lower rank). Returns chunk ids per rank, sorted."""
-    per_rank = len(areas) // world
-    assert per_rank * world == len(areas), (len(areas), world)
-    load, owned = [0] * world, [[] for _ in range(world)]
-    for c in sorted(range(len(areas)), key=lambda i: (-areas[i], i)):
-        r = min((r for r in range(world) if len(owned[r]) < per_rank), key=lambda r: (load[r], r))
-        owned[r].append(c)
-        load[r] += areas[c]
-    return [sorted(o) for o in owned]
-
-
-def _doc_band(causal: bool, window: tuple[int, int]) -> Band:
-    """The band inside a document (queries and keys of one document: no offset), as flash_attn_varlen_func."""
-    return Band.from_args(1, 1, causal=causal, window=window)
-
-
-def plan_layout(
-    cu: list[int], world: int, *, causal: bool = False, window: tuple[int, int] | None = None,
-    chunk_size: int | None = None,
-) -> tuple[ChunkLayout, list[int], int]:  # fmt: skip
-    """The pure planning of `dispatch_plan` (no processes): (layout, mask area per rank, chunk size).
-
-    Raises:
-        ValueError: a total not divisible by ``world``, or a ``chunk_size`` that does not divide total / world.
-    """
-    total = cu[-1]
-    if world < 1 or total == 0 or total % world != 0:
-        raise ValueError(
-            f"the packed sequence has {total} tokens, which must be a positive multiple of the context-parallel size "
-            f"({world}): every rank holds the same number of tokens; pad it (e.g. append a padding document, "
-            f"cu_seqlens + [{-(-max(total, 1) // world) * world}])"
-        )
-    n_loc = total // world
-    if chunk_size is None:
-        chunk_size = default_chunk_size(n_loc)
-    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__} ({chunk_size!r})")
-    elif chunk_size < 1 or n_loc % chunk_size != 0:
-        raise ValueError(
-            f"chunk_size ({chunk_size}) must be a positive divisor of the tokens per rank ({total} / {world} = "
-            f"{n_loc}); e.g. {default_chunk_size(n_loc)}, or leave chunk_size=None"
-        )
-    band = _doc_band(causal, normalize_window(window))
-    areas = doc_token_areas(cu, band).reshape(-1, chunk_size).sum(1).tolist()  # per chunk
-    owned = balance_chunks(areas, world)
-    chunks = []
-    for ids in owned:
-        runs: list[list[int]] = []  # [local_start, length, global_start]
-        for c in ids:
-            g = c * chunk_size
-            if runs and runs[-1][2] + runs[-1][1] == g:
-                runs[-1][1] += chunk_size
-            else:
-                runs.append([len(runs) and runs[-1][0] + runs[-1][1], chunk_size, g])
-        chunks.append(tuple(tuple(r) for r in runs))
-    rank_areas = [sum(areas[c] for c in ids) for ids in owned]
-    return ChunkLayout(total, tuple(chunks)), rank_areas, chunk_size
-
-
-def plan_needs(
-    cu: list[int] | tuple[int, ...], layout: ChunkLayout, chunk_size: int, *, causal: bool = False,
-    window: tuple[int, int] | None = None,
-) -> tuple[tuple[tuple[int, ...], ...], ...]:  # fmt: skip
-    """Which K/V chunks each rank needs from each other rank: ``needs[r][s]`` holds the ids (ascending; chunk c is
-    tokens [c * chunk_size, (c + 1) * chunk_size)) of the chunks rank s owns in which some query of rank r sees at
-    least one key (same document, band inside it); ``needs[r][r]`` is empty.
-
-    A query piece (a run of rank r cut at document boundaries) sees the contiguous keys
-    [max(doc start, first + lo), min(doc end, last + hi + 1)) (`blocks.gather_calls`): the union of its rows' bands
-    is contiguous and every key in it is seen by some row, so a chunk overlapping that range is needed and no other.
-    O(pieces + chunks) per rank.
-    """
-    total, world = layout.total, layout.world
-    mask = Documents(tuple(cu), _doc_band(causal, normalize_window(window)))
-    owner = [0] * (total // chunk_size)
-    for r, runs in enumerate(layout.chunks):
-        for _, n, g in runs:
-            owner[g // chunk_size : (g + n) // chunk_size] = [r] * (n // chunk_size)
-    needs = []
-    for r in range(world):
-        spans = sorted(
-            (c.k0 // chunk_size, (c.k1 - 1) // chunk_size + 1)
-            for c in gather_calls(mask, list(layout.chunks[r]), total)
-        )
-        row: list[list[int]] = [[] for _ in range(world)]
-        end = 0  # chunks below `end` are already listed
-        for a, b in spans:
-            for c in range(max(a, end), b):
-                if owner[c] != r:
-                    row[owner[c]].append(c)
-            end = max(end, b)
-        needs.append(tuple(tuple(x) for x in row))
-    return tuple(needs)
 
 
 @dataclass(frozen=True)
@@ -199,178 +82,6 @@ class Traffic:
         return max(max(fs), max(fr))
 
 
-@functools.lru_cache(maxsize=256)
-def _p2p_routes(plan_key: tuple, rank: int) -> _Routes:
-    layout, needs, chunk_size, mask = plan_key
-    return _Routes.build(layout, needs, chunk_size, mask, rank)
-
-
-@dataclass(frozen=True)
-class _Routes:
-    """Rank ``rank``'s part of a p2p plan.
-
-    ``sends``: (peer, runs of local rows [(local_start, length)], tokens) for every peer that needs some of this
-    rank's chunks; ``recvs``: (peer, offset in the received buffer, tokens) for every peer this rank needs chunks
-    from, in rank order (the received buffer holds them one peer after another, each peer's chunks ascending).
-    ``local_calls`` / ``remote_calls``: the launcher calls of the local queries against the local K/V and
-    against the received buffer (`blocks.plan_calls`: only the document pieces whose band meets).
-    """
-
-    sends: tuple[tuple[int, tuple[tuple[int, int], ...], int], ...]
-    recvs: tuple[tuple[int, int, int], ...]
-    n_recv: int
-    local_calls: tuple[Call, ...]
-    remote_calls: tuple[Call, ...]
-
-    @staticmethod
-    def build(layout: ChunkLayout, needs, chunk_size: int, mask: Documents, rank: int) -> _Routes:
-        local_of = {}  # global chunk id -> its local start on its owner
-        for runs in layout.chunks:
-            for ls, n, g in runs:
-                for i in range(n // chunk_size):
-                    local_of[g // chunk_size + i] = ls + i * chunk_size
-        sends = []
-        for peer in range(layout.world):
-            ids = needs[peer][rank]
-            if ids:
-                runs: list[list[int]] = []
-                for c in ids:
-                    a = local_of[c]
-                    if runs and runs[-1][0] + runs[-1][1] == a:
-                        runs[-1][1] += chunk_size
-                    else:
-                        runs.append([a, chunk_size])
-                sends.append((peer, tuple((a, n) for a, n in runs), len(ids) * chunk_size))
-        recvs, k_chunks, off = [], [], 0  # k_chunks: runs of the received buffer, (start, length, global start)
-        for peer in range(layout.world):
-            ids = needs[rank][peer]
-            if not ids:
-                continue
-            recvs.append((peer, off, len(ids) * chunk_size))
-            for c in ids:
-                g = c * chunk_size
-                if k_chunks and k_chunks[-1][0] + k_chunks[-1][1] == off and k_chunks[-1][2] + k_chunks[-1][1] == g:
-                    k_chunks[-1][1] += chunk_size
-                else:
-                    k_chunks.append([off, chunk_size, g])
-                off += chunk_size
-        q_chunks = list(layout.chunks[rank])
-        remote = plan_calls(mask, q_chunks, [tuple(c) for c in k_chunks]) if k_chunks else []
-        return _Routes(tuple(sends), tuple(recvs), off, tuple(plan_calls(mask, q_chunks, q_chunks)), tuple(remote))
-
-
-def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([p.reshape(-1) for p in parts])
-
-
-def _rows(x: torch.Tensor, runs) -> torch.Tensor:
-    """The local rows ``runs`` [(start, length)] of a (B, H, S, D) tensor, concatenated along S."""
-    return torch.cat([x[:, :, a : a + n] for a, n in runs], dim=2)
-
-
-def _fetch_kv(k: torch.Tensor, v: torch.Tensor, routes: _Routes, info: GroupInfo, tag: int):
-    """Start the K/V exchange of a p2p plan; returns (requests, receive buffers). `_unpack_kv` once waited."""
-    sends = [(peer, _pack([_rows(k, runs), _rows(v, runs)])) for peer, runs, _ in routes.sends]
-    per_tok = k[:, :, :1].numel() + v[:, :, :1].numel()
-    bufs = [(peer, torch.empty(n * per_tok, dtype=k.dtype, device=k.device)) for peer, _, n in routes.recvs]
-    return exchange(info, sends, bufs, tag), bufs
-
-
-def _unpack(bufs, counts: list[int], like: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    """Split flat per-peer buffers (each holding, per tensor of ``like``, ``count`` rows along S) into tensors of
-    ``like``'s shapes with the rows of every peer concatenated along S, in peer order."""
-    outs: list[list[torch.Tensor]] = [[] for _ in like]
-    for (_, buf), n in zip(bufs, counts):
-        pos = 0
-        for i, t in enumerate(like):
-            B, H, _, D = t.shape
-            outs[i].append(buf[pos : pos + B * H * n * D].view(B, H, n, D))
-            pos += B * H * n * D
-    return [torch.cat(o, dim=2) for o in outs]
-
-
-class P2PAttention(torch.autograd.Function):
-    """Attention of the local queries against the local K/V and the K/V chunks they can see on other ranks.
-
-    forward: start the batched point-to-point exchange of the planned chunks (`_Routes`), compute the local calls
-    while it runs, then the calls against the received chunks; partial results merge by their lse in the
-    accumulation dtype (float32, float64 for float64 inputs). backward: the chunks are exchanged again (saving them
-    would keep every layer's received K/V alive), dQ stays local, the dK/dV of received chunks go back to their
-    owners in the accumulation dtype and are added there.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, info: GroupInfo, routes: _Routes, scale: float, launchers):
-        B, Hq, S_loc, D = q.shape
-        adt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        k, v = k.contiguous(), v.contiguous()
-        reqs, bufs = _fetch_kv(k, v, routes, info, tag=0)
-        out_acc = torch.zeros(B, Hq, S_loc, D, device=q.device, dtype=adt)
-        lse_acc = torch.full((B, Hq, S_loc), float("-inf"), device=q.device, dtype=adt)
-        for c in routes.local_calls:
-            o, l = launchers.forward(q[:, :, c.q0 : c.q1], k[:, :, c.k0 : c.k1], v[:, :, c.k0 : c.k1], scale=scale,
-                                     band=c.band)  # fmt: skip
-            merge_into(out_acc[:, :, c.q0 : c.q1], lse_acc[:, :, c.q0 : c.q1], o, l)
-        RingComm.wait(reqs)
-        if routes.remote_calls:
-            k_r, v_r = _unpack(bufs, [n for _, _, n in routes.recvs], (k, v))  # (B, Hkv, n_recv, D)
-            for c in routes.remote_calls:
-                o, l = launchers.forward(q[:, :, c.q0 : c.q1], k_r[:, :, c.k0 : c.k1], v_r[:, :, c.k0 : c.k1],
-                                         scale=scale, band=c.band)  # fmt: skip
-                merge_into(out_acc[:, :, c.q0 : c.q1], lse_acc[:, :, c.q0 : c.q1], o, l)
-        del bufs
-        out = out_acc.to(q.dtype)
-        lse = lse_acc if q.dtype == torch.float64 else lse_acc.float()
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.info, ctx.routes, ctx.scale, ctx.launchers = info, routes, scale, launchers
-        return out
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, out, lse = ctx.saved_tensors
-        info, routes, scale, launchers = ctx.info, ctx.routes, ctx.scale, ctx.launchers
-        adt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        do = do.contiguous()
-        reqs, bufs = _fetch_kv(k, v, routes, info, tag=1)
-        dq = torch.zeros(q.shape, device=q.device, dtype=adt)
-        dk = torch.zeros(k.shape, device=q.device, dtype=adt)
-        dv = torch.zeros(v.shape, device=q.device, dtype=adt)
-
-        def run(calls, kk, vv, dkk, dvv):
-            for c in calls:
-                qs, ks = slice(c.q0, c.q1), slice(c.k0, c.k1)
-                dq_b, dk_b, dv_b = launchers.backward(
-                    do[:, :, qs], q[:, :, qs], kk[:, :, ks], vv[:, :, ks], out[:, :, qs], lse[:, :, qs], scale=scale,
-                    band=c.band,
-                )  # fmt: skip
-                dq[:, :, qs] += dq_b
-                dkk[:, :, ks] += dk_b
-                dvv[:, :, ks] += dv_b
-
-        run(routes.local_calls, k, v, dk, dv)
-        RingComm.wait(reqs)
-        back, back_bufs = [], []
-        if routes.recvs:
-            k_r, v_r = _unpack(bufs, [n for _, _, n in routes.recvs], (k, v))
-            dk_r = torch.zeros(k_r.shape, device=q.device, dtype=adt)  # (B, Hkv, n_recv, D)
-            dv_r = torch.zeros(v_r.shape, device=q.device, dtype=adt)
-            run(routes.remote_calls, k_r, v_r, dk_r, dv_r)
-            back = [(peer, _pack([dk_r[:, :, o : o + n], dv_r[:, :, o : o + n]])) for peer, o, n in routes.recvs]
-        del bufs
-        per_tok = k[:, :, :1].numel() + v[:, :, :1].numel()
-        back_bufs = [(peer, torch.empty(n * per_tok, dtype=adt, device=q.device)) for peer, _, n in routes.sends]
-        RingComm.wait(exchange(info, back, back_bufs, tag=2))
-        if routes.sends:
-            dk_in, dv_in = _unpack(back_bufs, [n for _, _, n in routes.sends], (dk, dv))
-            pos = 0
-            for _, runs, _ in routes.sends:
-                for a, n in runs:
-                    dk[:, :, a : a + n] += dk_in[:, :, pos : pos + n]
-                    dv[:, :, a : a + n] += dv_in[:, :, pos : pos + n]
-                    pos += n
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
-
-
 class _Undispatch(torch.autograd.Function):
     """All-gather in global order; the backward keeps this rank's rows of the incoming gradient."""
 
@@ -381,11 +92,7 @@ class _Undispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _take(g, ctx.layout.chunks[ctx.info.rank]), None, None
-
-
-def _take(x: torch.Tensor, runs) -> torch.Tensor:
-    return torch.cat([x[g : g + n] for _, n, g in runs], dim=0)
+        return take_local(g, 0, ctx.layout, ctx.info.rank), None, None
 
 
 @dataclass(frozen=True)
@@ -394,10 +101,10 @@ class DispatchPlan:
 
     Attributes:
         cu_seqlens: the document boundaries (list of ints). causal, window: the mask inside each document.
-        chunk_size: tokens per chunk. layout: the `ChunkLayout` (runs per rank, in local order).
+        chunk_size: the piece size of split documents. layout: the `ChunkLayout` (runs per rank, in local order).
         areas: mask area (visible (query, key) pairs of its query rows) per rank.
-        needs: ``needs[r][s]``, the ids of rank s's chunks some query of rank r sees (`plan_needs`): what
-            method "p2p" moves.
+        needs: ``needs[r][s]``, the global ranges ``(start, length)`` of rank s's tokens some query of rank r sees
+            (`placement.plan_needs`): what method "p2p" moves.
     """
 
     cu_seqlens: tuple[int, ...]
@@ -406,7 +113,7 @@ class DispatchPlan:
     chunk_size: int
     layout: ChunkLayout
     areas: tuple[int, ...]
-    needs: tuple[tuple[tuple[int, ...], ...], ...] = field(repr=False)
+    needs: tuple[tuple[tuple[tuple[int, int], ...], ...], ...] = field(repr=False)
     info: GroupInfo = field(repr=False)
 
     @property
@@ -436,9 +143,11 @@ class DispatchPlan:
         """Bytes each rank sends and receives in one `attention` call of ``method``, from the plan alone.
 
         Args:
-            method: "p2p" (the planned chunks), "ring" (every rank's K/V passes every other rank; the backward
-                sends K/V again and the dK/dV partial sums around a second ring, P hops) or "allgather" (all-gather
-                of K/V, again in the backward, and a reduce-scatter of dK/dV).
+            method: "p2p" (the planned ranges), "ring" (every rank's export rows pass every other rank; the backward
+                sends them again and their dK/dV partial sums around a second ring, P hops) or "allgather"
+                (all-gather of the export rows padded to the largest count, again in the backward, and a
+                reduce-scatter of their dK/dV). Export rows: `blocks.export_rows`, none when no document crosses
+                ranks.
             kv_heads, head_dim: of K and V (each token moves ``2 * kv_heads * head_dim`` values).
             itemsize: bytes per K/V value (2 for bf16). grad_itemsize: bytes per dK/dV value sent (the
                 accumulation dtype: 4 for float32).
@@ -446,23 +155,34 @@ class DispatchPlan:
         Raises:
             ValueError: another method.
         """
-        P, n = self.world, self.local_len
+        P = self.world
         kv, gr = 2 * kv_heads * head_dim * itemsize, 2 * kv_heads * head_dim * grad_itemsize  # per token
-        if method == "ring":
-            f, b = ((P - 1) * n * kv,) * P, ((P - 1) * n * kv + (P * n * gr if P > 1 else 0),) * P
-            return Traffic(f, f, b, b)
-        if method == "allgather":
-            f, b = ((P - 1) * n * kv,) * P, ((P - 1) * n * (kv + gr),) * P
+        if method in ("ring", "allgather"):
+            sizes = [sum(n for _, n, _ in e) for e in export_rows(self._docs(), self.layout.chunks)]
+            if method == "ring":
+                # rank r receives every block but its own and forwards every block but the one it holds last (rank
+                # r + 1's); the dK/dV partial sums: sent for every block but its own, received for all but r - 1's
+                tot = sum(sizes)
+                fs = tuple((tot - sizes[(r + 1) % P]) * kv for r in range(P))
+                fr = tuple((tot - sizes[r]) * kv for r in range(P))
+                bs = tuple(fs[r] + (tot - sizes[r]) * gr for r in range(P))
+                br = tuple(fr[r] + (tot - sizes[(r - 1) % P]) * gr for r in range(P))
+                return Traffic(fs, fr, bs, br)
+            most = max(sizes)
+            f = ((P - 1) * most * kv,) * P
+            b = ((P - 1) * most * (kv + gr),) * P
             return Traffic(f, f, b, b)
         if method != "p2p":
             raise ValueError(f"traffic is counted for 'p2p', 'ring' and 'allgather', got {method!r}")
-        cs = self.chunk_size
-        recv = [sum(len(ids) for ids in self.needs[r]) * cs for r in range(P)]  # tokens
-        sent = [sum(len(self.needs[r][s]) for r in range(P)) * cs for s in range(P)]
+        recv = [sum(n for ranges in self.needs[r] for _, n in ranges) for r in range(P)]  # tokens
+        sent = [sum(n for r in range(P) for _, n in self.needs[r][s]) for s in range(P)]
         return Traffic(
             tuple(t * kv for t in sent), tuple(t * kv for t in recv),
             tuple(s * kv + r * gr for s, r in zip(sent, recv)), tuple(r * kv + s * gr for s, r in zip(sent, recv)),
         )  # fmt: skip
+
+    def _docs(self) -> Documents:
+        return Documents(self.cu_seqlens, doc_band(self.causal, self.window))
 
     def positions(self, device=None) -> torch.Tensor:
         """Global positions (int64, (total / P,)) of this rank's tokens, in local order."""
@@ -476,7 +196,7 @@ class DispatchPlan:
                 f"dispatch takes the whole packed sequence along dim 0 ({self.total} tokens, as cu_seqlens[-1]), "
                 f"got {got}"
             )
-        return _take(x, self.layout.chunks[self.rank])
+        return take_local(x, 0, self.layout, self.rank)
 
     def undispatch(self, x_local: torch.Tensor) -> torch.Tensor:
         """Gather every rank's rows back into the packed (total, ...) tensor in order (an all-gather; every rank
@@ -502,11 +222,12 @@ class DispatchPlan:
 
         Args:
             q: (total / P, Hq, D) this rank's queries (``plan.dispatch(q_packed)``); k, v: (total / P, Hkv, D).
-            method: "ring" (K/V around the ring; pairs of chunks with no visible entry are not computed),
-                "allgather" (gather K/V; each local document piece attends only the keys it can see),
-                "ulysses" (all-to-all to heads, attention over the whole packed sequence per document),
-                "ulysses_ring" (all-to-all inside groups of ``ulysses_size`` ranks, ring across them) or "p2p"
-                (only the K/V chunks some local query can see, point to point: ``plan.needs``; `traffic`).
+            method: "ring" (every rank's export rows around the ring, one launch per step), "allgather" (gather
+                the export rows; two launches), "ulysses" (all-to-all to heads, one launch over the whole packed
+                sequence), "ulysses_ring" (all-to-all inside groups of ``ulysses_size`` ranks, ring across them) or
+                "p2p" (only the K/V rows some local query can see, point to point: ``plan.needs``; `traffic`).
+                Export rows: the tokens some query of another rank sees (`blocks.export_rows`); none, and no
+                communication, when every document is whole on one rank.
             scale: softmax scale (default 1/sqrt(D)). backend: "auto", "tiled" or "triton" (as `cp_attention`).
 
         Returns:
@@ -518,11 +239,11 @@ class DispatchPlan:
         """
         q4, k4, v4 = (_to_bhsd(t) for t in (q, k, v))  # (1, H, total / P, D)
         scale = self._check(q4, k4, v4, method=method, scale=scale, backend=backend, ulysses_size=ulysses_size)
-        mask = Documents(self.cu_seqlens, _doc_band(self.causal, self.window))
+        mask = self._docs()
         launchers = resolve_launchers(backend, q4.device, q4.dtype)
         if method == "p2p":
-            routes = _p2p_routes((self.layout, self.needs, self.chunk_size, mask), self.rank)
-            out = P2PAttention.apply(q4, k4, v4, self.info, routes, scale, launchers)
+            mine = routes(self.layout, self.needs, mask, self.rank)
+            out = P2PAttention.apply(q4, k4, v4, self.info, mine, scale, launchers)
         else:
             out = run_method(
                 q4, k4, v4, info=self.info, method=method, layout=self.layout, mask=mask, scale=scale,
@@ -586,7 +307,8 @@ def dispatch_plan(
     window: tuple[int, int] | None = None,
     chunk_size: int | None = None,
 ) -> DispatchPlan:
-    """Shard a packed sequence over a context-parallel group, balancing the mask area each rank computes.
+    """Shard a packed sequence over a context-parallel group: documents whole where they fit, the mask area each rank
+    computes balanced (`placement.plan_layout`).
 
     Every rank of ``group`` calls it with the same arguments (checked collectively).
 
@@ -597,7 +319,7 @@ def dispatch_plan(
             `SINGLE_PROCESS` for this process alone.
         causal, window: the mask inside each document, as in `flash_attn_varlen_func` (window (left, right),
             -1 unbounded).
-        chunk_size: tokens per chunk, a divisor of total / P (default: `default_chunk_size`).
+        chunk_size: the piece size of documents that must be split (default: `default_chunk_size`).
 
     Returns:
         A `DispatchPlan`.
@@ -646,5 +368,5 @@ def dispatch_plan(
     if err is not None:
         raise type(err)(f"dispatch_plan on rank {info.rank}: {err}") from err
     cu, win, layout, areas, cs = result
-    needs = plan_needs(cu, layout, cs, causal=causal, window=win)
+    needs = plan_needs(cu, layout, causal=causal, window=win)
     return DispatchPlan(tuple(cu), causal, win, cs, layout, tuple(areas), needs, info)

@@ -20,6 +20,7 @@ them; every function here that takes a layout accepts one.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ __all__ = [
     "chunks_per_rank",
     "check_divisible",
     "local_positions",
+    "take_local",
 ]
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -165,11 +167,40 @@ def shard(x: torch.Tensor, dim: int, group=None, layout: str | ChunkLayout = "zi
     rank, world = _group_info(group)
     dim = _dim(x, dim)
     chunks = local_chunks(x.shape[dim], rank, world, layout)
+    if _indexed(layout):
+        return take_local(x, dim, layout, rank)
     return torch.cat([x.narrow(dim, g, n) for _, n, g in chunks], dim=dim)
+
+
+# Layouts with more runs per rank than this move rows by index (one gather) instead of one slice per run.
+_INDEXED_RUNS = 4
+
+
+def _indexed(layout) -> bool:
+    return isinstance(layout, ChunkLayout) and max(len(runs) for runs in layout.chunks) > _INDEXED_RUNS
+
+
+@functools.lru_cache(maxsize=256)
+def _orders(layout: ChunkLayout, device: str) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """(global positions in rank-major order, its inverse, each rank's global positions), int64 on ``device``."""
+    mine = [torch.cat([torch.arange(g, g + n) for _, n, g in runs]) for runs in layout.chunks]
+    rank_major = torch.cat(mine)
+    inverse = torch.empty_like(rank_major)
+    inverse[rank_major] = torch.arange(rank_major.numel())
+    return rank_major.to(device), inverse.to(device), tuple(m.to(device) for m in mine)
+
+
+def take_local(x: torch.Tensor, dim: int, layout: ChunkLayout, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of a full-sequence tensor along ``dim``, in local order (a copy)."""
+    if _indexed(layout):
+        return x.index_select(dim, _orders(layout, str(x.device))[2][rank])
+    return torch.cat([x.narrow(dim, g, n) for _, n, g in layout.chunks[rank]], dim=dim)
 
 
 def reorder_to_global(parts: list[torch.Tensor], dim: int, layout: str | ChunkLayout) -> torch.Tensor:
     """Concatenate per-rank local tensors (index = rank) into the full sequence in global order."""
+    if _indexed(layout):
+        return torch.cat(parts, dim=dim).index_select(dim, _orders(layout, str(parts[0].device))[1])
     world = len(parts)
     n_local = parts[0].shape[dim]
     seq_total = n_local * world
@@ -184,6 +215,9 @@ def reorder_to_global(parts: list[torch.Tensor], dim: int, layout: str | ChunkLa
 def global_to_rank_major(x: torch.Tensor, dim: int, world: int, layout: str | ChunkLayout) -> torch.Tensor:
     """The inverse of `reorder_to_global`: (P, ...) stacking of every rank's local part (for reduce-scatter)."""
     seq_total = x.shape[dim]
+    if _indexed(layout):
+        y = x.index_select(dim, _orders(layout, str(x.device))[0])  # rank-major along dim
+        return y.unflatten(dim, (world, seq_total // world)).movedim(dim, 0)
     return torch.stack(
         [
             torch.cat([x.narrow(dim, g, n) for _, n, g in local_chunks(seq_total, r, world, layout)], dim=dim)

@@ -9,8 +9,8 @@ When Hkv < P and P % Hkv == 0 (e.g. MQA), the kv heads are replicated P/Hkv time
 receives exactly the kv head its query heads read); the gradients of the copies are summed in float32 before
 they are rounded to the input dtype (summing bf16 copies would round twice: up to 2x the single-GPU error).
 
-With packed documents (`blocks.Documents`) the attention over the whole sequence is one launcher call per
-document (its band inside it), each writing its own rows. `SeqToHead` / `HeadToSeq` are the two all-to-alls as
+With packed documents (`blocks.Documents`) the attention over the whole sequence is one block-sparse launch (the
+mask of flash_attn_varlen_func, `blocks.SparseStep`). `SeqToHead` / `HeadToSeq` are the two all-to-alls as
 autograd functions, for methods that compose them with another (the hybrid Ulysses x ring).
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from longctx.distributed.blocks import Documents, Mask, gather_calls
+from longctx.distributed.blocks import Documents, Mask, SparseStep, doc_step, step_backward, step_forward
 from longctx.distributed.comm import GroupInfo, all_to_all
 from longctx.distributed.sharding import global_to_rank_major, reorder_to_global
 from longctx.launchers.select import Launchers
@@ -70,37 +70,12 @@ class HeadToSeq(torch.autograd.Function):
         return seq_to_head(g.contiguous(), ctx.info, ctx.layout), None, None
 
 
-def _doc_forward(q, k, v, docs: Documents, scale: float, launchers: Launchers):
-    """(out, lse) of packed documents over the whole sequence: one call per document piece."""
-    B, H, S, D = q.shape
-    out = torch.zeros_like(q)
-    lse = torch.full(
-        (B, H, S), float("-inf"), device=q.device, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32
-    )
-    for c in gather_calls(docs, [(0, S, 0)], S):
-        o, l = launchers.forward(
-            q[:, :, c.q0 : c.q1], k[:, :, c.k0 : c.k1], v[:, :, c.k0 : c.k1], scale=scale, band=c.band
-        )
-        out[:, :, c.q0 : c.q1] = o
-        lse[:, :, c.q0 : c.q1] = l
-    return out, lse
-
-
-def _doc_backward(do, q, k, v, out, lse, docs: Documents, scale: float, launchers: Launchers):
-    S = q.shape[2]
-    adt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dq = torch.zeros(q.shape, device=q.device, dtype=adt)
-    dk = torch.zeros(k.shape, device=q.device, dtype=adt)
-    dv = torch.zeros(v.shape, device=q.device, dtype=adt)
-    for c in gather_calls(docs, [(0, S, 0)], S):
-        qs, ks = slice(c.q0, c.q1), slice(c.k0, c.k1)
-        dq_b, dk_b, dv_b = launchers.backward(
-            do[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs], lse[:, :, qs], scale=scale, band=c.band
-        )
-        dq[:, :, qs] += dq_b
-        dk[:, :, ks] += dk_b
-        dv[:, :, ks] += dv_b
-    return dq, dk, dv
+def _whole(docs: Documents, S: int) -> SparseStep:
+    """The step of the whole packed sequence against itself (global order): flash_attn_varlen_func's mask."""
+    whole = ((0, S, 0),)
+    step = doc_step(docs, whole, whole)
+    assert step is not None  # every token sees itself
+    return step
 
 
 def kv_replication(hq: int, hkv: int, world: int, method: str = "ulysses", what: str = "context-parallel size") -> int:
@@ -135,8 +110,8 @@ class UlyssesAttention(torch.autograd.Function):
         q_h = seq_to_head(q, info, layout)  # (B, Hq/P, S, D)
         k_h = seq_to_head(k, info, layout)  # (B, Hkv/P, S, D)
         v_h = seq_to_head(v, info, layout)
-        if isinstance(band, Documents):
-            out_h, lse_h = _doc_forward(q_h, k_h, v_h, band, scale, launchers)
+        if isinstance(band, Documents):  # one launch over the whole packed sequence
+            out_h, lse_h = step_forward(_whole(band, q_h.shape[2]), q_h, k_h, v_h, scale=scale, launchers=launchers)
         else:
             out_h, lse_h = launchers.forward(q_h, k_h, v_h, scale=scale, band=band)
         ctx.save_for_backward(q_h, k_h, v_h, out_h, lse_h)
@@ -150,7 +125,9 @@ class UlyssesAttention(torch.autograd.Function):
         info, layout = ctx.info, ctx.layout
         do_h = seq_to_head(do, info, layout)
         if isinstance(ctx.band, Documents):
-            dq_h, dk_h, dv_h = _doc_backward(do_h, q_h, k_h, v_h, out_h, lse_h, ctx.band, ctx.scale, ctx.launchers)
+            step = _whole(ctx.band, q_h.shape[2])
+            dq_h, dk_h, dv_h = step_backward(step, do_h, q_h, k_h, v_h, out_h, lse_h, scale=ctx.scale,
+                                             launchers=ctx.launchers)  # fmt: skip
         else:
             dq_h, dk_h, dv_h = ctx.launchers.backward(do_h, q_h, k_h, v_h, out_h, lse_h, scale=ctx.scale, band=ctx.band)
         dq = head_to_seq(dq_h.to(q_h.dtype), info, layout)
