@@ -37,7 +37,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
             seqs=[64], masks=["causal", "causal_document", "share_question"], providers=[], seeds=[0], Hq=4, Hkv=2,
             D=16, dtype="fp32", device="cpu", mask_params={"window": 16},
         )  # fmt: skip
-        rows = run_cp(cfg, [64], ["ring", "allgather", "ulysses"], warmup=1, iters=1)
+        rows = run_cp(cfg, [64], ["ring", "allgather", "ulysses", "p2p"], warmup=1, iters=1, whole=True)
         result["rows"] = rows
         if rank == 0:
             write_report(os.path.join(out_dir, "report"), rows, {"gpu": "cpu", "world": world, "command": "test"})
@@ -64,8 +64,8 @@ def test_cp_mode_with_gloo():
     by = {(r["provider"], r["mask"]): r for r in rows0}
     # single GPU at the tokens per GPU, each method at S = 64 x 2
     assert by[("single_gpu", "causal")]["S"] == 64 and by[("ring", "causal")]["S"] == 128
-    for meth in ("ring", "allgather", "ulysses"):
-        for mask in ("causal", "causal_document"):
+    for meth in ("ring", "allgather", "ulysses", "p2p"):
+        for mask in ("causal", "causal_document")[1 if meth == "p2p" else 0 :]:
             r = by[(meth, mask)]
             assert r["code"] == "ok", (meth, mask, r["reason"])
             assert r["world"] == WORLD and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["fwd_tflops"] > 0
@@ -80,4 +80,9 @@ def test_cp_mode_with_gloo():
     assert by[("ring", "causal")]["kept_area"] == 128 * 129 // 2
     assert by[("single_gpu", "share_question")]["code"] == "ok"
     assert "## Context parallelism: 2 ranks" in per_rank[0]["md"]
+    # p2p: packed documents only; one GPU on the whole sequence: the strong-scaling reference of every mask
+    assert by[("p2p", "causal_document")]["code"] == "ok" and by[("p2p", "causal")]["code"] == "unsupported"
+    one = by[("one_gpu", "causal_document")]
+    assert one["code"] == "ok" and one["S"] == 128 and one["world"] == 1 and one["fwd_bwd_ms"] > 0, one
+    assert "against one GPU on the whole sequence" in per_rank[0]["md"]
     assert "unknown context-parallel method 'no_such'" in per_rank[0]["bad_method"]

@@ -315,9 +315,9 @@ def causal_sliding_window(S: int, window: int = 1024, device: torch.device | str
     )
 
 
-def _doc_case(name, S, seed, cap, device, causal_: bool) -> MaskCase:
+def _doc_case(name, S, seed, cap, device, causal_: bool, median: int = 1024) -> MaskCase:
     S = _check_int("S", S, 1)
-    lengths = doc_lengths(S, seed=seed, cap=cap)
+    lengths = doc_lengths(S, seed=seed, cap=cap, median=median)
     ids, _ = _ids_and_offsets(lengths, device)
     mm = document_mask(ids) & causal_mask if causal_ else document_mask(ids)
     fill = _tril if causal_ else (lambda n: torch.ones(n, n, dtype=torch.bool))
@@ -326,7 +326,7 @@ def _doc_case(name, S, seed, cap, device, causal_: bool) -> MaskCase:
     return MaskCase(
         name,
         S,
-        {"seed": seed, "cap": _cap(S, cap), "documents": len(lengths)},
+        {"seed": seed, "cap": _cap(S, cap), "median": median, "documents": len(lengths), "longest": max(lengths)},
         f"{len(lengths)} packed documents (long-tailed lengths), {what}",
         mm,
         lambda: _blocks_dense(lengths, fill),
@@ -336,14 +336,20 @@ def _doc_case(name, S, seed, cap, device, causal_: bool) -> MaskCase:
     )
 
 
-def document(S: int, seed: int = 0, cap: int | None = None, device: torch.device | str = "cpu") -> MaskCase:
-    """Packed documents, bidirectional inside each (encoders): query i sees key j iff they share a document."""
-    return _doc_case("document", S, seed, cap, device, False)
+def document(
+    S: int, seed: int = 0, cap: int | None = None, device: torch.device | str = "cpu", median: int = 1024
+) -> MaskCase:
+    """Packed documents, bidirectional inside each (encoders): query i sees key j iff they share a document.
+    ``cap`` / ``median``: of the lengths (`doc_lengths`)."""
+    return _doc_case("document", S, seed, cap, device, False, median)
 
 
-def causal_document(S: int, seed: int = 0, cap: int | None = None, device: torch.device | str = "cpu") -> MaskCase:
-    """Packed documents, causal inside each (pre-training with packing): same document and j <= i."""
-    return _doc_case("causal_document", S, seed, cap, device, True)
+def causal_document(
+    S: int, seed: int = 0, cap: int | None = None, device: torch.device | str = "cpu", median: int = 1024
+) -> MaskCase:
+    """Packed documents, causal inside each (pre-training with packing): same document and j <= i. ``cap`` /
+    ``median``: of the lengths (`doc_lengths`)."""
+    return _doc_case("causal_document", S, seed, cap, device, True, median)
 
 
 def _share_question_segments(L: int, answers: int) -> tuple[int, list[int]]:

@@ -72,6 +72,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--window", type=int, default=None, help="sliding windows (default 1024)")
     ap.add_argument("--block", type=int, default=None, help="block of block_causal_document (default 512)")
     ap.add_argument("--global-tokens", type=int, default=None, help="global tokens of global_sliding_window (128)")
+    ap.add_argument("--doc-cap", type=int, default=None, help="longest document of the document masks (S / 4)")
+    ap.add_argument("--doc-median", type=int, default=None, help="median document length of the document masks (1024)")
     ap.add_argument("--warmup", type=int, default=None, help="do_bench warm-up ms (default 10)")
     ap.add_argument("--rep", type=int, default=None, help="do_bench ms of repetitions (default 40)")
     ap.add_argument("--no-bwd", action="store_true", help="forward only")
@@ -91,6 +93,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens-per-gpu", type=_ints, default=[8192], help="--cp: tokens per GPU (weak scaling)")
     ap.add_argument("--cp-methods", default="ring,allgather,ulysses", help="--cp: methods (longctx.bench.suite.cp)")
     ap.add_argument("--cp-iters", type=int, default=5, help="--cp: timed calls per point (after 2 untimed)")
+    ap.add_argument(
+        "--cp-whole",
+        action="store_true",
+        help="--cp: also time one GPU on the whole sequence (strong scaling: the reference of packed documents)",
+    )
     return ap
 
 
@@ -103,6 +110,9 @@ def config_from_args(args: argparse.Namespace) -> SuiteConfig:
     for k in ("window", "block", "global_tokens"):
         if getattr(args, k) is not None:
             params[k] = getattr(args, k)
+    for k, name in (("doc_cap", "cap"), ("doc_median", "median")):
+        if getattr(args, k) is not None:
+            params[name] = getattr(args, k)
     return SuiteConfig(
         seqs=args.s or (QUICK_SEQS if quick else GPU_SEQS),
         masks=args.masks or mask_names(),
@@ -252,7 +262,7 @@ def _main_cp(args: argparse.Namespace, cfg: SuiteConfig, argv: list[str]) -> int
         if rank == 0:
             write_report(out, rows, meta)
 
-    rows = run_cp(cfg, args.tokens_per_gpu, methods, iters=args.cp_iters, on_row=save)
+    rows = run_cp(cfg, args.tokens_per_gpu, methods, iters=args.cp_iters, on_row=save, whole=args.cp_whole)
     save(rows)
     if rank == 0:
         print(f"wrote {out}")

@@ -41,12 +41,21 @@ class CPMethod:
 PLAN_MASKS = ("document", "causal_document")  # packed documents as flash_attn_varlen_func computes them
 
 
+def _ulysses_size(world: int) -> int | None:
+    """The all-to-all group size of "ulysses_ring": two ranks (a ring of world / 2 groups); None below 4 ranks."""
+    return 2 if world >= 4 and world % 2 == 0 else None
+
+
 def _supports(method: str, layout: str) -> Callable[[KernelCase, int], str | None]:
     def supports(case: KernelCase, world: int) -> str | None:
-        from longctx.distributed import METHODS
+        from longctx.distributed.dispatch import PLAN_METHODS
 
-        if method not in METHODS:
-            return f"longctx.distributed has no method {method!r} (it has {', '.join(METHODS)})"
+        if method not in PLAN_METHODS:
+            return f"longctx.distributed has no method {method!r} (it has {', '.join(PLAN_METHODS)})"
+        if method == "ulysses_ring" and _ulysses_size(world) is None:
+            return f"ulysses_ring runs all-to-all groups of 2 in a ring of at least 2: 4 ranks or more, not {world}"
+        if case.mask.band is not None and method == "p2p":
+            return "p2p is the dispatcher's method for packed documents; band masks go through the ring"
         if case.mask.band is None:
             if case.mask.name not in PLAN_MASKS:
                 return f"cp_attention takes bands and packed documents (full or causal inside), not {case.mask.name}"
@@ -74,15 +83,19 @@ def _build(method: str, layout: str) -> Callable[[KernelCase, object], Callable]
             for L in case.mask.doc_lengths:
                 cu.append(cu[-1] + L)
             plan = dispatch_plan(cu, group=group, causal=case.mask.causal)
+            extra = {"ulysses_size": _ulysses_size(plan.world)} if method == "ulysses_ring" else {}
 
             def fn(q, k, v):  # (1, H, n, D) <-> the plan's packed (n, H, D)
                 out = plan.attention(
-                    q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), method=method, scale=case.scale
-                )
+                    q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), method=method,
+                    scale=case.scale, **extra,
+                )  # fmt: skip
                 return out.transpose(0, 1)[None]
 
             return fn
         kw = case.mask.attention_kwargs()
+        if method == "ulysses_ring":
+            kw["ulysses_size"] = _ulysses_size(dist.get_world_size(group))
         return lambda q, k, v: cp_attention(q, k, v, group=group, method=method, layout=layout, scale=case.scale, **kw)
 
     return build
@@ -100,6 +113,7 @@ CP_METHODS: dict[str, CPMethod] = {
     "allgather": band_method("allgather"),
     "ulysses": band_method("ulysses"),
     "ulysses_ring": band_method("ulysses_ring"),
+    "p2p": band_method("p2p"),  # packed documents only: the K/V rows some query sees, point to point
 }
 
 
@@ -167,6 +181,52 @@ def _single_fn(case: KernelCase) -> Callable:
     return lambda q, k, v: longctx.attention(q, k, v, scale=case.scale, **kw)
 
 
+def _one_gpu(case: KernelCase, cfg: SuiteConfig, warmup: int, iters: int, group) -> dict:
+    """``one_gpu``: ``longctx.attention`` on the whole sequence on rank 0 alone (the others wait), the reference of
+    strong scaling: per-GPU efficiency = one GPU's time / (ranks x the method's time). The row is the same on
+    every rank."""
+    row = case.row("one_gpu", mode="cp", world=1, method="one_gpu")
+    res = torch.zeros(4, dtype=torch.float64, device=cfg.device)  # fwd, fwd+bwd, peak, failed
+    if dist.get_rank(group) == 0:
+        try:
+            g = torch.Generator(device=cfg.device).manual_seed(7)
+            q, k, v, do = (
+                torch.randn(case.B, h, case.S, case.D, generator=g, device=cfg.device, dtype=case.torch_dtype)
+                for h in (case.Hq, case.Hkv, case.Hkv, case.Hq)
+            )
+            fn = _single_fn(case)
+            with torch.no_grad():
+                fwd = _time_local(lambda: fn(q, k, v), warmup, iters, cfg.device)
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+            both = _time_local(lambda: torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), do), warmup, iters, cfg.device)
+            res.copy_(torch.tensor([fwd, both, 0.0, 0.0], dtype=torch.float64))
+            del q, k, v, do, qg, kg, vg
+        except Exception as e:  # noqa: BLE001 - recorded as a code
+            res[3] = 2.0 if is_oom(e) else 1.0
+            row["reason"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    dist.broadcast(res, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    fwd, both, _, failed = res.tolist()
+    if failed:
+        row.update(code=OOM if failed == 2.0 else ERROR, reason=row["reason"] or "failed on rank 0")
+        return row
+    fl = case.fwd_flops()
+    row.update(fwd_ms=fwd, fwd_bwd_ms=both, fwd_tflops=fl / fwd * 1e-9)
+    if both > fwd:
+        row.update(bwd_ms=both - fwd, bwd_tflops=2.5 * fl / (both - fwd) * 1e-9)
+    return row
+
+
+def _time_local(fn: Callable, warmup: int, iters: int, device: str) -> float:
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
 def _point(name: str, case: KernelCase, w: int, cfg: SuiteConfig, warmup: int, iters: int, group) -> dict:
     """One (method, mask, S) point on every rank; the same row everywhere (a failure anywhere fails it)."""
     row = case.row(name, mode="cp", world=w, method=name)
@@ -199,8 +259,14 @@ def run_cp(
     warmup: int = 2,
     iters: int = 5,
     on_row: Callable[[list[dict]], None] | None = None,
+    whole: bool = False,
 ) -> list[dict]:
-    """Context-parallel mode on the current process group; every rank returns the same rows."""
+    """Context-parallel mode on the current process group; every rank returns the same rows.
+
+    Per tokens-per-GPU value n and mask: ``single_gpu`` (n tokens on one GPU, weak scaling), ``one_gpu`` with
+    ``whole=True`` (the whole sequence of n x ranks tokens on one GPU, strong scaling: what the per-GPU efficiency
+    of packed documents is measured against, since a mix drawn for n tokens is another mix), then each method.
+    """
     for m in methods:
         if m not in CP_METHODS:
             raise ValueError(f"unknown context-parallel method {m!r}; expected some of {', '.join(CP_METHODS)}")
@@ -210,10 +276,14 @@ def run_cp(
         singles = mask_cases(SuiteConfig(**{**cfg.__dict__, "seqs": [n]}), n)
         fulls = mask_cases(SuiteConfig(**{**cfg.__dict__, "seqs": [n * world]}), n * world)
         for m1, mP in zip(singles, fulls):
-            points = [("single_gpu", m1, 1)] + [(meth, mP, world) for meth in methods]
+            points = [("single_gpu", m1, 1)] + ([("one_gpu", mP, 1)] if whole else [])
+            points += [(meth, mP, world) for meth in methods]
             for name, mcase, w in points:
                 case = KernelCase(mcase, cfg.B, cfg.Hq, cfg.Hkv, cfg.D, cfg.dtype, cfg.device)
-                rows.append(_point(name, case, w, cfg, warmup, iters, group))
+                if name == "one_gpu":
+                    rows.append(_one_gpu(case, cfg, warmup, iters, group))
+                else:
+                    rows.append(_point(name, case, w, cfg, warmup, iters, group))
                 free_memory(cfg.device)
                 if on_row is not None:
                     on_row(rows)

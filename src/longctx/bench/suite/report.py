@@ -212,7 +212,7 @@ def _cp_table(rows: list[dict]) -> list[str]:
         return []
     g = _groups(cr)
     world = max(r["world"] for r in cr)
-    methods = [m for m in _order(r["provider"] for r in cr) if m != "single_gpu"]
+    methods = [m for m in _order(r["provider"] for r in cr) if m not in ("single_gpu", "one_gpu")]
     out = [
         f"## Context parallelism: {world} ranks, per-GPU TFLOP/s of forward + backward (time: the slowest rank)",
         "",
@@ -243,6 +243,45 @@ def _cp_table(rows: list[dict]) -> list[str]:
                 )
             ref_cell = "-" if ref_tf is None else f"{ref_tf:.1f}"
             out.append(f"| {S // world} | {S} | {m} | {ref_cell} | " + " | ".join(cells) + " |")
+    return out + [""] + _strong_table(cr, g, world, methods)
+
+
+def _ms(r: dict | None) -> float | None:
+    if r is None or r["code"] != OK:
+        return None
+    return r.get("fwd_bwd_ms") or (r["fwd_ms"] + r["bwd_ms"] if r.get("fwd_ms") and r.get("bwd_ms") else None)
+
+
+def _strong_table(cr: list[dict], g: dict, world: int, methods: list[str]) -> list[str]:
+    """Forward + backward ms of each method against one GPU on the whole sequence (rows ``one_gpu``)."""
+    whole = [r for r in cr if r["provider"] == "one_gpu"]
+    if not whole:
+        return []
+    out = [
+        f"## Context parallelism against one GPU on the whole sequence: forward + backward ms ({world} ranks)",
+        "",
+        "`one GPU`: longctx.attention on the whole sequence on one GPU of the same machine. In brackets: per-GPU "
+        f"efficiency, one GPU's time / ({world} x the method's time); above 100% when the sequence does not fit "
+        "the one GPU's caches as well, below when communication or imbalance costs.",
+        "",
+        "| S | mask | one GPU | " + " | ".join(methods) + " |",
+        "|---|---|---|" + "---|" * len(methods),
+    ]
+    for ref in whole:
+        S, m = ref["S"], ref["mask"]
+        one = _ms(ref)
+        cells = []
+        for meth in methods:
+            r = (g.get(("cp", S, m, meth)) or [None])[0]
+            ms = _ms(r)
+            if r is None:
+                cells.append("")
+            elif ms is None:
+                cells.append(CELL.get(r["code"], "err"))
+            else:
+                cells.append(f"{ms:.1f}" + (f" ({one / (world * ms):.0%})" if one else ""))
+        one_cell = CELL.get(ref["code"], "err") if one is None else f"{one:.1f}"
+        out.append(f"| {S} | {m} | {one_cell} | " + " | ".join(cells) + " |")
     return out + [""]
 
 
