@@ -260,3 +260,21 @@ def test_context_parallel_training_matches_one_process(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     torch.testing.assert_close(losses(tmp_path / "cp"), losses(tmp_path / "one"), rtol=1e-5, atol=1e-6)
+
+
+def test_progress_rate_is_over_the_recent_steps():
+    """The progress line's throughput: the last steps' rate, not the mean since step 1 (slow first steps fade
+    out after the window), and an evaluation's time is left out."""
+    from longctx.training.metrics import RecentRate
+
+    r = RecentRate(window=3)
+    r.mark(0, 0.0)
+    assert r.steps_per_second() == 0.0
+    r.mark(1, 10.0)  # a slow first step (compiling)
+    assert r.steps_per_second() == 0.1
+    for step in range(2, 6):
+        r.mark(step, 10.0 + (step - 1))  # then one step a second
+    assert r.steps_per_second() == 1.0
+    r.skip(30.0)  # an evaluation after step 5
+    r.mark(6, 10.0 + 5 + 30.0)
+    assert r.steps_per_second() == 1.0

@@ -14,6 +14,8 @@ repeats), so every step appears once. At the end of a run `plot_metrics` draws `
 
 from __future__ import annotations
 
+import collections
+
 import json
 import os
 import resource
@@ -181,6 +183,29 @@ def format_time(seconds: float) -> str:
     """``seconds`` as MM:SS."""
     s = int(seconds)
     return f"{s // 60:02d}:{s % 60:02d}"
+
+
+class RecentRate:
+    """Steps per second over the last ``window`` steps (fewer at the start): what the progress line prints, so the
+    compile and warm-up of the first steps do not drag the throughput of a long run for hundreds of steps."""
+
+    def __init__(self, window: int = 10) -> None:
+        self.window = window
+        self.marks: collections.deque[tuple[int, float]] = collections.deque(maxlen=window + 1)
+
+    def mark(self, step: int, when: float) -> None:
+        """Record that ``step`` steps were done at time ``when`` (seconds, any monotonic clock)."""
+        self.marks.append((step, when))
+
+    def skip(self, seconds: float) -> None:
+        """Leave out ``seconds`` spent since the last mark on something else (an evaluation)."""
+        self.marks = collections.deque(((s, t + seconds) for s, t in self.marks), maxlen=self.window + 1)
+
+    def steps_per_second(self) -> float:
+        if len(self.marks) < 2:
+            return 0.0
+        (s0, t0), (s1, t1) = self.marks[0], self.marks[-1]
+        return (s1 - s0) / max(t1 - t0, 1e-9)
 
 
 def step_line(

@@ -73,6 +73,7 @@ from longctx.training.metrics import (
     MetricsLog,
     Progress,
     format_bytes,
+    RecentRate,
     format_time,
     peak_memory_bytes,
     plot_metrics,
@@ -507,6 +508,8 @@ class Trainer:
         interrupted_by: int | None = None
         done = start
         t0 = time.perf_counter()
+        recent = RecentRate()
+        recent.mark(done, t0)
         with _StopSignals() as signals, MetricsLog(metrics_path, start if cfg.resume else None) as metrics:
             for step in range(start, stop):
                 try:
@@ -517,6 +520,7 @@ class Trainer:
                 losses.append(loss)
                 done = step + 1
                 elapsed = time.perf_counter() - t0
+                recent.mark(done, t0 + elapsed)
                 record: dict[str, Any] = {"step": done, "loss": loss, "lr": lr}
                 if self.last_step_skipped:
                     skipped.append(done)
@@ -524,10 +528,12 @@ class Trainer:
                     record["skipped"] = "non-finite loss or gradient"
                     progress.message(f"step {done}: non-finite loss or gradient ({loss}); step skipped")
                 if self._eval_due(done):
+                    t_eval = time.perf_counter()
                     last_eval = self.evaluate()
                     record.update(last_eval)
+                    recent.skip(time.perf_counter() - t_eval)  # evaluation is not training throughput
                 metrics.write(record)
-                tokens_per_second = self.tokens_per_step * (done - start) / max(elapsed, 1e-9)
+                tokens_per_second = self.tokens_per_step * recent.steps_per_second()  # the last steps' rate
                 eta = elapsed / (done - start) * (stop - done)
                 peak = peak_memory_bytes(self.device)
                 text = step_line(loss, lr, tokens_per_second, peak, last_eval, elapsed, eta)
