@@ -15,7 +15,6 @@ repeats), so every step appears once. At the end of a run `plot_metrics` draws `
 from __future__ import annotations
 
 import collections
-
 import json
 import os
 import resource

@@ -72,8 +72,8 @@ from longctx.training.data import (
 from longctx.training.metrics import (
     MetricsLog,
     Progress,
-    format_bytes,
     RecentRate,
+    format_bytes,
     format_time,
     peak_memory_bytes,
     plot_metrics,
