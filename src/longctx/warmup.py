@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longctx.units import count_arg
+
 __all__ = ["warmup", "WarmupReport", "MASKS", "main"]
 
 MASKS = ("full", "causal", "window", "documents", "documents_full", "documents_window")
@@ -214,16 +216,20 @@ def main(argv: list[str] | None = None) -> int:
     """`longctx warmup`: compile the attention kernels a model needs, ahead of training."""
     ap = argparse.ArgumentParser(prog="longctx warmup", description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default=None, help="a GPT preset (its heads, kv heads and head dim)")
-    ap.add_argument("--head-dim", type=int, default=None)
-    ap.add_argument("--heads", type=int, default=None)
-    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--head-dim", type=count_arg("--head-dim"), default=None)
+    ap.add_argument("--heads", type=count_arg("--heads"), default=None)
+    ap.add_argument("--kv-heads", type=count_arg("--kv-heads"), default=None)
     ap.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
     ap.add_argument("--masks", default="causal", help=f"comma-separated, of {', '.join(MASKS)}")
-    ap.add_argument("--window", type=int, default=None, help="left window size for the window masks")
+    ap.add_argument("--window", type=count_arg("--window"), default=None, help="left window size for the window masks")
     ap.add_argument("--softcap", type=float, default=0.0, help="the attention logit softcap (0: none)")
-    ap.add_argument("--seq-length", type=int, default=32768, help="the longest sequence training will use")
+    ap.add_argument(
+        "--seq-length", type=count_arg("--seq-length"), default=32768, help="the longest sequence training will use"
+    )
     ap.add_argument("--backend", default="auto", help="the dense masks' attention backend, as training calls it")
-    ap.add_argument("--workers", type=int, default=None, help="compile threads (default: one per CPU core)")
+    ap.add_argument(
+        "--workers", type=count_arg("--workers"), default=None, help="compile threads (default: one per CPU core)"
+    )
     args = ap.parse_args(argv)
     head_dim, heads, kv_heads = args.head_dim, args.heads, args.kv_heads
     if args.preset is not None:

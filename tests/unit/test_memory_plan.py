@@ -102,16 +102,43 @@ def test_impossible_plans_say_what_is_needed():
 
 @pytest.mark.parametrize(
     "text,expected",
-    [("40GiB", 40 << 30), ("40 GB", 40 << 30), ("512MiB", 512 << 20), ("1.5TiB", int(1.5 * (1 << 40))), (1024, 1024)],
-)
+    [("40GiB", 40 << 30), ("40 GB", 40 << 30), ("512MiB", 512 << 20), ("1.5TiB", int(1.5 * (1 << 40))),
+     (1 << 30, 1 << 30)],
+)  # fmt: skip
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["forty", "-3GiB", "0", "12 parsecs"])
+@pytest.mark.parametrize("bad", ["forty", "-3GiB", "0GiB", "12 parsecs"])
 def test_parse_bytes_rejects(bad):
     with pytest.raises(ValueError, match="budget"):
         parse_bytes(bad)
+
+
+def test_a_size_without_a_unit_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"budget needs a unit: '40' has none; write 40GiB"):
+        parse_bytes("40")
+    with pytest.raises(ValueError, match=r"budget=40 would be 40 bytes; give the unit: budget='40GiB'"):
+        parse_bytes(40)
+
+
+def test_the_planned_config_trains_at_the_planned_length():
+    cfg = GPTConfig(**BASE)
+    p = plan(cfg, seq_length=2048, budget="8GiB")
+    assert cfg.seq_length != 2048 and p.config.seq_length == 2048
+    assert isinstance(p.settings, dict) and p.settings["recompute_granularity"] == p.config.recompute_granularity
+
+
+def test_plan_cli_counts_and_sizes(capsys):
+    from longctx.cli.main import main
+
+    assert main(["plan", "--preset", "tiny", "--seq-length", "1e3", "--budget", "2GiB"]) == 0
+    assert "plan for S=1,000" in capsys.readouterr().out
+    assert main(["plan", "--preset", "tiny", "--seq-length", "1000", "--budget", "40"]) == 2
+    assert "budget needs a unit: '40' has none; write 40GiB" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--preset", "tiny", "--seq-length", "1.5e2x", "--budget", "2GiB"])
+    assert "--seq-length must be a whole number" in capsys.readouterr().err
 
 
 def test_public_name():
@@ -129,7 +156,7 @@ def test_train_memory_budget_applies_the_plan():
     frugal = memory_model.step_memory(full, seq_length=demo.seq_length, micro_batch_size=32).total
     budget = (none + frugal) // 2
     cfg = parse_config(["--train-iters", "1", "--save", "none", "--eval-iters", "0", "--quiet",
-                        "--memory-budget", f"{budget}"])  # fmt: skip
+                        "--memory-budget", f"{budget}B"])  # fmt: skip
     trainer = Trainer(cfg)
     assert trainer.model_config.recompute_granularity == "full"
     with pytest.raises(ValueError, match="memory_budget"):

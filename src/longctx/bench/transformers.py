@@ -43,6 +43,7 @@ import torch
 
 from longctx.bench import result_stem
 from longctx.bench.steps import ERROR, OOM, StepResult, adamw, free, is_oom, time_steps, training_step
+from longctx.units import counts_arg
 
 PROVIDERS = ("hf-sdpa-ckpt", "hf-eager-ckpt", "longctx-apply", "longctx-apply-offload")
 
@@ -219,8 +220,7 @@ def report(meta: dict[str, Any], ladder: dict[str, list[dict]], longest: dict[st
     return "\n".join(lines) + "\n"
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
+_ints = counts_arg("--seq-lengths")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,12 +20,12 @@ An impossible request raises ValueError with the minimum budget for that S and t
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 
 from longctx.layers.recompute import plan_layers
 from longctx.memory.model import StepMemory, kept_bytes, step_memory, step_segments
 from longctx.models.gpt import GPTConfig
+from longctx.units import count_arg, parse_bytes
 
 __all__ = ["Plan", "plan", "parse_bytes", "format_plan", "describe"]
 
@@ -46,26 +46,6 @@ _PLAN_FIELDS = (
 )
 
 
-def parse_bytes(value: str | int | float, name: str = "budget") -> int:
-    """``"40GiB"``, ``"40 GB"``, ``"512MiB"``, ``"1.5TiB"`` or a number of bytes -> bytes (GB and GiB are both 2**30,
-    as GPU memory is quoted)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a size like '40GiB' or a number of bytes, got {value!r}")
-    if isinstance(value, (int, float)):
-        size = float(value)
-    elif isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]i?B?|B)?\s*", value, flags=re.IGNORECASE)
-        if m is None:
-            raise ValueError(f"{name} must be a size like '40GiB', '16GB' or '512MiB', got {value!r}")
-        unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
-        size = float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
-    else:
-        raise TypeError(f"{name} must be a size like '40GiB' or a number of bytes, got {type(value).__name__}")
-    if not size > 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
-    return int(size)
-
-
 @dataclass(frozen=True)
 class Plan:
     """A plan: the config with its memory settings, the predicted memory, and the predicted added cost."""
@@ -75,8 +55,9 @@ class Plan:
     recompute_seconds: float  # predicted time the plan adds to a step without recomputation
     budget: int
 
+    @property
     def settings(self) -> dict:
-        """The plan's settings, by their GPTConfig names."""
+        """The plan's settings, by their GPTConfig names (``plan.settings``: a dict, e.g. for a config file)."""
         return {k: getattr(self.config, k) for k in _PLAN_FIELDS}
 
     def describe(self) -> str:
@@ -227,7 +208,8 @@ def plan(
         micro_batch_size: sequences per step.
 
     Returns:
-        A `Plan` whose ``config`` carries the chosen settings.
+        A `Plan` whose ``config`` is ``config`` at ``seq_length`` with the chosen settings: ``GPT(plan.config)``
+        trains at the planned length.
 
     Raises:
         ValueError: a budget below the parameters and optimizer states, or no plan fits (the message gives the
@@ -264,8 +246,8 @@ def plan(
             if low is not None and low > limit:
                 continue
         mem = step_memory(cand, seq_length=S, micro_batch_size=B)
-        if mem.total <= limit:
-            return Plan(cand, mem, _added_seconds(cand, B, S), limit)
+        if mem.total <= limit:  # the config that trains at the planned length
+            return Plan(dataclasses.replace(cand, seq_length=S), mem, _added_seconds(cand, B, S), limit)
     frugal_mem = frugal_mem or step_memory(frugal, seq_length=S, micro_batch_size=B)
     longest = _longest_fitting(config, limit, B)
     raise ValueError(
@@ -310,7 +292,7 @@ def format_plan(p: Plan) -> str:
         "| setting | value |",
         "|---|---|",
     ]
-    lines += [f"| {k} | {v} |" for k, v in p.settings().items()]
+    lines += [f"| {k} | {v} |" for k, v in p.settings.items()]
     lines += ["", "| predicted peak | GiB |", "|---|---|"]
     lines += [f"| {name} | {b / 2**30:.2f} |" for name, b in m.rows()]
     lines.append(f"| **total** | **{m.total / 2**30:.2f}** |")
@@ -332,11 +314,19 @@ def main(argv: list[str] | None = None) -> int:
 
     from longctx.models.gpt import PRESETS
 
-    ap = argparse.ArgumentParser(prog="longctx plan", description=main.__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="longctx plan",
+        description="Print the recompute / chunking / offloading plan that trains a preset at --seq-length in --budget "
+        "of GPU memory, and where its bytes go; --json FILE also writes its settings (the input of longctx bench "
+        "memory --plans and of a config file).",
+        epilog="example: longctx plan --preset llama-350m --seq-length 131072 --budget 40GiB",
+    )
     ap.add_argument("--preset", default="llama-350m", choices=sorted(PRESETS), help="the model shape")
-    ap.add_argument("--seq-length", type=int, required=True, help="tokens per sequence")
-    ap.add_argument("--budget", required=True, help="GPU memory for a training step, e.g. 40GiB")
-    ap.add_argument("--micro-batch-size", type=int, default=1, help="sequences per step (default 1)")
+    ap.add_argument("--seq-length", type=count_arg("--seq-length", 1), required=True,
+                    help="tokens per sequence (e.g. 131072 or 1.3e5)")  # fmt: skip
+    ap.add_argument("--budget", required=True, help="GPU memory for a training step, with its unit, e.g. 40GiB")
+    ap.add_argument("--micro-batch-size", type=count_arg("--micro-batch-size", 1), default=1,
+                    help="sequences per step (default 1)")  # fmt: skip
     ap.add_argument("--json", default=None, help="also write {S: {settings, predicted_bytes}} to this file")
     args = ap.parse_args(argv)
     try:
@@ -347,9 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(format_plan(p))
     if args.json:
-        out = {
-            str(args.seq_length): {"budget": args.budget, "settings": p.settings(), "predicted_bytes": p.memory.total}
-        }
+        out = {str(args.seq_length): {"budget": args.budget, "settings": p.settings, "predicted_bytes": p.memory.total}}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0

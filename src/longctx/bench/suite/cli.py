@@ -15,6 +15,7 @@ from longctx.bench.suite.kernel import SuiteConfig, run_build_timing, run_kernel
 from longctx.bench.suite.providers import provider_names
 from longctx.bench.suite.report import write_report
 from longctx.masks import mask_names
+from longctx.units import count_arg, counts_arg
 
 GPU_SEQS = [4096, 16384, 65536]
 GPU_PROVIDERS = provider_names()
@@ -23,11 +24,7 @@ QUICK_PROVIDERS = ["longctx_auto", "tiled", "math", "flex"]
 QUICK_MASK_PARAMS = {"window": 64, "block": 64, "global_tokens": 16, "block_size": 32}
 
 
-def _ints(s: str) -> list[int]:
-    try:
-        return [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+_ints = counts_arg("a list of sizes")
 
 
 def _names(all_names: list[str], what: str):
@@ -65,15 +62,29 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--masks", type=_names(mask_names(), "masks"), default=None, help="catalogue names or 'all'")
     ap.add_argument("--providers", type=_names(provider_names(), "providers"), default=None, help="names or 'all'")
     ap.add_argument("--seeds", type=_ints, default=None, help="seeds of the document masks (default 0,1,2)")
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batch", type=count_arg("--batch"), default=1)
     ap.add_argument("--heads", type=_heads, default=None, help="Hq/Hkv (default 64/8; LongCA's other setting: 16/16)")
-    ap.add_argument("--d", type=int, default=None, help="head dim (default 128)")
+    ap.add_argument("--d", type=count_arg("--d"), default=None, help="head dim (default 128)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 (fp32 with --quick)")
-    ap.add_argument("--window", type=int, default=None, help="sliding windows (default 1024)")
-    ap.add_argument("--block", type=int, default=None, help="block of block_causal_document (default 512)")
-    ap.add_argument("--global-tokens", type=int, default=None, help="global tokens of global_sliding_window (128)")
-    ap.add_argument("--doc-cap", type=int, default=None, help="longest document of the document masks (S / 4)")
-    ap.add_argument("--doc-median", type=int, default=None, help="median document length of the document masks (1024)")
+    ap.add_argument("--window", type=count_arg("--window"), default=None, help="sliding windows (default 1024)")
+    ap.add_argument(
+        "--block", type=count_arg("--block"), default=None, help="block of block_causal_document (default 512)"
+    )
+    ap.add_argument(
+        "--global-tokens",
+        type=count_arg("--global-tokens"),
+        default=None,
+        help="global tokens of global_sliding_window (128)",
+    )
+    ap.add_argument(
+        "--doc-cap", type=count_arg("--doc-cap"), default=None, help="longest document of the document masks (S / 4)"
+    )
+    ap.add_argument(
+        "--doc-median",
+        type=count_arg("--doc-median"),
+        default=None,
+        help="median document length of the document masks (1024)",
+    )
     ap.add_argument("--warmup", type=int, default=None, help="do_bench warm-up ms (default 10)")
     ap.add_argument("--rep", type=int, default=None, help="do_bench ms of repetitions (default 40)")
     ap.add_argument("--no-bwd", action="store_true", help="forward only")
@@ -92,7 +103,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cp", action="store_true", help="context-parallel mode (run under torchrun)")
     ap.add_argument("--tokens-per-gpu", type=_ints, default=[8192], help="--cp: tokens per GPU (weak scaling)")
     ap.add_argument("--cp-methods", default="ring,allgather,ulysses", help="--cp: methods (longctx.bench.suite.cp)")
-    ap.add_argument("--cp-iters", type=int, default=5, help="--cp: timed calls per point (after 2 untimed)")
+    ap.add_argument(
+        "--cp-iters", type=count_arg("--cp-iters"), default=5, help="--cp: timed calls per point (after 2 untimed)"
+    )
     ap.add_argument(
         "--cp-whole",
         action="store_true",
