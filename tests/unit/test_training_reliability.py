@@ -63,6 +63,18 @@ def test_yaml_values_of_the_wrong_type_or_range_name_the_key(tmp_path, capsys, y
     assert "Traceback" not in err and yaml_line.split(":")[0] in err
 
 
+@pytest.mark.parametrize(
+    "yaml_line, hint",
+    [('lr: "fast"', False), ('lr: "3e-4"', True), ('train_iters: "5x"', False), ('train_iters: "5"', True)],
+)
+def test_the_unquote_hint_only_where_the_unquoted_text_is_valid(tmp_path, yaml_line, hint):
+    f = tmp_path / "c.yaml"
+    f.write_text(f"preset: tiny\n{yaml_line}\n")
+    with pytest.raises(TypeError) as exc:
+        parse_config(["--config", str(f)])
+    assert ("without quotes" in str(exc.value)) == hint, str(exc.value)
+
+
 def test_scientific_notation_is_a_number_in_yaml_and_flags(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("preset: tiny\nlr: 3e-4\nmin_lr: 1e-5\ntrain_iters: 1e3\nweight_decay: 1.0e-2\n")
@@ -141,6 +153,18 @@ def test_metrics_hold_each_step_once_after_a_resume(tmp_path):
     assert main(TINY + ["--train-iters", "6", "--save", str(save), "--resume"]) == 0
     steps = [r["step"] for r in rows(save)]
     assert steps == [1, 2, 3, 4, 5, 6] and all(r["loss"] != 9.0 for r in rows(save))
+
+
+def test_halt_after_a_step_already_past_says_nothing_was_trained(tmp_path, capsys):
+    save = tmp_path / "run"
+    assert main(TINY + ["--train-iters", "6", "--save", str(save), "--halt-after", "4"]) == 0
+    capsys.readouterr()
+    assert main(TINY + ["--train-iters", "6", "--save", str(save), "--resume", "--halt-after", "2"]) == 0
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "nothing trained: the run is already at step 4, past --halt-after 2" in text, text
+    assert "halted after step 2" not in text
+    assert [r["step"] for r in rows(save)] == [1, 2, 3, 4]
 
 
 # -- SIGINT / SIGTERM: a checkpoint, where it is, the conventional exit code --------------------------------------

@@ -26,6 +26,7 @@ from typing import Any
 
 from longctx.models.gpt import PRESETS, GPTConfig
 from longctx.training.data import RecallTask, parse_separator
+from longctx.units import to_count
 
 __all__ = [
     "TrainConfig",
@@ -108,7 +109,7 @@ class TrainConfig:
         if isinstance(self.save, str) and self.save.lower() == "none":
             object.__setattr__(self, "save", None)
         if self.memory_budget is not None:
-            from longctx.memory.plan import parse_bytes
+            from longctx.units import parse_bytes
 
             parse_bytes(self.memory_budget, "memory_budget")  # a clear error now, not after the model is built
         if not isinstance(self.model, dict):
@@ -283,20 +284,12 @@ _MISSING = object()
 
 
 def _as_int(value: Any, source: str) -> Any:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str) and (source == "flag" or _SCIENTIFIC.fullmatch(value.strip())):
-        try:
-            return int(value)
-        except ValueError:
-            pass
-        try:
-            value = float(value)
-        except ValueError:
-            return _MISSING
-    if isinstance(value, float) and value.is_integer():  # 1e3 steps, 1.0e+3 from YAML
-        return int(value)
-    return _MISSING
+    # a count as every command reads one (`longctx.units.to_count`: 1e3 steps, 1.0e+3 from YAML); text in a YAML file
+    # only in scientific notation, which YAML 1.1 leaves a string
+    if isinstance(value, str) and not (source == "flag" or _SCIENTIFIC.fullmatch(value.strip())):
+        return _MISSING
+    n = to_count(value)
+    return _MISSING if n is None else n
 
 
 def _as_float(value: Any, source: str) -> Any:
@@ -324,15 +317,24 @@ _EXPECTED = {
 }
 
 
+def _parses(text: str, kind: str) -> bool:
+    """Whether ``text`` without its quotes is a valid ``kind`` ("int" or "float")."""
+    if kind == "int":
+        return to_count(text) is not None
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _type_message(name: str, annotation: str, kind: str, value: Any, source: str) -> str:
     expected = _EXPECTED.get(kind, annotation) + (" or none" if "None" in annotation else "")
     text = f"{_where(name, source)} must be {expected}, got {value!r} ({type(value).__name__})"
-    if source == "yaml" and isinstance(value, str) and kind in ("int", "float", "bool"):
-        text += (
-            f"; write it without quotes in the YAML file ({name}: {value})"
-            if kind != "bool"
-            else (f"; write {name}: true or {name}: false, without quotes")
-        )
+    if source == "yaml" and isinstance(value, str) and kind == "bool":
+        text += f"; write {name}: true or {name}: false, without quotes"
+    elif source == "yaml" and isinstance(value, str) and kind in ("int", "float") and _parses(value, kind):
+        text += f"; write it without quotes in the YAML file ({name}: {value.strip()})"
     elif kind == "int" and isinstance(value, float):
         text += f"; {name} counts whole items"
     elif source == "flag" and kind == "bool":

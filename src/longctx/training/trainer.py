@@ -569,7 +569,14 @@ class Trainer:
             png, why_not = plot_metrics(metrics_path)
             progress.message(f"loss curve: {png}" if png else f"note: {why_not}")
         # after a signal, main() says where the checkpoint is, on stderr (even with --quiet)
-        if not interrupted_by and stop < cfg.train_iters:
+        if not interrupted_by and start >= stop and cfg.halt_after is not None and start > 0:
+            # on stderr even with --quiet: a run that trained nothing must not look like one that did
+            print(
+                f"nothing trained: the run is already at step {start}, past --halt-after {cfg.halt_after}; "
+                f"{self.checkpoint_note()}",
+                file=sys.stderr,
+            )
+        elif not interrupted_by and stop < cfg.train_iters:
             progress.message(f"halted after step {stop} (--halt-after); {self.checkpoint_note()}")
         elif not interrupted_by:
             progress.message(self._summary(result, last_eval, stop))
