@@ -151,3 +151,26 @@ def test_train_help_lists_every_flag_with_its_default(capsys):
     for flag in ("--train-iters", "--resume", "--overwrite", "--on-nonfinite", "--num-layers", "--save"):
         assert flag in out
     assert "(default: 1500)" in out and "metrics.jsonl" in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["plan"], ["train"], ["warmup"], ["bench"], ["bench", "suite"], ["bench", "attention"], ["bench", "compile"],
+     ["bench", "memory"], ["bench", "recompute"], ["bench", "transformers"], ["check"], ["info"]],
+    ids=lambda a: " ".join(a) or "longctx",
+)  # fmt: skip
+def test_help_is_plain_text_in_whole_sentences(argv, capsys):
+    """No reStructuredText markup in --help, and a description that does not stop mid-sentence."""
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out, out
+    description = out.split("\n\n")[1] if "\n\n" in out else ""
+    assert not description.rstrip().endswith(("(", ",", "also")), description
+
+
+def test_bench_lists_each_benchmark_with_its_description(capsys):
+    assert main(["bench"]) == 0
+    out = capsys.readouterr().out
+    assert "suite" in out and "the Long-Context Attention Benchmark" in out and "compile time seen by training" in out

@@ -42,6 +42,7 @@ from longctx.bench.suite.case import DTYPES, OK, SKIPPED, UNSUPPORTED, KernelCas
 from longctx.bench.suite.kernel import SuiteConfig, run_cases
 from longctx.bench.suite.providers import provider_names
 from longctx.masks import make_mask
+from longctx.units import counts_arg
 
 PROVIDERS = ("triton", "cudnn", "fa2", "flex", "tiled", "math")
 SUITE_NAMES = {"triton": "longctx_triton"}  # this report's name -> the suite's; the others are the same
@@ -336,8 +337,7 @@ def _merge(paths: list[str], out_dir: str, tag: str, note: str = "") -> int:
     return 0
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
+_ints = counts_arg("a list of sizes")
 
 
 def _provider_list(ap: argparse.ArgumentParser, text: str) -> list[str]:
@@ -354,7 +354,11 @@ def _provider_list(ap: argparse.ArgumentParser, text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="longctx bench attention", description=" ".join(__doc__.splitlines()[:2]))
+    ap = argparse.ArgumentParser(
+        prog="longctx bench attention",
+        description="TFLOP/s of forward and backward, and peak memory, of dense attention at the FlashAttention "
+        "benchmark's shapes (masks, the LongCA conventions and context parallelism: longctx bench suite).",
+    )
     ap.add_argument("--d", type=_ints, default=None, help="head dims, e.g. 64,128 (default 64,128,256)")
     ap.add_argument("--s", type=_ints, default=None, help="sequence lengths (default 1024,...,16384)")
     ap.add_argument("--causal", choices=("both", "yes", "no"), default="both")

@@ -50,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         ``SystemExit(0)``, as argparse does.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="longctx", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="longctx",
+        description="longctx: train transformers on long sequences within the memory of your GPUs. "
+        "`longctx COMMAND --help` describes each command.",
+    )
     parser.add_argument("--version", action="version", version=f"longctx {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("info", help="versions, the GPU and the available backends")
@@ -62,8 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     p_mem.add_argument("--device", default=None)
     for name, (_, help_) in _DELEGATED.items():
         sub.add_parser(name, help=help_, add_help=False)
-    p_bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(_BENCHES))
-    p_bench.add_argument("which", choices=sorted(_BENCHES))
+    p_bench = sub.add_parser(
+        "bench",
+        help="benchmarks: " + ", ".join(_BENCHES),
+        description="The benchmarks; results go to benchmarks/results.",
+    )
+    benches = p_bench.add_subparsers(dest="which", metavar="BENCHMARK")
+    for name, (_, help_) in _BENCHES.items():
+        benches.add_parser(name, help=help_, add_help=False)
 
     if argv and argv[0] in _DELEGATED:
         return _run_delegated(_DELEGATED[argv[0]][0], argv[1:])
@@ -72,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
+        return 0
+    if args.command == "bench":  # `longctx bench` alone: the list of benchmarks
+        p_bench.print_help()
         return 0
     from longctx.cli import commands as tools
 
