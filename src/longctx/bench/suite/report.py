@@ -33,9 +33,9 @@ def write_report(out_dir: str, rows: list[dict], meta: dict, build_rows: list[di
             w.writerow({c: r.get(c) for c in COLUMNS})
     with open(paths["json"], "w") as f:
         json.dump({"meta": meta, "results": rows, "mask_build": build_rows or []}, f, indent=1)
+    paths["png"], not_drawn = plot(out_dir, rows, meta)
     with open(paths["md"], "w") as f:
-        f.write(markdown(rows, meta, build_rows or []))
-    paths["png"] = plot(out_dir, rows, meta)
+        f.write(markdown(rows, meta, build_rows or [], plots=(paths["png"], not_drawn)))
     return paths
 
 
@@ -133,7 +133,7 @@ def _header(meta: dict) -> list[str]:
     return lines
 
 
-def _kernel_tables(rows: list[dict]) -> list[str]:
+def _kernel_tables(rows: list[dict], meta: dict) -> list[str]:
     kr = [r for r in rows if r["mode"] == "kernel"]
     if not kr:
         return []
@@ -166,6 +166,8 @@ def _kernel_tables(rows: list[dict]) -> list[str]:
                 )
             out.append("")
     out += ["## Peak extra memory of forward + backward (MiB)", ""]
+    if not any(r.get("peak_extra_mib") is not None for r in kr):
+        return out + [f"Not measured: {_no_memory_reason(meta)}.", ""]
     out.append("| S | mask | " + " | ".join(provs) + " |")
     out.append("|---|---|" + "---|" * len(provs))
     for S in sorted(_order(r["S"] for r in kr)):
@@ -173,6 +175,12 @@ def _kernel_tables(rows: list[dict]) -> list[str]:
             out.append(f"| {S} | {m} | " + " | ".join(_mem_cell(g.get(("kernel", S, m, p))) for p in provs) + " |")
     out.append("")
     return out
+
+
+def _no_memory_reason(meta: dict) -> str:
+    if meta.get("gpu") == "cpu":
+        return "peak memory is read from torch.cuda.max_memory_allocated, on CUDA devices only; this run was on the CPU"
+    return "no provider's forward + backward completed with a memory count"
 
 
 def _mem_cell(rs: list[dict] | None) -> str:
@@ -311,9 +319,18 @@ def _notes(rows: list[dict]) -> list[str]:
     return out + [""]
 
 
-def markdown(rows: list[dict], meta: dict, build_rows: list[dict]) -> str:
-    lines = _header(meta) + _kernel_tables(rows) + _build_table(build_rows) + _cp_table(rows) + _notes(rows)
+def markdown(rows: list[dict], meta: dict, build_rows: list[dict], plots: tuple | None = None) -> str:
+    lines = _header(meta) + _kernel_tables(rows, meta) + _build_table(build_rows) + _cp_table(rows) + _notes(rows)
+    if plots is not None:
+        lines += _plot_notes(*plots)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _plot_notes(written: list[str], not_drawn: dict[str, str]) -> list[str]:
+    out = ["## Plots", ""]
+    out += [f"- {os.path.basename(p)}" for p in written]
+    out += [f"- {name}: not drawn, {why}" for name, why in not_drawn.items()]
+    return out + [""]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -321,23 +338,26 @@ def markdown(rows: list[dict], meta: dict, build_rows: list[dict]) -> str:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def plot(out_dir: str, rows: list[dict], meta: dict) -> list[str]:
+def plot(out_dir: str, rows: list[dict], meta: dict) -> tuple[list[str], dict[str, str]]:
     """Bar charts of TFLOP/s per mask and provider (one panel per S, forward and backward), peak memory against
-    S, and the context-parallel bars; [] when matplotlib is not installed."""
+    S, and the context-parallel bars. Returns (paths written, {plot: why it was not drawn})."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return []
-    written = []
+        return [], {"every plot": "matplotlib is not installed"}
+    written: list[str] = []
+    not_drawn: dict[str, str] = {}
     kr = [r for r in rows if r["mode"] == "kernel"]
     g = _groups(kr)
     provs = _order(r["provider"] for r in kr)
     seqs = sorted(_order(r["S"] for r in kr))
     for key, title in (("fwd_tflops", "forward"), ("bwd_tflops", "backward")):
         if not seqs or not any(r.get(key) for r in kr):
+            if kr:
+                not_drawn[f"tflops_{key[:3]}.png"] = "no provider measured it"
             continue
         masks = _order(r["mask"] for r in kr)
         fig, axes = plt.subplots(len(seqs), 1, figsize=(max(8, 0.7 * len(masks) + 3), 3.2 * len(seqs)), squeeze=False)
@@ -357,6 +377,12 @@ def plot(out_dir: str, rows: list[dict], meta: dict) -> list[str]:
         plt.close(fig)
         written.append(path)
     mem = [r for r in kr if r.get("peak_extra_mib") is not None]
+    if not kr:
+        pass
+    elif not mem:
+        not_drawn["memory.png"] = _no_memory_reason(meta)
+    elif len(seqs) < 2:
+        not_drawn["memory.png"] = "peak memory against S needs at least two lengths"
     if mem and len(seqs) > 1:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for p in provs:
@@ -376,6 +402,8 @@ def plot(out_dir: str, rows: list[dict], meta: dict) -> list[str]:
         plt.close(fig)
         written.append(path)
     cr = [r for r in rows if r["mode"] == "cp" and _tot(r) is not None]
+    if not cr:
+        not_drawn["cp.png"] = "this run has no context-parallel point (longctx bench suite --cp)"
     if cr:
         labels = _order(f"{r['mask']}\nS={r['S']}" for r in cr if r["provider"] != "single_gpu")
         methods = _order(r["provider"] for r in cr)
@@ -400,4 +428,4 @@ def plot(out_dir: str, rows: list[dict], meta: dict) -> list[str]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
-    return written
+    return written, not_drawn
