@@ -3,14 +3,17 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TORCH_PIP_ARGS ?=
 
 .PHONY: demo test test-fast lint format gpu-test bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	@# torch first, pinned: on a machine without CUDA this picks the local CPU build instead of CUDA wheels.
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q torch
+	@# torch first, pinned, unless .venv has one: the build pip's configuration offers (a CPU build where it lists
+	@# one; from PyPI on Linux, the CUDA build). TORCH_PIP_ARGS picks the index, e.g. PyTorch's CPU wheels (README).
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0" $(TORCH_PIP_ARGS) \
+		|| $(PY) -m pip install -q torch $(TORCH_PIP_ARGS)
 	$(PY) -m pip install -q -e ".[dev,triton]"
 	@touch $(STAMP)
 

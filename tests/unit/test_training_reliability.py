@@ -65,7 +65,7 @@ def test_yaml_values_of_the_wrong_type_or_range_name_the_key(tmp_path, capsys, y
 
 @pytest.mark.parametrize(
     "yaml_line, hint",
-    [('lr: "fast"', False), ('lr: "3e-4"', True), ('train_iters: "5x"', False), ('train_iters: "5"', True)],
+    [('lr: "fast"', False), ('lr: "0.5"', True), ('train_iters: "5x"', False), ('train_iters: "5"', True)],
 )
 def test_the_unquote_hint_only_where_the_unquoted_text_is_valid(tmp_path, yaml_line, hint):
     f = tmp_path / "c.yaml"
