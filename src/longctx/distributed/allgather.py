@@ -32,7 +32,7 @@ from longctx.distributed.blocks import (
     doc_step,
     export_rows,
     gather_calls,
-    merge_into,
+    merge_two,
     step_backward,
     step_forward,
 )
@@ -162,15 +162,12 @@ class DocAllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, info: GroupInfo, chunks, docs: Documents, scale: float, launchers: Launchers):
         plan = _gather_plan(docs, chunks, info.rank)
-        adt = torch.float64 if q.dtype == torch.float64 else torch.float32
         out, lse = step_forward(plan.local, q, k, v, scale=scale, launchers=launchers)
         if plan.most:
             k_r, v_r = _gather_remote(k, v, plan, info)
             if plan.remote is not None:
-                o, l = step_forward(plan.remote, q, k_r, v_r, scale=scale, launchers=launchers)
-                out_acc, lse_acc = out.to(adt), lse.to(adt)
-                merge_into(out_acc, lse_acc, o, l)
-                out, lse = out_acc.to(q.dtype), lse_acc
+                partial = step_forward(plan.remote, q, k_r, v_r, scale=scale, launchers=launchers)
+                out, lse = merge_two(out, lse, *partial)
         lse = lse if q.dtype == torch.float64 else lse.float()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.info, ctx.plan, ctx.scale, ctx.launchers = info, plan, scale, launchers

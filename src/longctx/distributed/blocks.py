@@ -37,6 +37,7 @@ __all__ = [
     "export_rows",
     "step_forward",
     "step_backward",
+    "merge_two",
     "STEP_BLOCK",
     "plan_calls",
     "gather_calls",
@@ -198,6 +199,15 @@ def step_forward(step: SparseStep, q, k, v, *, scale: float, launchers):
     bm = step_block_mask(step, str(q.device))
     ks = slice(step.k0, step.k1)
     return launchers.sparse_forward(q, k[:, :, ks], v[:, :, ks], scale=scale, block_mask=bm)
+
+
+def merge_two(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
+    """Two partial results of the same rows merged by their lse: (out in out's dtype, lse in the accumulation dtype:
+    float32, float64 for float64 inputs)."""
+    adt = torch.float64 if out.dtype == torch.float64 else torch.float32
+    out_acc, lse_acc = out.to(adt), lse.to(adt)
+    merge_into(out_acc, lse_acc, out_b, lse_b)
+    return out_acc.to(out.dtype), lse_acc
 
 
 def step_backward(step: SparseStep, do, q, k, v, out, lse, *, scale: float, launchers):

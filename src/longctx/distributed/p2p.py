@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longctx.distributed.blocks import Documents, SparseStep, doc_step, merge_into, step_backward, step_forward
+from longctx.distributed.blocks import Documents, SparseStep, doc_step, merge_two, step_backward, step_forward
 from longctx.distributed.comm import GroupInfo, RingComm, exchange
 from longctx.distributed.sharding import ChunkLayout
 
@@ -109,17 +109,14 @@ def _unpack(bufs, counts: list[int], like: torch.Tensor) -> tuple[torch.Tensor, 
 class P2PAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, info: GroupInfo, r: Routes, scale: float, launchers):
-        adt = torch.float64 if q.dtype == torch.float64 else torch.float32
         k, v = k.contiguous(), v.contiguous()
         reqs, bufs = _fetch_kv(k, v, r, info, tag=0)
         out, lse = step_forward(r.local, q, k, v, scale=scale, launchers=launchers)
         RingComm.wait(reqs)
         if r.remote is not None:
             k_r, v_r = _unpack(bufs, [n for _, _, n in r.recvs], k)  # (B, Hkv, n_recv, D)
-            o, l = step_forward(r.remote, q, k_r, v_r, scale=scale, launchers=launchers)
-            out_acc, lse_acc = out.to(adt), lse.to(adt)
-            merge_into(out_acc, lse_acc, o, l)
-            out, lse = out_acc.to(q.dtype), lse_acc
+            partial = step_forward(r.remote, q, k_r, v_r, scale=scale, launchers=launchers)
+            out, lse = merge_two(out, lse, *partial)
         del bufs
         lse = lse if q.dtype == torch.float64 else lse.float()
         ctx.save_for_backward(q, k, v, out, lse)
