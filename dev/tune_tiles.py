@@ -25,6 +25,8 @@ import time
 
 BEGIN = "    # BEGIN MEASURED TILES (written by dev/tune_tiles.py)\n"
 END = "    # END MEASURED TILES\n"
+GPUS_BEGIN = "    # BEGIN MEASURED GPUS (written by dev/tune_tiles.py)\n"
+GPUS_END = "    # END MEASURED GPUS\n"
 
 
 def _bench(fn) -> float:
@@ -158,7 +160,9 @@ def measure(out: pathlib.Path, budget_s: float, head_dims: tuple[int, ...], leng
         for s in (4096, 16384, 65536) if d in head_dims else ():
             _time_sparse(d, s, rows, times, deadline)
     gpu = torch.cuda.get_device_name()
-    data = {"gpu": gpu, "head_dims": list(head_dims), "rows": rows, "times_ms": times}
+    p = torch.cuda.get_device_properties(0)
+    facts = [list(torch.cuda.get_device_capability()), p.multi_processor_count, round(p.total_memory / 2**30)]
+    data = {"gpu": gpu, "facts": facts, "head_dims": list(head_dims), "rows": rows, "times_ms": times}
     out.write_text(json.dumps(data, indent=1))
     print(f"{len(rows)} rows for {gpu} -> {out}", file=sys.stderr)
 
@@ -181,7 +185,14 @@ def write(path: pathlib.Path, tuning_py: pathlib.Path) -> None:
     lines = [f"    {json.dumps(gpu)}: {{\n"]
     lines += [f"        {json.dumps(k)}: {v},\n" for k, v in sorted(rows.items())]
     lines.append("    },\n")
-    tuning_py.write_text(src[:i] + block + "".join(lines) + src[j:])
+    src = src[:i] + block + "".join(lines) + src[j:]
+    if "facts" in data:  # what tuning.tile_row compares a GPU without a row of its own against
+        (major, minor), sms, gib = data["facts"]
+        i, j = src.index(GPUS_BEGIN) + len(GPUS_BEGIN), src.index(GPUS_END)
+        entry = f"    {json.dumps(gpu)}: (({major}, {minor}), {sms}, {gib}),\n"
+        block = "".join(line for line in src[i:j].splitlines(True) if not line.startswith(f"    {json.dumps(gpu)}:"))
+        src = src[:i] + block + entry + src[j:]
+    tuning_py.write_text(src)
     print(f"{len(data['rows'])} measured rows ({len(kept)} kept) for {gpu} written to {tuning_py}")
 
 

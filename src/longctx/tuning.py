@@ -147,8 +147,9 @@ def dq_by_tma_reduce(head_dim: int) -> bool:
 # bucket) for seconds. `dev/tune_tiles.py` times them once per GPU instead and writes the winners below. Key
 # "kind:bd:band:bucket:group" (band: full, causal or window; group: mha or gqa; block-sparse kinds: "sparse_fwd",
 # "sparse_dkdv", "sparse_dq" with the mask block size in place of band and group); value: the index of the winning
-# entry in `table(kind)[bd]` (`sparse_tile_choices` for block-sparse). A GPU without a row, or a key it lacks, runs the
-# entry of the nearest measured length bucket of that key, else the list's first entry.
+# entry in `table(kind)[bd]` (`sparse_tile_choices` for block-sparse). A GPU without a row takes the row of the nearest
+# measured GPU of its compute capability (`tile_row`); a key the row lacks runs the entry of the nearest measured
+# length bucket of that key, else the list's first entry.
 MEASURED_TILES: dict[str, dict[str, int]] = {
     # BEGIN MEASURED TILES (written by dev/tune_tiles.py)
     "NVIDIA H100 80GB HBM3": {
@@ -288,6 +289,40 @@ def tile_key(kind: str, bd: int, band: str, bucket: int, grouped: bool) -> str:
 def sparse_tile_key(kind: str, bd: int, mask_bs: int, bucket: int) -> str:
     """The `MEASURED_TILES` key of a block-sparse Triton kernel launch."""
     return f"sparse_{kind}:{bd}:{mask_bs}:{bucket}"
+
+
+# What is known of each measured GPU, for a GPU without a row of its own: (compute capability, SMs, memory GiB).
+MEASURED_GPUS: dict[str, tuple[tuple[int, int], int, int]] = {
+    # BEGIN MEASURED GPUS (written by dev/tune_tiles.py)
+    "NVIDIA H100 80GB HBM3": ((9, 0), 132, 80),
+    # END MEASURED GPUS
+}
+
+
+def tile_row(name: str, capability: tuple[int, int], sms: int, memory_gib: float) -> tuple[str | None, str]:
+    """The `MEASURED_TILES` row that serves a GPU, and why: its own row; else the measured GPU of the same compute
+    capability nearest in SM count, then in memory (the tiles depend on the SMs' shared memory and registers, which
+    the capability fixes, and on how many SMs share the work); else None, each list's first entry.
+
+    Returns:
+        (row name or None, a line saying which and why, as `longctx info` prints it).
+    """
+    if name in MEASURED_TILES:
+        return name, f"{name} (measured on this GPU)"
+    same = [(g, facts) for g, facts in MEASURED_GPUS.items() if facts[0] == tuple(capability) and g in MEASURED_TILES]
+    if not same:
+        cc = f"{capability[0]}.{capability[1]}"
+        return None, f"none measured for compute capability {cc}: each tile list's first entry (dev/tune_tiles.py)"
+
+    def distance(facts):
+        _, g_sms, g_mem = facts
+        return (abs(g_sms - sms) / max(g_sms, 1), abs(g_mem - memory_gib) / max(g_mem, 1))
+
+    row, facts = min(same, key=lambda gf: distance(gf[1]))
+    return row, (
+        f"{row} (nearest measured GPU of compute capability {capability[0]}.{capability[1]}: {facts[1]} SMs and "
+        f"{facts[2]} GiB against this GPU's {sms} and {memory_gib:.0f}; dev/tune_tiles.py measures a row of its own)"
+    )
 
 
 @_functools.lru_cache(maxsize=4096)  # every kernel launch asks; the table is a constant

@@ -43,3 +43,21 @@ def test_write_replaces_only_the_measured_head_dims(tmp_path):
     assert {g: t for g, t in after.items() if g != gpu} == {g: t for g, t in before.items() if g != gpu}
     module = _load(tuning_py, "tuning_written")  # still a valid module, its table the one written
     assert after == module.MEASURED_TILES
+
+
+def test_write_records_the_gpu_facts_for_the_nearest_row(tmp_path):
+    """A new GPU's measurement adds its row and its facts (capability, SMs, memory), which `tuning.tile_row` then
+    matches other GPUs of that capability against."""
+    tool = _load(ROOT / "dev" / "tune_tiles.py", "tune_tiles_under_test_facts")
+    tuning_py = tmp_path / "tuning.py"
+    tuning_py.write_text((ROOT / "src" / "longctx" / "tuning.py").read_text())
+    measured = tmp_path / "tiles.json"
+    data = {"gpu": "NVIDIA H200", "facts": [[9, 0], 132, 141], "head_dims": [128], "rows": {"fwd:128:full:4:mha": 1}}
+    measured.write_text(json.dumps({**data, "times_ms": {}}))
+    tool.write(measured, tuning_py)
+    tool.write(measured, tuning_py)  # again: replaced, not repeated
+    module = _load(tuning_py, "tuning_written_facts")
+    assert module.MEASURED_GPUS["NVIDIA H200"] == ((9, 0), 132, 141)
+    assert len(module.MEASURED_GPUS) == 2 and module.MEASURED_TILES["NVIDIA H200"] == {"fwd:128:full:4:mha": 1}
+    assert module.tile_row("NVIDIA H200 NVL", (9, 0), 132, 141)[0] == "NVIDIA H200"
+    assert module.tile_row("NVIDIA H100 PCIe", (9, 0), 114, 80)[0] == "NVIDIA H100 80GB HBM3"

@@ -3,6 +3,8 @@ kernel, band and grouping, else the list's first entry), and the H100 rows all n
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 
 from longctx import tuning
@@ -59,3 +61,43 @@ def test_every_committed_row_names_an_entry_of_its_list():
             else:
                 n = len(tuning.table(kind)[int(bd)])
             assert 0 <= index < n, (gpu, key, index, n)
+
+
+def test_a_gpu_without_a_row_takes_the_nearest_measured_one_of_its_capability():
+    """An H200 (or H100 PCIe / NVL, H800, H20, GH200) runs the H100 SXM's measured tiles, never silently each list's
+    first entry; a GPU of another capability has no measured row, and says so."""
+    from longctx import tuning
+
+    row, why = tuning.tile_row("NVIDIA H100 80GB HBM3", (9, 0), 132, 80)
+    assert row == "NVIDIA H100 80GB HBM3" and "measured on this GPU" in why
+    row, why = tuning.tile_row("NVIDIA H200", (9, 0), 132, 141)
+    assert row == "NVIDIA H100 80GB HBM3" and "nearest measured GPU of compute capability 9.0" in why
+    assert tuning.tile_row("NVIDIA H100 PCIe", (9, 0), 114, 80)[0] == "NVIDIA H100 80GB HBM3"
+    row, why = tuning.tile_row("NVIDIA A100-SXM4-80GB", (8, 0), 108, 80)
+    assert row is None and "none measured for compute capability 8.0" in why
+    with mock.patch.dict(tuning.MEASURED_GPUS, {"NVIDIA H20": ((9, 0), 78, 96)}), \
+            mock.patch.dict(tuning.MEASURED_TILES, {"NVIDIA H20": {}}):  # fmt: skip
+        assert tuning.tile_row("NVIDIA H100 PCIe", (9, 0), 114, 80)[0] == "NVIDIA H100 80GB HBM3"  # nearer in SMs
+        assert tuning.tile_row("NVIDIA H800 PCIe", (9, 0), 80, 80)[0] == "NVIDIA H20"
+
+
+def test_the_launchers_key_their_tiles_by_the_serving_row(monkeypatch):
+    """What the launchers look up on a mocked H200: the H100 row's entries."""
+    import torch
+
+    from longctx.launchers import runtime
+
+    class Props:
+        name, multi_processor_count, total_memory = "NVIDIA H200", 132, 141 * 2**30
+
+    runtime.gpu_name.cache_clear()
+    runtime.tile_row_line.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
+    monkeypatch.setattr(runtime, "_interpret", lambda: False)
+    try:
+        assert runtime.gpu_name(0) == "NVIDIA H100 80GB HBM3"
+        assert "nearest measured GPU" in runtime.tile_row_line(0)[1]
+    finally:
+        runtime.gpu_name.cache_clear()
+        runtime.tile_row_line.cache_clear()

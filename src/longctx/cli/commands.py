@@ -51,6 +51,9 @@ def info() -> int:
                 f"  gpu {i}    {p.name}, compute capability {cap[0]}.{cap[1]}, "
                 f"{p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs"
             )
+            from longctx.launchers.runtime import tile_row_line
+
+            print(f"  tiles    {tile_row_line(i)[1]}")
         device = torch.device("cuda")
     else:
         print("  gpu      none (CUDA not available): CPU backends only")

@@ -219,8 +219,19 @@ def _ws_capable(device_index: int) -> bool:
 
 @functools.cache
 def gpu_name(device_index: int) -> str:
-    """The GPU's name as CUDA reports it (the key of `tuning.MEASURED_TILES`); "" under the interpreter."""
-    return "" if _interpret() else torch.cuda.get_device_name(device_index)
+    """The `tuning.MEASURED_TILES` row serving this GPU (`tuning.tile_row`: its own, else the nearest measured GPU
+    of its compute capability); "" under the interpreter or where none serves (each list's first entry)."""
+    if _interpret():
+        return ""
+    return tile_row_line(device_index)[0] or ""
+
+
+@functools.cache
+def tile_row_line(device_index: int) -> tuple[str | None, str]:
+    """`tuning.tile_row` of this GPU: (row, the line `longctx info` prints)."""
+    p = torch.cuda.get_device_properties(device_index)
+    return tuning.tile_row(p.name, torch.cuda.get_device_capability(device_index), p.multi_processor_count,
+                           p.total_memory / 2**30)  # fmt: skip
 
 
 def device_index(t: torch.Tensor) -> int:
