@@ -176,3 +176,23 @@ def test_transformers_flash_call_for_a_sliding_window_model():
     i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
     ref, _ = _oracle(q, k, v, (j <= i) & (j > i - w))
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_flash_attn_signatures_are_flash_attns():
+    """The README's compatibility table: every flash-attn 2.6+ argument of these functions, in its position."""
+    import inspect
+
+    flash = {
+        "flash_attn_func": ["q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+                            "alibi_slopes", "deterministic", "return_attn_probs"],
+        "flash_attn_kvpacked_func": ["q", "kv", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+                                     "alibi_slopes", "deterministic", "return_attn_probs"],
+        "flash_attn_qkvpacked_func": ["qkv", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+                                      "alibi_slopes", "deterministic", "return_attn_probs"],
+        "flash_attn_varlen_func": ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+                                   "dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes",
+                                   "deterministic", "return_attn_probs", "block_table"],
+    }  # fmt: skip
+    for name, params in flash.items():
+        got = [p.name for p in inspect.signature(getattr(longctx, name)).parameters.values()]
+        assert got[: len(params)] == params, (name, got)
