@@ -15,7 +15,8 @@ layer and both passes reuse them.
 The methods do not launch those calls one by one: a `SparseStep` is all of one step's calls as one block-sparse
 launch (every local query row against a contiguous range of the current keys, the mask "same document and band"
 built once from each token's document and global position, `step_block_mask`), whose partial result is merged
-once. `export_rows` says which of a rank's tokens any other rank's queries see: the only K/V a method needs to move.
+once. `needed_ranges` says which of a rank's tokens each other rank's queries see, `export_rows` their union: the
+only K/V a method needs to move.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "doc_step",
     "step_block_mask",
     "export_rows",
+    "needed_ranges",
     "step_forward",
     "step_backward",
     "merge_two",
@@ -219,27 +221,67 @@ def step_backward(step: SparseStep, do, q, k, v, out, lse, *, scale: float, laun
 
 
 @functools.lru_cache(maxsize=256)
+def needed_ranges(
+    docs: Documents, layout_chunks: tuple[tuple[Chunk, ...], ...]
+) -> tuple[tuple[tuple[tuple[int, int], ...], ...], ...]:
+    """Which tokens each rank needs from each other rank: ``needs[r][s]`` holds the global ranges ``(start, length)``
+    (ascending, merged) of rank s's tokens holding a key that some query of rank r sees (same document, band inside
+    it); ``needs[r][r]`` is empty.
+
+    A query piece (a run of rank r cut at document boundaries) sees the contiguous keys
+    [max(doc start, first + lo), min(doc end, last + hi + 1)) (`gather_calls`): the union of its rows' bands is
+    contiguous and every key in it is seen by some row. O((pieces + runs) log runs) per rank.
+    """
+    total = sum(n for runs in layout_chunks for _, n, _ in runs)
+    world = len(layout_chunks)
+    owned = sorted((g, n, r) for r, runs in enumerate(layout_chunks) for _, n, g in runs)
+    starts = [g for g, _, _ in owned]
+    needs = []
+    for r in range(world):
+        spans = sorted((c.k0, c.k1) for c in _gather_calls(docs, tuple(layout_chunks[r]), total))
+        merged: list[list[int]] = []
+        for a, b in spans:
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        row: list[list[list[int]]] = [[] for _ in range(world)]
+        for a, b in merged:
+            i = max(0, bisect.bisect_right(starts, a) - 1)
+            while i < len(owned) and owned[i][0] < b:
+                g, n, s = owned[i]
+                lo, hi = max(a, g), min(b, g + n)
+                if hi > lo and s != r:
+                    if row[s] and row[s][-1][0] + row[s][-1][1] == lo:
+                        row[s][-1][1] += hi - lo
+                    else:
+                        row[s].append([lo, hi - lo])
+                i += 1
+        needs.append(tuple(tuple(tuple(x) for x in rs) for rs in row))
+    return tuple(needs)
+
+
+@functools.lru_cache(maxsize=256)
 def export_rows(docs: Documents, layout_chunks: tuple[tuple[Chunk, ...], ...]) -> tuple[tuple[Chunk, ...], ...]:
     """Per rank s, the runs ``(local_start on s, length, global_start)`` of its tokens holding a key that some query
-    of another rank sees (same document, band inside it), in local order: the only K/V rows of s any method
-    needs to send. Empty for every rank when no document crosses ranks."""
-    total = sum(n for runs in layout_chunks for _, n, _ in runs)
-    owned = sorted((g, n, s, ls) for s, runs in enumerate(layout_chunks) for ls, n, g in runs)
-    starts = [g for g, _, _, _ in owned]
-    out: list[list[list[int]]] = [[] for _ in layout_chunks]
-    for r, runs in enumerate(layout_chunks):
-        for c in _gather_calls(docs, tuple(runs), total):
-            i = max(0, bisect.bisect_right(starts, c.k0) - 1)
-            while i < len(owned) and owned[i][0] < c.k1:
-                g, n, s, ls = owned[i]
-                a, b = max(c.k0, g), min(c.k1, g + n)
-                if b > a and s != r:
-                    out[s].append([ls + a - g, b - a, a])
-                i += 1
+    of another rank sees (the union over r of `needed_ranges` ``[r][s]``), in local order: the only K/V rows of s
+    any method needs to send. Empty for every rank when no document crosses ranks."""
+    needs = needed_ranges(docs, layout_chunks)
     result = []
-    for rows in out:
+    for s, runs in enumerate(layout_chunks):
+        by_global = sorted(runs, key=lambda run: run[2])
+        starts = [g for _, _, g in by_global]
+        pieces = []  # each needed range cut at s's runs, as (local start, length, global start)
+        for a, n in (x for row in needs for x in row[s]):
+            i = max(0, bisect.bisect_right(starts, a) - 1)
+            while i < len(by_global) and by_global[i][2] < a + n:
+                ls, rn, g = by_global[i]
+                lo, hi = max(a, g), min(a + n, g + rn)
+                if hi > lo:
+                    pieces.append((ls + lo - g, hi - lo, lo))
+                i += 1
         merged: list[list[int]] = []
-        for ls, n, g in sorted(rows):
+        for ls, n, g in sorted(pieces):
             # overlapping rows lie in one run; touching ones merge only where they touch globally too
             pl, pn, pg = merged[-1] if merged else (0, -1, 0)
             if merged and (ls < pl + pn or (ls == pl + pn and g == pg + pn)):

@@ -206,15 +206,8 @@ def gather_seq(x: torch.Tensor, dim: int, info: GroupInfo, layout) -> torch.Tens
     assert info.members is None, "gather_seq runs on a whole group"
     if info.world == 1:
         return x
-    x = x.contiguous()
-    if info.is_nccl:
-        buf = torch.empty((info.world, *x.shape), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(buf, x, group=info.group)
-        parts = list(buf.unbind(0))
-    else:
-        parts = [torch.empty_like(x) for _ in range(info.world)]
-        dist.all_gather(parts, x, group=info.group)
-    return reorder_to_global(parts, dim, layout)
+    parts = gather_flat(x, info).view(info.world, *x.shape)
+    return reorder_to_global(list(parts.unbind(0)), dim, layout)
 
 
 def reduce_scatter_seq(x_full: torch.Tensor, dim: int, info: GroupInfo, layout) -> torch.Tensor:
@@ -223,13 +216,7 @@ def reduce_scatter_seq(x_full: torch.Tensor, dim: int, info: GroupInfo, layout) 
     if info.world == 1:
         return x_full
     stacked = global_to_rank_major(x_full, dim, info.world, layout).contiguous()  # (P, ..., S/P, ...)
-    if info.is_nccl:
-        out = torch.empty(stacked.shape[1:], dtype=x_full.dtype, device=x_full.device)
-        dist.reduce_scatter_tensor(out, stacked, group=info.group)
-        return out
-    # gloo has no reduce-scatter: an all-reduce of the rank-major stack, then this rank's slice.
-    dist.all_reduce(stacked, group=info.group)
-    return stacked[info.rank].clone()
+    return reduce_scatter_flat(stacked.view(info.world, -1), info).view(stacked.shape[1:])
 
 
 def gather_flat(x: torch.Tensor, info: GroupInfo) -> torch.Tensor:

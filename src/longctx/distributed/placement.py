@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import heapq
 
-from longctx.distributed.blocks import Documents, gather_calls
+from longctx.distributed.blocks import Documents, needed_ranges
 from longctx.distributed.sharding import ChunkLayout
 from longctx.masks import Band, normalize_window
 
@@ -267,36 +267,5 @@ def plan_needs(
 ) -> tuple[tuple[tuple[Range, ...], ...], ...]:  # fmt: skip
     """Which tokens each rank needs from each other rank: ``needs[r][s]`` holds the global ranges
     ``(start, length)`` (ascending, merged) of rank s's tokens holding a key that some query of rank r sees (same
-    document, band inside it); ``needs[r][r]`` is empty.
-
-    A query piece (a run of rank r cut at document boundaries) sees the contiguous keys
-    [max(doc start, first + lo), min(doc end, last + hi + 1)) (`blocks.gather_calls`): the union of its rows' bands
-    is contiguous and every key in it is seen by some row. O((pieces + runs) log runs) per rank.
-    """
-    total, world = layout.total, layout.world
-    mask = Documents(tuple(cu), doc_band(causal, normalize_window(window)))
-    owned = sorted((g, ln, r) for r, runs in enumerate(layout.chunks) for _, ln, g in runs)
-    starts = [g for g, _, _ in owned]
-    needs = []
-    for r in range(world):
-        spans = sorted((c.k0, c.k1) for c in gather_calls(mask, list(layout.chunks[r]), total))
-        merged: list[list[int]] = []
-        for a, b in spans:
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
-        row: list[list[list[int]]] = [[] for _ in range(world)]
-        for a, b in merged:
-            i = max(0, bisect.bisect_right(starts, a) - 1)
-            while i < len(owned) and owned[i][0] < b:
-                g, ln, s = owned[i]
-                lo, hi = max(a, g), min(b, g + ln)
-                if hi > lo and s != r:
-                    if row[s] and row[s][-1][0] + row[s][-1][1] == lo:
-                        row[s][-1][1] += hi - lo
-                    else:
-                        row[s].append([lo, hi - lo])
-                i += 1
-        needs.append(tuple(tuple(tuple(x) for x in rs) for rs in row))
-    return tuple(needs)
+    document, band inside it); ``needs[r][r]`` is empty (`blocks.needed_ranges` of the document mask)."""
+    return needed_ranges(Documents(tuple(cu), doc_band(causal, normalize_window(window))), layout.chunks)

@@ -124,16 +124,9 @@ def _max_over_ranks(x: float, device: str, group) -> float:
 
 
 def _time(fn: Callable, warmup: int, iters: int, device: str, group) -> float:
-    """Mean ms per call on the slowest rank (every rank runs warmup + iters calls)."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    dist.barrier(group=group)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync(device)
-    return _max_over_ranks((time.perf_counter() - t0) * 1e3 / iters, device, group)
+    """Mean ms per call on the slowest rank (every rank runs warmup + iters calls, starting the timed ones together)."""
+    ms = _time_local(fn, warmup, iters, device, before=lambda: dist.barrier(group=group))
+    return _max_over_ranks(ms, device, group)
 
 
 def _measure(fn: Callable, case: KernelCase, world: int, cfg: SuiteConfig, warmup: int, iters: int, group) -> dict:
@@ -216,10 +209,13 @@ def _one_gpu(case: KernelCase, cfg: SuiteConfig, warmup: int, iters: int, group)
     return row
 
 
-def _time_local(fn: Callable, warmup: int, iters: int, device: str) -> float:
+def _time_local(fn: Callable, warmup: int, iters: int, device: str, before: Callable | None = None) -> float:
+    """Mean ms per call on this rank, after ``warmup`` untimed calls (and ``before()``, between the two)."""
     for _ in range(warmup):
         fn()
     sync(device)
+    if before is not None:
+        before()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
