@@ -33,6 +33,7 @@ from longctx.distributed.blocks import (
     export_rows,
     gather_calls,
     merge_two,
+    rows_index,
     step_backward,
     step_forward,
 )
@@ -141,8 +142,7 @@ def _gather_plan(docs: Documents, chunks: tuple[tuple[Chunk, ...], ...], rank: i
 @functools.lru_cache(maxsize=256)
 def _indices(plan: _GatherPlan, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's export rows, the places of the other ranks' rows in the padded gather), on ``device``."""
-    mine = [torch.arange(ls, ls + n) for ls, n, _ in plan.exports[plan.rank]]
-    own = torch.cat(mine).to(device) if mine else torch.zeros(0, dtype=torch.int64, device=device)
+    own = rows_index(tuple((ls, n) for ls, n, _ in plan.exports[plan.rank]), device)
     return own, torch.tensor(plan.order, dtype=torch.int64, device=device)
 
 

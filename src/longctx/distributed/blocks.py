@@ -40,6 +40,9 @@ __all__ = [
     "step_forward",
     "step_backward",
     "merge_two",
+    "rows_index",
+    "pack_kv",
+    "unpack_kv",
     "STEP_BLOCK",
     "plan_calls",
     "gather_calls",
@@ -218,6 +221,25 @@ def step_backward(step: SparseStep, do, q, k, v, out, lse, *, scale: float, laun
     bm = step_block_mask(step, str(q.device))
     ks = slice(step.k0, step.k1)
     return launchers.sparse_backward(do, q, k[:, :, ks], v[:, :, ks], out, lse, scale=scale, block_mask=bm)
+
+
+@functools.lru_cache(maxsize=1024)
+def rows_index(rows: tuple[tuple[int, int], ...], device: str) -> torch.Tensor:
+    """The local rows ``(start, length)`` as one int64 index on ``device`` (empty for no rows)."""
+    parts = [torch.arange(a, a + n) for a, n in rows]
+    return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)).to(device)
+
+
+def pack_kv(k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """K and V rows ``idx`` (along S) as one flat message: K's rows, then V's."""
+    return torch.cat([k.index_select(2, idx).reshape(-1), v.index_select(2, idx).reshape(-1)])
+
+
+def unpack_kv(buf: torch.Tensor, like: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, v), each (B, H, n, D) with ``like``'s B, H, D: views of a flat message of ``n`` rows (`pack_kv`'s)."""
+    B, H, _, D = like.shape
+    m = B * H * n * D
+    return buf[:m].view(B, H, n, D), buf[m : 2 * m].view(B, H, n, D)
 
 
 @functools.lru_cache(maxsize=256)

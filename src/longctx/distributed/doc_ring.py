@@ -29,7 +29,17 @@ from dataclasses import dataclass
 
 import torch
 
-from longctx.distributed.blocks import Chunk, Documents, SparseStep, doc_step, export_rows, merge_into
+from longctx.distributed.blocks import (
+    Chunk,
+    Documents,
+    SparseStep,
+    doc_step,
+    export_rows,
+    merge_into,
+    pack_kv,
+    rows_index,
+    unpack_kv,
+)
 from longctx.distributed.blocks import step_backward as _step_backward
 from longctx.distributed.blocks import step_forward as _step_forward
 from longctx.distributed.comm import GroupInfo, RingComm, exchange
@@ -77,22 +87,8 @@ def ring_plan(docs: Documents, chunks: tuple[tuple[Chunk, ...], ...], rank: int)
     return RingPlan(rank, world, exports, sizes, local, tuple(remote))
 
 
-@functools.lru_cache(maxsize=256)
 def _export_index(plan: RingPlan, device: str) -> torch.Tensor:
-    rows = [torch.arange(ls, ls + n) for ls, n, _ in plan.exports[plan.rank]]
-    return (torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)).to(device)
-
-
-def _pack(k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """K and V rows ``idx`` of this rank as one flat message."""
-    return torch.cat([k.index_select(2, idx).reshape(-1), v.index_select(2, idx).reshape(-1)])
-
-
-def _unpack(buf: torch.Tensor, like: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(k, v), each (B, Hkv, n, D), views of a flat message of ``n`` rows."""
-    B, H, _, D = like.shape
-    m = B * H * n * D
-    return buf[:m].view(B, H, n, D), buf[m : 2 * m].view(B, H, n, D)
+    return rows_index(tuple((ls, n) for ls, n, _ in plan.exports[plan.rank]), device)
 
 
 class _Blocks:
@@ -139,7 +135,7 @@ class DocRingAttention(torch.autograd.Function):
         blocks = reqs = held = None
         if plan.active:
             blocks = _Blocks(plan, info, k, k.dtype, tag=0)
-            mine = _pack(k, v, _export_index(plan, str(q.device))) if plan.sizes[info.rank] else None
+            mine = pack_kv(k, v, _export_index(plan, str(q.device))) if plan.sizes[info.rank] else None
             reqs, held = blocks.start(mine, 1)
         if plan.local is not None:
             merge(*_step_forward(plan.local, q, k, v, scale=scale, launchers=launchers))
@@ -151,7 +147,7 @@ class DocRingAttention(torch.autograd.Function):
                     reqs, held = blocks.start(cur, t + 1)
                 step = plan.remote[t - 1]
                 if step is not None:
-                    k_b, v_b = _unpack(cur, k, plan.sizes[plan.src(t)])
+                    k_b, v_b = unpack_kv(cur, k, plan.sizes[plan.src(t)])
                     merge(*_step_forward(step, q, k_b, v_b, scale=scale, launchers=launchers))
         del blocks, held
         out = out_acc.to(q.dtype)
@@ -186,7 +182,7 @@ class DocRingAttention(torch.autograd.Function):
         idx = _export_index(plan, str(q.device))
         blocks = _Blocks(plan, info, k, k.dtype, tag=0)
         sums = _Blocks(plan, info, k, adt, tag=2)  # the travelling float32 partial sums of dK/dV
-        reqs, held = blocks.start(_pack(k, v, idx) if plan.sizes[info.rank] else None, 1)
+        reqs, held = blocks.start(pack_kv(k, v, idx) if plan.sizes[info.rank] else None, 1)
         if plan.local is not None:
             dk_b, dv_b = grads(plan.local, k, v)
             ks = slice(plan.local.k0, plan.local.k1)
@@ -204,9 +200,9 @@ class DocRingAttention(torch.autograd.Function):
                 acc = torch.zeros(n * blocks.per_row, device=q.device, dtype=adt)
                 step = plan.remote[t - 1]
                 if step is not None:
-                    k_b, v_b = _unpack(cur, k, n)
+                    k_b, v_b = unpack_kv(cur, k, n)
                     dk_b, dv_b = grads(step, k_b, v_b)
-                    a_k, a_v = _unpack(acc, k, n)
+                    a_k, a_v = unpack_kv(acc, k, n)
                     a_k[:, :, step.k0 : step.k1] += dk_b
                     a_v[:, :, step.k0 : step.k1] += dv_b
             RingComm.wait(sum_reqs)
@@ -216,7 +212,7 @@ class DocRingAttention(torch.autograd.Function):
             sum_reqs, sum_in = sums.start(acc, t + 1)
         RingComm.wait(sum_reqs)
         if sum_in is not None:  # our own export rows' sums, back from every other rank
-            s_k, s_v = _unpack(sum_in, k, plan.sizes[info.rank])
+            s_k, s_v = unpack_kv(sum_in, k, plan.sizes[info.rank])
             dk.index_add_(2, idx, s_k)
             dv.index_add_(2, idx, s_v)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

@@ -20,7 +20,17 @@ from dataclasses import dataclass
 
 import torch
 
-from longctx.distributed.blocks import Documents, SparseStep, doc_step, merge_two, step_backward, step_forward
+from longctx.distributed.blocks import (
+    Documents,
+    SparseStep,
+    doc_step,
+    merge_two,
+    pack_kv,
+    rows_index,
+    step_backward,
+    step_forward,
+    unpack_kv,
+)
 from longctx.distributed.comm import GroupInfo, RingComm, exchange
 from longctx.distributed.sharding import ChunkLayout
 
@@ -78,18 +88,10 @@ def routes(layout: ChunkLayout, needs, docs: Documents, rank: int) -> Routes:
     return Routes(rank, tuple(sends), tuple(recvs), off, doc_step(docs, q_chunks, q_chunks), remote)
 
 
-@functools.lru_cache(maxsize=1024)
-def _index(rows: tuple[tuple[int, int], ...], device: str) -> torch.Tensor:
-    return torch.cat([torch.arange(a, a + n) for a, n in rows]).to(device)
-
-
 def _fetch_kv(k: torch.Tensor, v: torch.Tensor, r: Routes, info: GroupInfo, tag: int):
     """Start the K/V exchange; returns (requests, receive buffers): one flat message (K then V) per peer."""
     dev = str(k.device)
-    sends = []
-    for peer, rows, _ in r.sends:
-        idx = _index(rows, dev)
-        sends.append((peer, torch.cat([k.index_select(2, idx).reshape(-1), v.index_select(2, idx).reshape(-1)])))
+    sends = [(peer, pack_kv(k, v, rows_index(rows, dev))) for peer, rows, _ in r.sends]
     per_tok = k[:, :, :1].numel() + v[:, :, :1].numel()
     bufs = [(peer, torch.empty(n * per_tok, dtype=k.dtype, device=k.device)) for peer, _, n in r.recvs]
     return exchange(info, sends, bufs, tag), bufs
@@ -97,13 +99,8 @@ def _fetch_kv(k: torch.Tensor, v: torch.Tensor, r: Routes, info: GroupInfo, tag:
 
 def _unpack(bufs, counts: list[int], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the flat per-peer messages, (B, H, sum(counts), D) each, peers one after another along S."""
-    B, H, _, D = like.shape
-    ks, vs = [], []
-    for (_, buf), n in zip(bufs, counts):
-        m = B * H * n * D
-        ks.append(buf[:m].view(B, H, n, D))
-        vs.append(buf[m : 2 * m].view(B, H, n, D))
-    return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+    kvs = [unpack_kv(buf, like, n) for (_, buf), n in zip(bufs, counts)]
+    return torch.cat([k for k, _ in kvs], dim=2), torch.cat([v for _, v in kvs], dim=2)
 
 
 class P2PAttention(torch.autograd.Function):
@@ -154,7 +151,7 @@ class P2PAttention(torch.autograd.Function):
         RingComm.wait(exchange(info, back, back_bufs, tag=2))
         if r.sends:
             dk_in, dv_in = _unpack(back_bufs, [n for _, _, n in r.sends], k)
-            idx = torch.cat([_index(rows, str(q.device)) for _, rows, _ in r.sends])
+            idx = torch.cat([rows_index(rows, str(q.device)) for _, rows, _ in r.sends])
             dk.index_add_(2, idx, dk_in.to(adt))
             dv.index_add_(2, idx, dv_in.to(adt))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
