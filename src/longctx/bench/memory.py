@@ -33,14 +33,69 @@ from longctx.bench.steps import adamw, time_steps, training_step
 __all__ = ["main"]
 
 
-def _gpt_step_runner(config, S: int, device: torch.device):
-    """A training step of the longctx GPT of ``config`` on one sequence of S tokens."""
+def _gpt_step_runner(config, S: int, device: torch.device, offload_params: bool = False):
+    """A training step of the longctx GPT of ``config`` on one sequence of S tokens; ``offload_params``: its
+    parameters, gradients and AdamW states in host memory (`longctx.distributed.offload`, AdamW on the CPU)."""
     from longctx.models.gpt import GPT
 
     torch.manual_seed(0)
-    model = GPT(config).to(device)
+    if offload_params:
+        from longctx.distributed.offload import build_device, host_adamw, offload_model
+        from longctx.memory.plan import parameter_count
+
+        with build_device(parameter_count(config)[1], device):
+            model = GPT(config)
+        offload_model(model)
+        opt = host_adamw(model, lr=1e-5)
+    else:
+        model = GPT(config).to(device)
+        opt = adamw(model, device)
     x = torch.randint(0, config.vocab_size, (1, S), generator=torch.Generator().manual_seed(S)).to(device)
-    return training_step(lambda: model(x, labels=x), adamw(model, device), device)
+    return training_step(lambda: model(x, labels=x), opt, device)
+
+
+def model_flops(config, S: int) -> float:
+    """The useful FLOPs of a training step on S tokens: 6 x the matmul parameters (all but the input embedding, a
+    lookup) x S, plus causal attention's (forward 2 S^2 Hq D, backward twice that); recomputation not counted."""
+    from longctx.memory.plan import parameter_count
+
+    n = parameter_count(config)[0] - config.vocab_size * config.hidden_size
+    attn = 3 * 2 * S * S * config.num_attention_heads * config.head_dim * config.num_layers
+    return 6.0 * n * S + attn
+
+
+PEAK_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak of the H100 SXM and the H200
+
+
+def _copy_profile(step) -> dict[str, float]:
+    """One more step under torch.profiler: the seconds of host <-> device copies, of kernels (their union: time the
+    GPU computes), and the step's wall time; what of the copies the compute did not hide is at most wall - kernels."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    copies, spans = 0.0, []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        start, dur = e.time_range.start, e.time_range.elapsed_us()
+        if "memcpy htod" in name or "memcpy dtoh" in name:
+            copies += dur
+        elif "memcpy" not in name and "memset" not in name:
+            spans.append((start, start + dur))
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return {"copies_s": copies / 1e6, "kernels_s": busy / 1e6, "wall_s": wall}
 
 
 def _hf_step_runner(config, S: int, device: torch.device):
@@ -57,12 +112,16 @@ def _hf_step_runner(config, S: int, device: torch.device):
     return training_step(lambda: model(input_ids=x, labels=x).loss, adamw(model, device), device)
 
 
-def _measure(make, config, S: int, steps: int, warmup: int, device: torch.device) -> dict[str, Any]:
-    """One row's cell: `time_steps` of ``make(config, S, device)`` as a dict (status ok / oom / error)."""
-    r = time_steps(lambda: make(config, S, device), tokens=S, steps=steps, warmup=warmup, device=device)
+def _measure(make, config, S: int, steps: int, warmup: int, device: torch.device, **kw) -> dict[str, Any]:
+    """One row's cell: `time_steps` of ``make(config, S, device, **kw)`` as a dict (status ok / oom / error)."""
+    # the copies' profile is one more step: not for the one-step rows of --longest, whose step can take minutes
+    probe = _copy_profile if kw.get("offload_params") and steps + warmup > 1 else None
+    r = time_steps(lambda: make(config, S, device, **kw), tokens=S, steps=steps, warmup=warmup, device=device,
+                   probe=probe)  # fmt: skip
     if r.ok:
         return {"s": S, "status": "ok", "step_s": r.step_s, "tokens_per_s": r.tokens_per_s,
-                "peak_bytes": r.peak_bytes, "secs": r.secs}  # fmt: skip
+                "peak_bytes": r.peak_bytes, "host_peak_bytes": r.host_peak_bytes, "phases": r.phases,
+                "copies": r.probe, "secs": r.secs}  # fmt: skip
     return {"s": S, "status": r.code, "error": r.error, "secs": r.secs}
 
 
@@ -85,6 +144,8 @@ def report(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     star = " \\*"
+    offloaded = [r for r in rows if r.get("offload_params")]
+    rows = [r for r in rows if not r.get("offload_params")]
     for r in rows:
         o, h = r.get("longctx", {}), r.get("hf", {})
         ok_o, ok_h = o.get("status") == "ok", h.get("status") == "ok"
@@ -100,13 +161,55 @@ def report(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             + (f"{o['tokens_per_s'] / h['tokens_per_s']:.2f}x | {o['peak_bytes'] / h['peak_bytes']:.2f}x |"
                if ok_o and ok_h else "- | - |")
         )  # fmt: skip
-    if any(r.get("first_step") for r in rows):
+    if offloaded:
+        lines += _offload_table(meta, offloaded)
+    if any(r.get("first_step") for r in rows + offloaded):
         lines += [
             "",
             "\\* one step without warm-up: its time includes compiling the kernels for that length, and its peak "
             "comes before AdamW's states exist, so it is compared with the predicted peak less those states.",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _offload_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """The rows whose parameters, gradients and AdamW states were in host memory: speed (model FLOPs utilisation
+    against the bf16 peak), the optimizer step and the host copies beside it, both memories against the plan."""
+    lines = [
+        "",
+        f"## Parameters, gradients and optimizer states in host memory ({meta['preset']})",
+        "",
+        f"Host memory of the machine: {meta['env'].get('host_memory_gib', '-')} GiB. MFU: model FLOPs (6 x matmul "
+        "parameters x tokens + causal attention; recomputation not counted) / step time / 989 TFLOP/s. The copies "
+        "and the GPU's compute are from one more step under torch.profiler: copies = host <-> device copy time; "
+        "GPU idle = wall - kernel time (at most what the copies failed to hide).",
+        "",
+        "| S | plan | tokens/s | step s | fwd+bwd s | optimizer s | MFU | GPU peak GiB | predicted | pred / meas |"
+        " host peak GiB | predicted | pred / meas | copies s | GPU idle s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        o = r.get("longctx", {})
+        pred, host_pred = r.get("predicted_bytes"), r.get("predicted_host_bytes")
+        if pred and r.get("first_step"):
+            pred -= r.get("predicted_optimizer_bytes", 0)
+        if o.get("status") != "ok":
+            lines.append(f"| {r['s']:,} | {r.get('plan', '-')} | {o.get('status', '-')} |" + " - |" * 12)
+            continue
+        ph, cp = o.get("phases") or {}, o.get("copies") or {}
+        mfu = r["model_flops"] / o["step_s"] / PEAK_BF16_FLOPS
+        host = o.get("host_peak_bytes")
+        star = " \\*" if r.get("first_step") else ""
+        lines.append(
+            f"| {r['s']:,}{star} | {r.get('plan', '-')} | {o['tokens_per_s']:,.0f} | "
+            f"{o['step_s']:.2f} | {ph.get('forward_backward_s', float('nan')):.2f} | "
+            f"{ph.get('optimizer_s', float('nan')):.2f} | {mfu:.1%} | {_gib(o['peak_bytes'])} | {_gib(pred)} | "
+            + (f"{pred / o['peak_bytes']:.3f} | " if pred else "- | ")
+            + f"{_gib(host)} | {_gib(host_pred)} | "
+            + (f"{host_pred / host:.3f} | " if host and host_pred else "- | ")
+            + (f"{cp['copies_s']:.2f} | {max(0.0, cp['wall_s'] - cp['kernels_s']):.2f} |" if cp else "- | - |")
+        )  # fmt: skip
+    return lines
 
 
 def _plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
@@ -141,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--longest", default="", help="longer S to try with one step each (longctx only)")
     ap.add_argument("--plans", default=None, help="JSON file: S -> {'settings': {...}} (else --budget plans here)")
     ap.add_argument("--budget", default="70GiB", help="memory budget of the plans chosen here")
+    ap.add_argument("--host-budget", default=None, help="host memory the plans chosen here may use (default: any)")
+    ap.add_argument("--offload-params", choices=("auto", "on", "off"), default="auto",
+                    help="parameters, gradients and AdamW states in host memory: auto lets each plan choose; a "
+                    "--plans file's entry says it with offload_params (default auto)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--no-hf", action="store_true", help="leave out the transformers baseline")
@@ -179,24 +286,32 @@ def main(argv: list[str] | None = None) -> int:
         env["transformers"] = transformers.__version__
     except ImportError:
         hf = False
+    from longctx.layers.offload import host_memory_total
+
+    env["host_memory_gib"] = round(host_memory_total() / 2**30)
+    offload = {"auto": None, "on": True, "off": False}[args.offload_params]
     meta = {"preset": args.preset, "env": env, "steps": args.steps, "warmup": args.warmup,
             "command": "longctx bench memory " + " ".join(argv if argv is not None else sys.argv[1:])}  # fmt: skip
     rows = []
     for S in seqs + longest:
         if str(S) in plans:
             cfg = base.replace(**plans[str(S)]["settings"])
+            off = bool(plans[str(S)].get("offload_params", offload))
         else:
-            cfg = plan(base, seq_length=S, budget=args.budget).config
-        row: dict[str, Any] = {"s": S, "plan": describe(cfg), "settings": {k: getattr(cfg, k) for k in (
-            "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_skip_core_attention",
-            "sequence_chunk_size", "cpu_offloading", "cpu_offloading_num_layers")}}  # fmt: skip
-        pred = step_memory(cfg, seq_length=S)
+            chosen = plan(base, seq_length=S, budget=args.budget, host_budget=args.host_budget, offload_params=offload)
+            cfg, off = chosen.config, chosen.offload_params
+        row: dict[str, Any] = {"s": S, "plan": describe(cfg, off), "offload_params": off, "settings": {
+            k: getattr(cfg, k) for k in ("recompute_granularity", "recompute_method", "recompute_num_layers",
+                                         "recompute_skip_core_attention", "sequence_chunk_size", "cpu_offloading",
+                                         "cpu_offloading_num_layers")}}  # fmt: skip
+        pred = step_memory(cfg, seq_length=S, offload_params=off)
         row["predicted_bytes"], row["predicted_optimizer_bytes"] = pred.total, pred.optimizer_states
+        row["predicted_host_bytes"], row["model_flops"] = pred.host_total, model_flops(cfg, S)
         is_long = S in longest and S not in seqs
         row["first_step"] = is_long  # one step, no warm-up: AdamW's states do not exist yet at its peak
         steps, warm = (1, 0) if is_long else (args.steps, args.warmup)
-        row["longctx"] = _measure(_gpt_step_runner, cfg, S, steps, warm, device)
-        if hf and not is_long:
+        row["longctx"] = _measure(_gpt_step_runner, cfg, S, steps, warm, device, offload_params=off)
+        if hf and not is_long and not off:
             row["hf"] = _measure(_hf_step_runner, base, S, steps, warm, device)
         rows.append(row)
         print(json.dumps(row, default=str), flush=True)

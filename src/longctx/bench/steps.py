@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from longctx.distributed.offload import HostPeak
+
 __all__ = ["OK", "OOM", "ERROR", "StepResult", "adamw", "free", "is_oom", "time_steps", "training_step"]
 
 OK, OOM, ERROR = "ok", "oom", "error"
@@ -32,6 +34,9 @@ class StepResult:
     peak_bytes: int | None = None
     error: str = ""  # "<exception type>: <message>" unless ok
     secs: float = 0.0  # wall seconds of the whole measurement, building the step included
+    host_peak_bytes: int | None = None  # peak resident host memory during the timed steps
+    phases: dict[str, float] | None = None  # median seconds of the step's phases, where the step reports them
+    probe: dict | None = None  # what time_steps' probe measured after the timed steps
 
     @property
     def ok(self) -> bool:
@@ -64,25 +69,47 @@ def adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer
     return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
 
 
+class _Step:
+    """A step: ``loss_fn()`` under bf16 autocast, backward, the optimizer step, gradients set to None; ``phases``
+    holds the seconds of the last step's forward + backward and of its optimizer step (the device synchronised
+    between them)."""
+
+    def __init__(self, loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, device: torch.device):
+        self.loss_fn, self.opt, self.device = loss_fn, opt, device
+        self.phases: dict[str, float] = {}
+
+    def __call__(self) -> None:
+        t = time.perf_counter()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            loss = self.loss_fn()
+        loss.backward()
+        _sync(self.device)
+        t_opt = time.perf_counter()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        _sync(self.device)
+        self.phases = {"forward_backward_s": t_opt - t, "optimizer_s": time.perf_counter() - t_opt}
+
+
 def training_step(
     loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, device: torch.device
 ) -> Callable[[], None]:
-    """A step: ``loss_fn()`` under bf16 autocast, backward, the optimizer step, gradients set to None."""
-
-    def step() -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = loss_fn()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+    """A step: ``loss_fn()`` under bf16 autocast, backward, the optimizer step, gradients set to None (its
+    ``phases``: the seconds of the forward + backward and of the optimizer step)."""
+    return _Step(loss_fn, opt, device)
 
 
 def time_steps(
-    make_step: Callable[[], Callable[[], None]], *, tokens: int, steps: int, warmup: int, device: torch.device
+    make_step: Callable[[], Callable[[], None]],
+    *,
+    tokens: int,
+    steps: int,
+    warmup: int,
+    device: torch.device,
+    probe: Callable[[Callable[[], None]], dict] | None = None,
 ) -> StepResult:
     """Build the step with ``make_step()`` and measure it (see the module doc); ``tokens`` per step give tokens/s.
+    ``probe(step)``, if given, runs after the timed steps and its dict goes to ``StepResult.probe``.
 
     What ``make_step`` builds is released (and the CUDA cache emptied) before returning, unless the caller
     keeps a reference to it.
@@ -98,12 +125,16 @@ def time_steps(
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         times = []
-        for _ in range(steps):
-            _sync(device)
-            t = time.perf_counter()
-            step()
-            _sync(device)
-            times.append(time.perf_counter() - t)
+        phases: dict[str, list[float]] = {}
+        with HostPeak() as host:
+            for _ in range(steps):
+                _sync(device)
+                t = time.perf_counter()
+                step()
+                _sync(device)
+                times.append(time.perf_counter() - t)
+                for k, v in getattr(step, "phases", {}).items():
+                    phases.setdefault(k, []).append(v)
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
         else:
@@ -111,7 +142,10 @@ def time_steps(
 
             peak = peak_live_bytes(step)
         med = statistics.median(times)
-        return StepResult(tokens, OK, med, tokens / med, peak, secs=time.perf_counter() - t0)
+        probed = probe(step) if probe is not None else None
+        return StepResult(tokens, OK, med, tokens / med, peak, secs=time.perf_counter() - t0, host_peak_bytes=host.peak,
+                          phases={k: statistics.median(v) for k, v in phases.items()} or None,
+                          probe=probed)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - an out-of-memory error is a result; anything else is reported
         code = OOM if is_oom(e) else ERROR
         return StepResult(tokens, code, error=f"{type(e).__name__}: {str(e)[:300]}", secs=time.perf_counter() - t0)

@@ -130,7 +130,11 @@ def init_mesh(
     """
     dims = ParallelDims(data_parallel, context_parallel)
     if not dist.is_initialized() and "RANK" not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        # one process: gloo for CPU tensors, and NCCL for CUDA ones where FSDP2 runs on the GPU (its all-gathers
+        # and reduce-scatters are collectives even over one rank)
+        on_gpu = (device_type or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+        backend = "cpu:gloo,cuda:nccl" if on_gpu else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     _, world, device = init_distributed()
     check_agreement(
         {**(settings or {}), "data_parallel": data_parallel, "context_parallel": context_parallel},
@@ -194,32 +198,78 @@ def fsdp_available() -> bool:
     return True
 
 
-def apply_fsdp(model: torch.nn.Module, mesh: Any) -> str:
+def apply_fsdp(
+    model: torch.nn.Module,
+    mesh: Any,
+    *,
+    offload_params: bool = False,
+    param_dtype: torch.dtype | None = None,
+    units: list[torch.nn.Module] | None = None,
+) -> str:
     """Shard ``model`` over the "dp" dim: FSDP2 on each decoder layer, the embedding and the root; returns
-    ``"fsdp2"``, or ``"allreduce"`` where FSDP2 is not importable (parameters replicated, gradients summed by
-    `reduce_gradients` over every rank).
+    ``"fsdp2"``, ``"fsdp2-offload"``, or ``"allreduce"`` where FSDP2 is not importable (parameters replicated,
+    gradients summed by `reduce_gradients` over every rank).
 
     Each rank must hold the same initial parameters (the same seed, or `broadcast_parameters` first). A tied
     embedding (``share_embeddings_and_output_weights``) stays in the root unit, because the output projection
     reads it after the embedding's own forward. Gradients are summed over "dp" (divide factor 1): the loss of
     every rank is already its share of the global mean (`share_of_mean`).
+
+    Args:
+        model: a `longctx.GPT`, or any model whose units are given in ``units``.
+        mesh: the ("dp", "cp") mesh of `init_mesh` (``init_mesh(1, 1)`` for one process).
+        offload_params: FSDP2's CPU offload policy, sharded over every rank (the "dp" and "cp" dims flattened, as
+            torchtitan shards over dp x cp: its reduce-scatter sums over both, so `reduce_gradients` has nothing
+            left to do): this rank's shard of the fp32 parameters, their gradients and so the optimizer's states
+            live in pinned host memory; each unit's parameters are copied to the GPU when
+            it runs (the next unit's copy in flight behind the current unit's compute) and its gradients copied
+            back after its backward. Build the optimizer after this call, on the CPU (`host_adamw`).
+        param_dtype: the dtype the units compute in (FSDP2's mixed precision: bfloat16 halves the copies and the
+            GPU bytes of the unsharded weights; gradients are reduced in float32); None keeps the parameters'.
+        units: the modules sharded one by one, in the order they run (default: the GPT's embedding when untied,
+            then its layers); the root holds what is left.
+
+    Raises:
+        ValueError: ``offload_params`` where FSDP2 is not importable (there is no offload without it).
     """
     _check_mesh(mesh)
     if not fsdp_available():
+        if offload_params:
+            raise ValueError(
+                "offload_params needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6), which this torch "
+                f"({torch.__version__}) does not have; upgrade torch, or train without offload_params"
+            )
         return "allreduce"
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    dp_mesh = mesh["dp"]
-    units: list[torch.nn.Module] = list(getattr(model, "layers", []))
-    tied = getattr(getattr(model, "config", None), "share_embeddings_and_output_weights", True)
-    if hasattr(model, "embedding") and not tied:
-        units.insert(0, model.embedding)
+    dp_mesh = mesh["dp", "cp"]._flatten("dp_cp") if offload_params else mesh["dp"]
+    if units is None:
+        from longctx.distributed.offload import decoder_units
+
+        try:
+            units = decoder_units(model)
+        except TypeError:  # a model of one's own: its layers, if it has them
+            units = list(getattr(model, "layers", []))
+    kw: dict[str, Any] = {}
+    if offload_params:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")  # pinned: async copies
+    if param_dtype is not None:  # cast_forward_inputs=False: RoPE's float32 cos / sin stay float32
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                               cast_forward_inputs=False)  # fmt: skip
+    else:
+        kw["offload_policy"] = kw.get("offload_policy", OffloadPolicy())
     for unit in units:
-        fully_shard(unit, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(unit, mesh=dp_mesh, **kw)
+    fully_shard(model, mesh=dp_mesh, **kw)
     for module in [*units, model]:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+    if offload_params:
+        # the next unit's copy to the GPU is issued before this one runs, in the forward and in the backward
+        for unit, nxt in zip(units, units[1:]):
+            unit.set_modules_to_forward_prefetch([nxt])
+            nxt.set_modules_to_backward_prefetch([unit])
+        return "fsdp2-offload"
     return "fsdp2"
 
 
@@ -248,8 +298,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def reduce_gradients(model: torch.nn.Module, mesh: Any, strategy: str = "fsdp2") -> None:
     """Complete the gradient sum after ``loss.backward()``: over "cp" for FSDP2 (which summed over "dp"), over
-    every rank for the ``"allreduce"`` strategy of `apply_fsdp`."""
+    every rank for the ``"allreduce"`` strategy of `apply_fsdp`, nothing for ``"fsdp2-offload"``."""
     _check_mesh(mesh)
+    if strategy == "fsdp2-offload":
+        return  # sharded over dp x cp: FSDP2's reduce-scatter summed over every rank
     group = mesh.get_group("cp") if strategy == "fsdp2" else None
     size = mesh.size(1) if strategy == "fsdp2" else mesh.size()
     if size == 1:

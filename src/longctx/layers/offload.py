@@ -43,16 +43,25 @@ def is_replaying() -> bool:
     return getattr(_REPLAY, "active", False)
 
 
-def host_memory_available() -> int | None:
-    """Bytes of host memory available for new allocations (MemAvailable of /proc/meminfo), None if unknown."""
+def _meminfo(key: str) -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available for new allocations (MemAvailable of /proc/meminfo), None if unknown."""
+    return _meminfo("MemAvailable")
+
+
+def host_memory_total() -> int:
+    """Bytes of host memory of this machine (MemTotal of /proc/meminfo), 0 if unknown."""
+    return _meminfo("MemTotal") or 0
 
 
 class ActivationOffloader:

@@ -34,7 +34,29 @@ __all__ = ["StepMemory", "step_memory", "step_segments", "CUDA_OVERHEAD_BYTES"]
 # 512-byte rounding): calibrated against torch.cuda.max_memory_allocated on the H100 (docs/memory.md).
 CUDA_OVERHEAD_BYTES = 256 << 20
 
+# The host memory of a training process besides the states and checkpoints it offloads: the CUDA context, torch's
+# libraries, the interpreter (calibrated against the resident memory of `longctx bench memory`, docs/memory.md).
+HOST_OVERHEAD_BYTES = 5 << 30
+
 GiB = 1 << 30
+
+
+def units_in_flight(parameters: int, layer_parameters: int, root_parameters: int, shards: int, param_bytes: int) -> int:
+    """GPU bytes FSDP2 holds for an offloaded model at a step's peak (in a layer's backward): the root unit's
+    weights (unsharded for the whole step), two layers' weights (the one running, the next one prefetched), the
+    prefetched layer's fp32 shard on its way from the host, and the finished layer's gradients with the float32
+    reduce-scatter's input and output before they go to the host. ``param_bytes``: bytes of a weight as the
+    units compute (2 for bf16)."""
+    del parameters  # the states themselves are on the host
+    n, w = layer_parameters, shards
+    return (
+        param_bytes * root_parameters
+        + 2 * param_bytes * n  # running and prefetched layers
+        + 4 * n // w  # the prefetched layer's fp32 shard, copied from the host
+        + param_bytes * n
+        + 4 * n
+        + 4 * n // w  # gradients, reduce-scatter input and output (float32)
+    )
 
 
 @dataclass(frozen=True)
@@ -56,19 +78,39 @@ class StepMemory:
     kept_attention: int
     working_set: int
     overhead: int
-    host_offloaded: int  # pinned host memory, not on the GPU
+    host_offloaded: int  # pinned host memory for offloaded checkpoints, not on the GPU
     traced: int
+    # offload_params: the GPU holds the units in flight (``parameters``: bf16 weights, their gradients and the
+    # copies between), the host this rank's shard of the fp32 weights, gradients and AdamW states
+    offload_params: bool = False
+    host_states: int = 0
+    host_overhead: int = 0  # the process's own host memory (libraries, the CUDA context)
 
     @property
     def total(self) -> int:
+        """Predicted GPU peak."""
         return self.parameters + self.optimizer_states + self.traced + self.overhead
+
+    @property
+    def host_total(self) -> int:
+        """Predicted host peak: offloaded states and checkpoints, and the process itself."""
+        return self.host_states + self.host_offloaded + self.host_overhead
 
     def rows(self) -> list[tuple[str, int]]:
         """(item, bytes) for a table, summing to ``total``."""
-        return [
-            ("parameters (fp32)", self.parameters),
-            ("gradients (fp32)", self.gradients),
-            ("optimizer states (AdamW, fp32)", self.optimizer_states),
+        if self.offload_params:
+            first = [
+                ("units in flight (bf16 weights, gradients, host copies)", self.parameters),
+                ("gradients (reduced and copied to the host per unit)", self.gradients),
+                ("optimizer states (on the host)", self.optimizer_states),
+            ]
+        else:
+            first = [
+                ("parameters (fp32)", self.parameters),
+                ("gradients (fp32)", self.gradients),
+                ("optimizer states (AdamW, fp32)", self.optimizer_states),
+            ]
+        return first + [
             ("checkpoints (layer inputs kept for recompute)", self.checkpoints),
             ("kept attention outputs and lse", self.kept_attention),
             ("activations at the peak (layers kept whole, the layer in backward, kernel workspace)", self.working_set),
@@ -130,6 +172,8 @@ def step_memory(
     optimizer_bytes_per_parameter: int = 8,
     overhead: int = CUDA_OVERHEAD_BYTES,
     exact: bool = False,
+    offload_params: bool = False,
+    shards: int = 1,
 ) -> StepMemory:
     """Predicted peak memory of one training step (forward, backward, AdamW) of ``GPT(config)``.
 
@@ -147,13 +191,19 @@ def step_memory(
         optimizer_bytes_per_parameter: optimizer state bytes per parameter (AdamW in fp32: 8).
         overhead: the fixed allowance for CUDA libraries and the allocator.
         exact: trace at S itself, however long.
+        offload_params: the parameters, gradients and AdamW states in host memory (`longctx.distributed.offload`):
+            the step is traced with the weights in the autocast dtype (FSDP2's mixed precision: the residual
+            stream is in that dtype too) and each gradient gone to the host once made; the GPU holds the units in
+            flight (`units_in_flight`), the host the states.
+        shards: ranks the offloaded states are sharded over (data parallel x context parallel).
 
     Returns:
         A `StepMemory`.
     """
     return step_segments(config, seq_length=seq_length, micro_batch_size=micro_batch_size,
                          autocast_dtype=autocast_dtype, optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
-                         overhead=overhead, exact=exact)[0]  # fmt: skip
+                         overhead=overhead, exact=exact, offload_params=offload_params,
+                         shards=shards)[0]  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)  # step_memory's cache: step_memory.cache_clear() clears it
@@ -166,6 +216,8 @@ def step_segments(
     optimizer_bytes_per_parameter: int = 8,
     overhead: int = CUDA_OVERHEAD_BYTES,
     exact: bool = False,
+    offload_params: bool = False,
+    shards: int = 1,
 ) -> tuple[StepMemory, dict[str, int]]:
     """`step_memory`'s prediction and the peak of each segment of the step's timeline at ``seq_length`` that it is
     read from (``"embedding"``, ``"forward i"``, ``"loss"``, ``"forward end"``, ``"loss backward"``,
@@ -175,8 +227,11 @@ def step_segments(
         raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
     if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
-    kw = dict(micro_batch_size=micro_batch_size, autocast_dtype=autocast_dtype,
-              optimizer_bytes_per_parameter=optimizer_bytes_per_parameter, overhead=overhead)  # fmt: skip
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise ValueError(f"shards must be a positive int, got {shards!r}")
+    kw = dict(micro_batch_size=micro_batch_size, autocast_dtype=autocast_dtype, offload_params=offload_params,
+              optimizer_bytes_per_parameter=optimizer_bytes_per_parameter, overhead=overhead,
+              shards=shards)  # fmt: skip
     S = seq_length
     from longctx.layers import loss as loss_module
 
@@ -214,6 +269,8 @@ def _traced(
     overhead: int,
     whole: bool = False,
     loss_chunk: int | None = None,
+    offload_params: bool = False,
+    shards: int = 1,
 ) -> tuple[StepMemory, dict[str, int]]:
     """One trace at ``seq_length``: the `StepMemory` and the peak of each segment of the step's timeline.
 
@@ -229,8 +286,10 @@ def _traced(
         with mock.patch.object(loss_module, "default_chunk_size", lambda *a: min(loss_chunk, a[0])):
             return _traced.__wrapped__(config, seq_length=seq_length, micro_batch_size=micro_batch_size,
                                        autocast_dtype=autocast_dtype, overhead=overhead, whole=whole,
-                                       optimizer_bytes_per_parameter=optimizer_bytes_per_parameter)  # fmt: skip
-    trace_kw = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, autocast_dtype=autocast_dtype)
+                                       optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
+                                       offload_params=offload_params, shards=shards)  # fmt: skip
+    trace_kw = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, autocast_dtype=autocast_dtype,
+                    offload_params=offload_params)  # fmt: skip
     cut = None if whole else _cut_runs(config)
     timeline = None
     if cut is not None:
@@ -250,20 +309,33 @@ def _traced(
 
     B, S = micro_batch_size, seq_length
     checkpoint_bytes, kept, host = kept_bytes(config, S, B, counts["residual element bytes"], autocast_dtype)
-    grads = param_bytes
+    on_host = {}
+    if offload_params:  # the gradients left in the trace as they were made; the weights are the units in flight
+        grads = 0
+        layer = counts["layer parameters"]
+        units = config.num_layers * layer + (0 if config.share_embeddings_and_output_weights else counts["embedding"])
+        param_bytes = units_in_flight(n_params, layer, n_params - units, shards, counts["parameter element bytes"])
+        optimizer_states = 0
+        # fp32 weights and gradients (pinned) and AdamW's states, this rank's shard
+        on_host = dict(offload_params=True, host_states=-(-n_params * (8 + optimizer_bytes_per_parameter) // shards))
+    else:
+        grads = param_bytes
+        optimizer_states = n_params * optimizer_bytes_per_parameter
     working = max(0, peak - grads - checkpoint_bytes - kept)
     return StepMemory(
         seq_length=S,
         micro_batch_size=B,
         parameters=param_bytes,
         gradients=grads,
-        optimizer_states=n_params * optimizer_bytes_per_parameter,
+        optimizer_states=optimizer_states,
         checkpoints=checkpoint_bytes,
         kept_attention=kept,
         working_set=working,
         overhead=overhead,
         host_offloaded=host,
         traced=grads + checkpoint_bytes + kept + working,
+        host_overhead=HOST_OVERHEAD_BYTES,
+        **on_host,
     ), segments
 
 
@@ -284,17 +356,34 @@ def kept_bytes(
 
 
 def _trace(
-    config: GPTConfig, *, seq_length: int, micro_batch_size: int, autocast_dtype: torch.dtype | None
+    config: GPTConfig,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    autocast_dtype: torch.dtype | None,
+    offload_params: bool = False,
 ) -> tuple[list[list], dict[tuple[int, int], int], dict[str, int]]:
     """Trace one step of ``GPT(config)``: the tracker's timeline and released bytes, and the parameters counted
-    (the model's and one layer's, in numbers and bytes; the residual stream's element size)."""
+    (the model's and one layer's, in numbers and bytes; the residual stream's element size).
+
+    ``offload_params``: the weights in the autocast dtype (FSDP2's mixed precision) and every gradient dropped
+    once accumulated (FSDP2 reduces it and sends it to the host after its unit's backward)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import longctx.layers.attention as attention_layer
 
     tracker = LiveBytesTracker()
     with FakeTensorMode(), mock.patch.object(attention_layer, "resolve_launchers", lambda *a, **k: _TwinLaunchers):
-        model = GPT(config)
+        dtype = autocast_dtype if offload_params and autocast_dtype is not None else torch.get_default_dtype()
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # the weights in FSDP2's compute dtype (a fake model cannot be cast after)
+        try:
+            model = GPT(config)
+        finally:
+            torch.set_default_dtype(default)
+        if offload_params:
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
         model.set_core_attention(_twin_attention)
         for layer in model.layers:  # set_core_attention keeps the policy; the kept path needs a fused core
             layer.self_attention.keep_core_attention = config.recompute_skip_core_attention
@@ -320,6 +409,8 @@ def _trace(
             "layer parameters": sum(p.numel() for p in layer_params),
             "layer parameter bytes": sum(p.numel() * p.element_size() for p in layer_params),
             "residual element bytes": model.embedding.weight.element_size(),
+            "parameter element bytes": model.embedding.weight.element_size(),
+            "embedding": model.embedding.weight.numel(),
         }
     return tracker.timeline, tracker.released, counts
 

@@ -23,11 +23,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from longctx.layers.recompute import plan_layers
-from longctx.memory.model import StepMemory, kept_bytes, step_memory, step_segments
+from longctx.memory.model import StepMemory, kept_bytes, step_memory, step_segments, units_in_flight
 from longctx.models.gpt import GPTConfig
 from longctx.units import count_arg, parse_bytes
 
-__all__ = ["Plan", "plan", "parse_bytes", "format_plan", "describe"]
+__all__ = ["Plan", "plan", "parse_bytes", "format_plan", "describe", "parameter_count"]
 
 # Rates used to compare plans (not to predict absolute step time): bf16 matmuls, the flash attention forward and
 # backward, and host <-> device copies over PCIe, on the H100.
@@ -35,6 +35,9 @@ _MATMUL_FLOPS = 600e12
 _ATTN_FWD_FLOPS = 450e12
 _ATTN_BWD_FLOPS = 400e12
 _PCIE_BYTES = 20e9
+# The fused CPU AdamW of offloaded states: it reads and writes about 28 bytes a parameter (weight, gradient, two
+# states; weight and states written back), at about this host memory bandwidth.
+_HOST_ADAM_BYTES = 40e9
 _PLAN_FIELDS = (
     "recompute_granularity",
     "recompute_method",
@@ -52,8 +55,19 @@ class Plan:
 
     config: GPTConfig
     memory: StepMemory
-    recompute_seconds: float  # predicted time the plan adds to a step without recomputation
+    recompute_seconds: float  # predicted time the plan adds to a step without recomputation (and offloading)
     budget: int
+    offload_params: bool = False  # parameters, gradients and AdamW states in host memory
+    host_budget: int | None = None  # None: the host memory was not bounded
+    data_parallel: int = 1
+    context_parallel: int = 1
+
+    @property
+    def binds(self) -> str:
+        """The memory the plan is closest to filling: ``"GPU"`` or ``"host"``."""
+        if self.host_budget is None:
+            return "GPU"
+        return "host" if self.memory.host_total / self.host_budget > self.memory.total / self.budget else "GPU"
 
     @property
     def settings(self) -> dict:
@@ -61,11 +75,11 @@ class Plan:
         return {k: getattr(self.config, k) for k in _PLAN_FIELDS}
 
     def describe(self) -> str:
-        return describe(self.config)
+        return describe(self.config, self.offload_params)
 
 
-def describe(c: GPTConfig) -> str:
-    """One line naming a config's memory settings."""
+def describe(c: GPTConfig, offload_params: bool = False) -> str:
+    """One line naming a config's memory settings (and ``offload_params``)."""
     if c.recompute_granularity is None:
         parts = ["no recompute"]
     else:
@@ -76,6 +90,8 @@ def describe(c: GPTConfig) -> str:
         parts.append(f"sequence chunks of {c.sequence_chunk_size}")
     if c.cpu_offloading:
         parts.append(f"cpu offloading of {c.cpu_offloading_num_layers or c.num_layers} layers")
+    if offload_params:
+        parts.append("parameters, gradients and optimizer states in host memory")
     return ", ".join(parts)
 
 
@@ -109,6 +125,21 @@ def _added_seconds(c: GPTConfig, B: int, S: int) -> float:
     return t
 
 
+def _step_seconds(c: GPTConfig, B: int, S: int) -> float:
+    """A step's compute without recomputation (forward and backward of every layer)."""
+    lin, _, _, attn = _layer_flops(c, B, S)
+    return c.num_layers * ((3 * lin) / _MATMUL_FLOPS + attn / _ATTN_FWD_FLOPS + 2.5 * attn / _ATTN_BWD_FLOPS)
+
+
+def _offload_seconds(c: GPTConfig, n_params: int, shards: int, B: int, S: int) -> float:
+    """What offloading the states adds to a step: the CPU AdamW step, and the copies the compute cannot hide
+    (FSDP2 copies each unit's fp32 shard to the GPU three times: forward, recomputation, backward; and its fp32
+    gradients back once)."""
+    n = n_params / shards
+    copies = 16 * n / _PCIE_BYTES
+    return 28 * n / _HOST_ADAM_BYTES + max(0.0, copies - _step_seconds(c, B, S))
+
+
 def _candidates(config: GPTConfig, S: int) -> list[GPTConfig]:
     L = config.num_layers
     base = {k: None for k in ("recompute_granularity", "recompute_method", "recompute_num_layers")}
@@ -131,14 +162,15 @@ def _candidates(config: GPTConfig, S: int) -> list[GPTConfig]:
     return [dataclasses.replace(config, **kw) for kw in out]
 
 
-def _kept_lower_bound(c: GPTConfig, B: int, S: int) -> int:
-    """Bytes a plan keeps on the device for sure: its checkpoints (float32 residual) and kept attention outputs."""
+def _kept_lower_bound(c: GPTConfig, B: int, S: int, resid_bytes: int = 4) -> int:
+    """Bytes a plan keeps on the device for sure: its checkpoints (the residual stream: float32, or bf16 under
+    offload_params' mixed precision) and kept attention outputs."""
     if c.recompute_granularity != "full":
         return 0
     n = c.recompute_num_layers if c.recompute_method == "block" else c.num_layers
     on_device = n - ((c.cpu_offloading_num_layers or c.num_layers) if c.cpu_offloading else 0)
     kept = n * B * S * c.num_attention_heads * (2 * c.head_dim + 4) if c.recompute_skip_core_attention else 0
-    return max(0, on_device) * B * S * c.hidden_size * 4 + kept
+    return max(0, on_device) * B * S * c.hidden_size * resid_bytes + kept
 
 
 class _PeakBound:
@@ -158,16 +190,17 @@ class _PeakBound:
 
     SLACK = 1 << 20
 
-    def __init__(self, config: GPTConfig, S: int, B: int) -> None:
+    def __init__(self, config: GPTConfig, S: int, B: int, **memory_kw) -> None:
         cands = _candidates(config, S)
         self.none, self.uniform = cands[0], next(c for c in cands if c.recompute_method == "uniform")
         self.config, self.S, self.B = config, S, B
+        self.memory_kw = memory_kw  # offload_params, shards: as the plans' own predictions
         self._refs: tuple | None = None
 
     def _references(self) -> tuple:
         if self._refs is None:
-            n_mem, n_seg = step_segments(self.none, seq_length=self.S, micro_batch_size=self.B)
-            u_mem, u_seg = step_segments(self.uniform, seq_length=self.S, micro_batch_size=self.B)
+            n_mem, n_seg = step_segments(self.none, seq_length=self.S, micro_batch_size=self.B, **self.memory_kw)
+            u_mem, u_seg = step_segments(self.uniform, seq_length=self.S, micro_batch_size=self.B, **self.memory_kw)
             r = u_mem.checkpoints // self.config.num_layers  # one layer's checkpoint: the residual stream
             fixed = u_mem.parameters + u_mem.optimizer_states + u_mem.overhead
             self._refs = (fixed, n_seg["loss"], u_seg["loss"], r)
@@ -198,66 +231,123 @@ def plan(
     seq_length: int,
     budget: str | int | float,
     micro_batch_size: int = 1,
+    host_budget: str | int | float | None = None,
+    data_parallel: int = 1,
+    context_parallel: int = 1,
+    offload_params: bool | None = None,
 ) -> Plan:
-    """The plan that fits ``budget`` at the least predicted recompute cost.
+    """The plan that fits ``budget`` (and ``host_budget``) at the least predicted added cost.
 
     Args:
         config: the model; its own memory settings are ignored (the plan chooses them).
-        seq_length: tokens per sequence.
-        budget: GPU memory for the step, e.g. "40GiB" or bytes.
-        micro_batch_size: sequences per step.
+        seq_length: tokens per sequence (the whole sequence: under context parallelism each rank holds
+            ``seq_length / context_parallel`` of them).
+        budget: GPU memory for the step, e.g. "40GiB" or bytes (per GPU).
+        micro_batch_size: sequences per step (per data-parallel rank).
+        host_budget: host memory the step may use, for every rank of the machine together (offloaded states and
+            checkpoints, and each process's own); None does not bound it (the plan still predicts it).
+        data_parallel, context_parallel: the ranks; offloaded states are sharded over all of them, and each rank
+            runs ``seq_length / context_parallel`` tokens. (The context-parallel attention's own buffers, a few of
+            K/V chunks, are not in the prediction.)
+        offload_params: True: parameters, gradients and AdamW states in host memory (`longctx.distributed.offload`);
+            False: on the GPU; None: the plan chooses, offloading them only where no plan with them on the GPU
+            fits (its CPU optimizer step and copies cost seconds a step: `_offload_seconds`).
 
     Returns:
         A `Plan` whose ``config`` is ``config`` at ``seq_length`` with the chosen settings: ``GPT(plan.config)``
-        trains at the planned length.
+        trains at the planned length, with ``plan.offload_params``.
 
     Raises:
-        ValueError: a budget below the parameters and optimizer states, or no plan fits (the message gives the
-            minimum budget for this length and the longest length that fits this budget).
+        ValueError: no plan fits; the message says which memory is short and by how much (the most frugal plan's
+            predicted GPU and host peaks against the budgets) and the longest length that fits.
     """
-    limit = parse_bytes(budget)
+    limit = parse_bytes(budget, "budget")
+    host_limit = None if host_budget is None else parse_bytes(host_budget, "host_budget")
     if not isinstance(config, GPTConfig):
         raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
-    S, B = seq_length, micro_batch_size
-    cands = sorted(_candidates(config, S), key=lambda c: _added_seconds(c, B, S))
-    n_params, param_bytes = _num_parameters(config)
-    static = 2 * param_bytes + 8 * n_params  # parameters and their gradients, AdamW's two fp32 states
-    if limit < static:
+    for name, value in (("data_parallel", data_parallel), ("context_parallel", context_parallel)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if offload_params not in (None, True, False):
+        raise TypeError(f"offload_params must be True, False or None (the plan chooses), got {offload_params!r}")
+    if seq_length % context_parallel:
         raise ValueError(
-            f"budget {limit / 2**30:.2f} GiB is below the parameters, gradients and optimizer states alone "
-            f"({static / 2**30:.2f} GiB for {n_params:,} parameters in fp32 with AdamW)"
+            f"seq_length {seq_length:,} is not divisible by context_parallel={context_parallel}: each rank holds "
+            f"seq_length / context_parallel tokens; pass a multiple of {context_parallel}"
         )
-    # cheapest first; the first that fits is the plan, so the plans after it (the frugal ones, whose traces are the
-    # longest: many sequence chunks) are not traced. Where only offloading plans can fit, the most frugal one is
-    # traced first: if it does not fit, none does.
-    # Every other candidate is traced only if its lower bound (`_PeakBound`: the loss segment's bytes, from the
-    # traces of two plans) fits: the walk is in cost order and stops at the first that fits, so a plan that costs
-    # more than a fitting one is never traced.
-    cands = [c for c in cands if static + _kept_lower_bound(c, B, S) <= limit]  # the others' checkpoints do not fit
-    frugal = _frugal(config, S)
-    frugal_mem = None
-    if all(c.cpu_offloading for c in cands):
-        frugal_mem = step_memory(frugal, seq_length=S, micro_batch_size=B)
-        cands = cands if frugal_mem.total <= limit else []
-    bound = _PeakBound(config, S, B)
-    for cand in cands:
-        if cand != bound.none:
-            low = bound.lower(cand)
+    ranks = data_parallel * context_parallel
+    S, B = seq_length // context_parallel, micro_batch_size
+    n_params, param_bytes = parameter_count(config)
+    modes = [False, True] if offload_params is None else [offload_params]
+    # every (plan, mode) in order of predicted added time, the modes in turn; the first that fits both memories wins
+    walk: list[tuple[float, int, GPTConfig, bool]] = []
+    for off in modes:
+        for i, c in enumerate(_candidates(config, S)):
+            cost = _added_seconds(c, B, S) + (_offload_seconds(c, n_params, ranks, B, S) if off else 0.0)
+            walk.append((cost, i, c, off))
+    walk.sort(key=lambda t: (t[3], t[0], t[1]))  # plans with the states on the GPU first: offloading is the fallback
+    kw_of = {off: dict(offload_params=off, shards=ranks) if off else {} for off in modes}
+    bounds = {off: _PeakBound(config, S, B, **kw_of[off]) for off in modes}
+    counts = _layer_counts(config)
+    for cost, _, cand, off in walk:
+        # the checkpoints and the states a plan keeps on the GPU for sure: plans that cannot fit are not traced
+        if off:
+            static = units_in_flight(n_params, counts[0], counts[1], ranks, 2)
+        else:
+            static = 2 * param_bytes + 8 * n_params  # parameters and their gradients, AdamW's two fp32 states
+        if static + _kept_lower_bound(cand, B, S, 2 if off else 4) > limit:
+            continue
+        if cand != bounds[off].none:
+            low = bounds[off].lower(cand)
             if low is not None and low > limit:
                 continue
-        mem = step_memory(cand, seq_length=S, micro_batch_size=B)
-        if mem.total <= limit:  # the config that trains at the planned length
-            return Plan(dataclasses.replace(cand, seq_length=S), mem, _added_seconds(cand, B, S), limit)
-    frugal_mem = frugal_mem or step_memory(frugal, seq_length=S, micro_batch_size=B)
-    longest = _longest_fitting(config, limit, B)
+        mem = step_memory(cand, seq_length=S, micro_batch_size=B, **kw_of[off])
+        if mem.total <= limit and (host_limit is None or _host_per_machine(mem, ranks) <= host_limit):
+            return Plan(dataclasses.replace(cand, seq_length=seq_length), mem, cost, limit, off, host_limit,
+                        data_parallel, context_parallel)  # fmt: skip
+    frugal = _frugal(config, S)
+    off = modes[-1]
+    frugal_mem = step_memory(frugal, seq_length=S, micro_batch_size=B, **kw_of[off])
+    short = [f"GPU {frugal_mem.total / 2**30:.2f} GiB (budget {limit / 2**30:.2f} GiB)"]
+    host_need = _host_per_machine(frugal_mem, ranks)
+    if host_limit is not None:
+        short.append(f"host {host_need / 2**30:.2f} GiB (budget {host_limit / 2**30:.2f} GiB)")
+    missing = [
+        f"{name} is short by {(need - have) / 2**30:.2f} GiB"
+        for name, need, have in (("GPU", frugal_mem.total, limit), ("host", host_need, host_limit))
+        if have is not None and need > have
+    ]
+    longest = max(_longest_fitting(config, limit, B, host_limit, kw_of[m], ranks, context_parallel) for m in modes)
+    where = f" per GPU of {ranks} ranks" if ranks > 1 else ""
     raise ValueError(
-        f"no plan trains S={S:,} in {limit / 2**30:.2f} GiB: the most frugal one ({describe(frugal)}) "
-        f"needs {frugal_mem.total / 2**30:.2f} GiB; the longest sequence this budget trains is about "
-        f"{longest:,} tokens"
-    )
+        f"no plan trains S={seq_length:,} in {limit / 2**30:.2f} GiB{where}: the most frugal one "
+        f"({describe(frugal, off)}) needs {', '.join(short)}; {'; '.join(missing) or 'it does not fit'}. "
+        + (f"The longest sequence these budgets train is about {longest:,} tokens" if longest else
+           "No length fits these budgets")
+        + ("" if off else "; offload_params (parameters in host memory) may train longer")
+    )  # fmt: skip
 
 
-def _num_parameters(config: GPTConfig) -> tuple[int, int]:
+def _host_per_machine(mem: StepMemory, ranks: int) -> int:
+    """Host bytes of every rank together (the ranks of one host share its memory)."""
+    return ranks * mem.host_total
+
+
+def _layer_counts(config: GPTConfig) -> tuple[int, int]:
+    """(parameters of one layer, parameters outside the sharded units: the final norm and the output projection,
+    or the embedding when it is tied to it), counted on a model without storage."""
+    import torch
+
+    from longctx.models.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(config.replace(num_layers=1))
+    layer = sum(p.numel() for p in model.layers[0].parameters())
+    root = sum(p.numel() for p in model.parameters()) - layer  # units: the layers, and the embedding if untied
+    return layer, root - (0 if config.share_embeddings_and_output_weights else model.embedding.weight.numel())
+
+
+def parameter_count(config: GPTConfig) -> tuple[int, int]:
     """The parameters of ``GPT(config)`` and their bytes, counted on a model without storage."""
     import torch
 
@@ -268,39 +358,72 @@ def _num_parameters(config: GPTConfig) -> tuple[int, int]:
     return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
 
 
-def _longest_fitting(config: GPTConfig, limit: int, B: int) -> int:
-    """The longest S (a multiple of 1024) whose most frugal plan fits ``limit``, 0 if none."""
+def _longest_fitting(
+    config: GPTConfig,
+    limit: int,
+    B: int,
+    host_limit: int | None = None,
+    memory_kw: dict | None = None,
+    ranks: int = 1,
+    context_parallel: int = 1,
+) -> int:
+    """The longest S (a multiple of 1024 x context_parallel) whose most frugal plan fits ``limit`` (and the host
+    limit), 0 if none."""
+    memory_kw = memory_kw or {}
+
+    def fits(s: int) -> bool:
+        mem = step_memory(_frugal(config, s), seq_length=s, micro_batch_size=B, **memory_kw)
+        return mem.total <= limit and (host_limit is None or _host_per_machine(mem, ranks) <= host_limit)
+
     lo, hi = 0, 1024
-    while step_memory(_frugal(config, hi), seq_length=hi, micro_batch_size=B).total <= limit and hi < (1 << 26):
+    while fits(hi) and hi < (1 << 26):
         lo, hi = hi, hi * 2
     while hi - lo > 1024:
         mid = (lo + hi) // 2 // 1024 * 1024
-        if step_memory(_frugal(config, mid), seq_length=mid, micro_batch_size=B).total <= limit:
+        if fits(mid):
             lo = mid
         else:
             hi = mid
-    return lo
+    return lo * context_parallel
 
 
 def format_plan(p: Plan) -> str:
     """The plan as a table: settings, then the predicted peak broken down."""
     m = p.memory
+    ranks = p.data_parallel * p.context_parallel
+    layout = ""
+    if ranks > 1:
+        layout = (f", per rank of data parallel {p.data_parallel} x context parallel {p.context_parallel} "
+                  f"({m.seq_length:,} tokens a rank)")  # fmt: skip
+    host = "unbounded" if p.host_budget is None else f"{p.host_budget / 2**30:.2f} GiB"
     lines = [
-        f"plan for S={m.seq_length:,}, micro batch {m.micro_batch_size}, budget {p.budget / 2**30:.2f} GiB:",
+        f"plan for S={p.config.seq_length:,}, micro batch {m.micro_batch_size}, budget {p.budget / 2**30:.2f} GiB "
+        f"GPU, {host} host{layout}:",
         f"  {p.describe()}",
         "",
         "| setting | value |",
         "|---|---|",
     ]
     lines += [f"| {k} | {v} |" for k, v in p.settings.items()]
-    lines += ["", "| predicted peak | GiB |", "|---|---|"]
+    lines.append(f"| offload_params | {p.offload_params} |")
+    lines += ["", "| predicted GPU peak | GiB |", "|---|---|"]
     lines += [f"| {name} | {b / 2**30:.2f} |" for name, b in m.rows()]
     lines.append(f"| **total** | **{m.total / 2**30:.2f}** |")
-    if m.host_offloaded:
-        lines.append(f"| (pinned host memory for offloaded checkpoints) | {m.host_offloaded / 2**30:.2f} |")
+    lines += ["", "| predicted host peak | GiB |", "|---|---|"]
+    if m.offload_params:
+        lines.append(f"| fp32 parameters, gradients, AdamW states (this rank's shard) | {m.host_states / 2**30:.2f} |")
+    lines.append(f"| offloaded checkpoints (pinned) | {m.host_offloaded / 2**30:.2f} |")
+    lines.append(f"| the process (CUDA context, libraries) | {m.host_overhead / 2**30:.2f} |")
+    lines.append(f"| **total** | **{m.host_total / 2**30:.2f}** |")
+    if ranks > 1:
+        lines.append(f"| **every rank of the host** | **{ranks * m.host_total / 2**30:.2f}** |")
     lines.append("")
+    gpu_share = m.total / p.budget
+    host_share = "" if p.host_budget is None else f", host {ranks * m.host_total / p.host_budget:.0%}"
+    lines.append(f"binds: {p.binds} (GPU {gpu_share:.0%} of its budget{host_share})")
     lines.append(
-        f"predicted recompute cost: {p.recompute_seconds:.3f} s per step added to a step without recomputation"
+        f"predicted added cost: {p.recompute_seconds:.3f} s per step over a step without recomputation"
+        + (" (and the CPU optimizer step and host copies)" if p.offload_params else "")
     )
     return "\n".join(lines)
 
@@ -317,9 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="longctx plan",
         description="Print the recompute / chunking / offloading plan that trains a preset at --seq-length in --budget "
-        "of GPU memory, and where its bytes go; --json FILE also writes its settings (the input of longctx bench "
-        "memory --plans and of a config file).",
-        epilog="example: longctx plan --preset llama-350m --seq-length 131072 --budget 40GiB",
+        "of GPU memory (and --host-budget of host memory), where the bytes of both go and which memory binds; --json "
+        "FILE also writes its settings (the input of longctx bench memory --plans and of a config file).",
+        epilog="examples: longctx plan --preset llama-350m --seq-length 131072 --budget 40GiB; longctx plan --preset "
+        "llama-8b --seq-length 524288 --budget 78GiB --host-budget 400GiB",
     )
     ap.add_argument("--preset", default="llama-350m", choices=sorted(PRESETS), help="the model shape")
     ap.add_argument("--seq-length", type=count_arg("--seq-length", 1), required=True,
@@ -327,17 +451,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", required=True, help="GPU memory for a training step, with its unit, e.g. 40GiB")
     ap.add_argument("--micro-batch-size", type=count_arg("--micro-batch-size", 1), default=1,
                     help="sequences per step (default 1)")  # fmt: skip
+    ap.add_argument("--host-budget", default=None,
+                    help="host memory the step may use, every rank of the host together, e.g. 400GiB (default: not "
+                    "bounded; the plan still predicts it)")  # fmt: skip
+    ap.add_argument("--data-parallel", type=count_arg("--data-parallel", 1), default=1,
+                    help="data-parallel ranks (offloaded states are sharded over every rank)")  # fmt: skip
+    ap.add_argument("--context-parallel", type=count_arg("--context-parallel", 1), default=1,
+                    help="context-parallel ranks: each holds seq-length / context-parallel tokens")  # fmt: skip
+    ap.add_argument("--offload-params", choices=("auto", "on", "off"), default="auto",
+                    help="parameters, gradients and AdamW states in host memory: auto lets the plan choose "
+                    "(default auto)")  # fmt: skip
     ap.add_argument("--json", default=None, help="also write {S: {settings, predicted_bytes}} to this file")
     args = ap.parse_args(argv)
+    offload = {"auto": None, "on": True, "off": False}[args.offload_params]
     try:
         p = plan(GPTConfig.preset(args.preset), seq_length=args.seq_length, budget=args.budget,
-                 micro_batch_size=args.micro_batch_size)  # fmt: skip
+                 micro_batch_size=args.micro_batch_size, host_budget=args.host_budget,
+                 data_parallel=args.data_parallel, context_parallel=args.context_parallel,
+                 offload_params=offload)  # fmt: skip
     except (ValueError, TypeError) as e:
         print(f"longctx plan: {e}", file=sys.stderr)
         return 2
     print(format_plan(p))
     if args.json:
-        out = {str(args.seq_length): {"budget": args.budget, "settings": p.settings, "predicted_bytes": p.memory.total}}
+        out = {str(args.seq_length): {"budget": args.budget, "settings": p.settings, "offload_params": p.offload_params,
+                                      "predicted_bytes": p.memory.total,
+                                      "predicted_host_bytes": p.memory.host_total}}  # fmt: skip
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0

@@ -231,6 +231,17 @@ PRESETS: dict[str, dict] = {
         vocab_size=32000, seq_length=8192, num_layers=16, hidden_size=2048, num_attention_heads=32,
         num_query_groups=8, ffn_hidden_size=8192, share_embeddings_and_output_weights=False, rotary_base=500000.0,
     ),
+    # Llama-3.2-3B's shape (tied embeddings, 128K vocabulary): ~3.2B parameters.
+    "llama-3b": dict(
+        vocab_size=128256, seq_length=8192, num_layers=28, hidden_size=3072, num_attention_heads=24,
+        num_query_groups=8, ffn_hidden_size=8192, share_embeddings_and_output_weights=True, rotary_base=500000.0,
+    ),
+    # Llama-3.1-8B's shape: ~8.0B parameters; fp32 weights, gradients and AdamW states are 16 bytes each (128 GB),
+    # more than one GPU holds: train it with offload_params (longctx.distributed.offload).
+    "llama-8b": dict(
+        vocab_size=128256, seq_length=8192, num_layers=32, hidden_size=4096, num_attention_heads=32,
+        num_query_groups=8, ffn_hidden_size=14336, share_embeddings_and_output_weights=False, rotary_base=500000.0,
+    ),
 }  # fmt: skip
 
 

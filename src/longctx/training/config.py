@@ -101,6 +101,12 @@ class TrainConfig:
     # GPU memory for a training step ("40GiB"): the recompute / chunking / offloading settings come from
     # longctx.plan for this budget instead of the model settings
     memory_budget: str | None = None
+    # parameters, gradients and AdamW states in pinned host memory (FSDP2's CPU offload, sharded over every rank;
+    # the optimizer steps on the CPU; longctx.distributed.offload): a model larger than the GPU, such as llama-8b.
+    # With memory_budget the plan turns it on where nothing fits otherwise.
+    offload_params: bool = False
+    # host memory the plan of memory_budget may use ("400GiB"); None: what this machine has available
+    host_memory_budget: str | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -112,6 +118,15 @@ class TrainConfig:
             from longctx.units import parse_bytes
 
             parse_bytes(self.memory_budget, "memory_budget")  # a clear error now, not after the model is built
+        if self.host_memory_budget is not None:
+            from longctx.units import parse_bytes
+
+            if self.memory_budget is None:
+                raise ValueError(
+                    f"host_memory_budget ({self.host_memory_budget}) bounds the plan of memory_budget, which is not "
+                    "set: pass --memory-budget (GPU memory) too, or drop --host-memory-budget"
+                )
+            parse_bytes(self.host_memory_budget, "host_memory_budget")
         if not isinstance(self.model, dict):
             raise TypeError(f"model must be a dict of GPTConfig fields, got {type(self.model).__name__}")
         unknown = [k for k in self.model if k not in MODEL_FIELDS]
@@ -480,6 +495,9 @@ _TRAIN_HELP: dict[str, str] = {
     "documents, attention and RoPE positions restart at each, no label crosses one",
     "quiet": "print nothing but errors",
     "memory_budget": "GPU memory for a step, e.g. 40GiB: longctx plan chooses the recompute / offloading settings",
+    "offload_params": "parameters, gradients and AdamW states in host memory (FSDP2 CPU offload; the optimizer "
+    "steps on the CPU): a model larger than the GPU",
+    "host_memory_budget": "host memory the plan of --memory-budget may use, e.g. 400GiB (default: what is available)",
 }
 
 

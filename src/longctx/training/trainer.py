@@ -234,17 +234,33 @@ class Trainer:
             torch.set_num_threads(threads)
         if cfg.model.get("attention_backend") is None:
             mcfg = dataclasses.replace(mcfg, attention_backend=_default_backend(mcfg, self.device, self.use_bf16))
+        self.offload = cfg.offload_params  # parameters, gradients and optimizer states in host memory
         if cfg.memory_budget is not None:  # the plan's memory settings replace the configured ones
             from longctx.memory.plan import plan
 
             chosen = plan(mcfg, seq_length=mcfg.seq_length, budget=cfg.memory_budget,
-                          micro_batch_size=cfg.micro_batch_size)  # fmt: skip
-            mcfg = chosen.config
+                          micro_batch_size=cfg.micro_batch_size, host_budget=cfg.host_memory_budget,
+                          data_parallel=cfg.data_parallel, context_parallel=cfg.context_parallel,
+                          offload_params=True if cfg.offload_params else None)  # fmt: skip
+            mcfg, self.offload = chosen.config, chosen.offload_params
             if not cfg.quiet:
-                print(f"memory plan for {cfg.memory_budget}: {chosen.describe()} "
-                      f"(predicted peak {chosen.memory.total / 2**30:.2f} GiB)", flush=True)  # fmt: skip
+                print(f"memory plan for {cfg.memory_budget}: {chosen.describe()} (predicted peak "
+                      f"{chosen.memory.total / 2**30:.2f} GiB, host {chosen.memory.host_total / 2**30:.2f} GiB)",
+                      flush=True)  # fmt: skip
+        if self.offload and not self.distributed:  # FSDP2 over a one-rank mesh keeps the states on the host
+            from longctx.distributed.mesh import init_mesh
+
+            self.mesh = init_mesh(1, 1, device_type=self.device.type)
+            self.distributed = True
         self.model_config = mcfg
-        self.model = GPT(mcfg).to(self.device)
+        if self.offload:  # FSDP2 moves each unit into its pinned host shard (apply_fsdp below)
+            from longctx.distributed.offload import build_device
+            from longctx.memory.plan import parameter_count
+
+            with build_device(parameter_count(mcfg)[1], self.device):
+                self.model = GPT(mcfg)
+        else:
+            self.model = GPT(mcfg).to(self.device)
         self.backend = _chosen_backend(self.model, self.device, self.compute_dtype)
         self.cp: ContextParallel | None = None
         self.cp_docs: DocumentParallel | None = None  # context parallelism over packed documents
@@ -279,9 +295,12 @@ class Trainer:
                     f"context-parallel {cfg.cp_method}/{cfg.cp_layout} over {cfg.context_parallel} ranks "
                     f"({self.cp.backend})"
                 )
-            self.dp_strategy = apply_fsdp(self.model, self.mesh)
+            self.dp_strategy = apply_fsdp(self.model, self.mesh, offload_params=self.offload,
+                                          param_dtype=self.compute_dtype if self.offload else None)  # fmt: skip
             self.backend += f" | data-parallel {cfg.data_parallel} ({self.dp_strategy})"
-        self.optimizer = build_optimizer(self.model, cfg, self.device, fused=False if self.distributed else None)
+        # on the host: torch's fused CPU AdamW; FSDP2's sharded GPU parameters: the foreach implementation
+        fused = True if self.offload else False if self.distributed else None
+        self.optimizer = build_optimizer(self.model, cfg, self.device, fused=fused)
 
         self.is_writer = self.rank == 0  # the rank that writes metrics (and the single-process checkpoint)
         self.checkpoint_path: Path | None = None

@@ -1,0 +1,168 @@
+"""Parameters, gradients and optimizer states in host memory: a model larger than its GPU, on FSDP2.
+
+An 8B model's fp32 weights, gradients and AdamW states are 16 bytes a parameter, 128 GB: more than one GPU holds.
+With ``offload_params`` FSDP2's CPU offload policy keeps this rank's shard of them in pinned host memory; each unit
+(a decoder layer, the embedding) is copied to the GPU in bfloat16 when it runs, the next one's copy in flight
+behind the current one's compute, and its gradients go back to the host after its backward; the AdamW step runs on
+the CPU (torch's fused CPU kernel) on the fp32 master weights. The GPU holds the activations and the few units in
+flight.
+
+    mesh = offload_model(model)                      # one process: a one-rank mesh; under torchrun pass init_mesh's
+    optimizer = host_adamw(model, lr=3e-4)           # after sharding: the parameters are host DTensors now
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(tokens, labels=tokens)          # tokens on the GPU
+    loss.backward()
+    optimizer.step(); optimizer.zero_grad()
+
+`longctx train --offload-params` and `integrations.transformers.apply(model, offload_params=True)` call these; the
+planner (`longctx.memory.plan`, ``host_budget``) predicts both memories. `HostPeak` measures the host side.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["offload_model", "host_adamw", "decoder_units", "build_device", "HostPeak", "host_rss"]
+
+
+def decoder_units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards one by one, in the order they run: the input embedding (unless tied to the output
+    projection, which then stays in the root with it) and every decoder layer.
+
+    Knows the longctx GPT (``embedding``, ``layers``) and transformers' causal LMs, PEFT-wrapped or not
+    (``get_input_embeddings()``, ``model.layers``).
+
+    Raises:
+        TypeError: a model with neither shape.
+    """
+    from longctx.models.gpt import GPT
+
+    if isinstance(model, GPT):
+        units: list[nn.Module] = list(model.layers)
+        if not model.config.share_embeddings_and_output_weights:
+            units.insert(0, model.embedding)
+        return units
+    layers = next(  # the decoder stack: transformers' XModel (under XForCausalLM, under PEFT's wrappers)
+        (m.layers for m in model.modules() if isinstance(getattr(m, "layers", None), nn.ModuleList)), None
+    )
+    if layers is None:
+        raise TypeError(
+            f"offload_params shards a model layer by layer: expected a longctx GPT or a transformers causal LM with "
+            f"model.layers, got {type(model).__name__}"
+        )
+    units = list(layers)
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if embed is not None and (output is None or output.weight is not embed.weight):
+        units.insert(0, embed)
+    return units
+
+
+def offload_model(
+    model: nn.Module,
+    mesh: Any = None,
+    *,
+    param_dtype: torch.dtype | None = torch.bfloat16,
+    units: list[nn.Module] | None = None,
+) -> Any:
+    """Shard ``model`` with FSDP2's CPU offload policy (`longctx.distributed.mesh.apply_fsdp`), in place; returns
+    the mesh.
+
+    Args:
+        model: a longctx GPT or a transformers causal LM (see `decoder_units`), on the CPU (its units are copied to
+            the GPU one by one) or on the GPU.
+        mesh: the ("dp", "cp") mesh of `init_mesh`; None for one process (a one-rank mesh on the GPU if there is
+            one).
+        param_dtype: the dtype the units compute in (bfloat16: the copies and the GPU's weights are halved); None
+            computes in the parameters' dtype.
+        units: the modules sharded one by one (default `decoder_units`).
+    """
+    from longctx.distributed.mesh import apply_fsdp, init_mesh
+
+    if mesh is None:
+        mesh = init_mesh(1, 1)
+    apply_fsdp(model, mesh, offload_params=True, param_dtype=param_dtype,
+               units=decoder_units(model) if units is None else units)  # fmt: skip
+    return mesh
+
+
+def host_adamw(
+    model: nn.Module,
+    lr: float,
+    *,
+    betas: tuple[float, float] = (0.9, 0.95),
+    weight_decay: float = 0.1,
+) -> torch.optim.AdamW:
+    """AdamW on the host for an offloaded model: torch's fused CPU kernel over the fp32 master weights, weight decay
+    on matrices only; only parameters that train (``requires_grad``, e.g. LoRA adapters) get states.
+
+    Raises:
+        ValueError: a parameter that is not in host memory (call `offload_model` first).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    on_gpu = [p for p in params if p.device.type != "cpu"]
+    if on_gpu:
+        raise ValueError(
+            f"host_adamw steps parameters in host memory, but {len(on_gpu)} of them are on {on_gpu[0].device}: "
+            "shard the model with offload_model (or apply_fsdp(..., offload_params=True)) first"
+        )
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, fused=True)
+
+
+def build_device(parameter_bytes: int, device: torch.device) -> torch.device:
+    """Where to build (and initialise) a model that will be offloaded: on the GPU when its fp32 weights take under
+    half of the GPU's free memory (initialising 8B weights there takes a second, on the CPU a minute), else on the
+    host. FSDP2 moves each unit into its pinned host shard either way."""
+    if device.type == "cuda" and parameter_bytes < torch.cuda.mem_get_info(device)[0] // 2:
+        return device
+    return torch.device("cpu")
+
+
+def host_rss() -> int:
+    """This process's resident host memory in bytes (pinned buffers included), 0 where unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class HostPeak:
+    """The peak resident host memory of this process while the block runs, sampled every ``interval`` seconds.
+
+    with HostPeak() as host:
+        step()
+    host.peak  # bytes
+    """
+
+    def __init__(self, interval: float = 0.02) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, host_rss())
+
+    def __enter__(self) -> HostPeak:
+        self.peak = host_rss()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.peak = max(self.peak, host_rss())
