@@ -73,8 +73,13 @@ def test_bench_memory_cells_through_the_step_timer():
 
     cfg = GPTConfig.preset("tiny")
     cell = memory._measure(memory._gpt_step_runner, cfg, 32, 2, 1, CPU)
-    assert set(cell) == {"s", "status", "step_s", "tokens_per_s", "peak_bytes", "secs"}
+    assert set(cell) == {"s", "status", "step_s", "tokens_per_s", "peak_bytes", "host_peak_bytes", "phases", "copies",
+                         "secs"}  # fmt: skip
     assert cell["status"] == "ok" and cell["tokens_per_s"] > 0 and cell["peak_bytes"] > 0
+    assert cell["host_peak_bytes"] > 0 and set(cell["phases"]) == {"forward_backward_s", "optimizer_s"}
+    assert sum(cell["phases"].values()) <= cell["step_s"] * 1.5 and cell["copies"] is None  # profiled on CUDA only
+    offloaded = memory._measure(memory._gpt_step_runner, cfg, 32, 2, 1, CPU, offload_params=True)
+    assert offloaded["status"] == "ok", offloaded
     hf = memory._measure(memory._hf_step_runner, cfg, 32, 1, 0, CPU)
     assert hf["status"] == "ok" and hf["tokens_per_s"] > 0
 
@@ -85,8 +90,12 @@ def test_bench_memory_cells_through_the_step_timer():
     assert cell_oom["status"] == "oom" and set(cell_oom) == {"s", "status", "error", "secs"}
     meta = {"preset": "tiny", "env": {"gpu": "cpu", "torch": torch.__version__}, "steps": 2, "warmup": 1,
             "command": "longctx bench memory"}  # fmt: skip
-    md = memory.report(meta, [{"s": 32, "plan": "p", "longctx": cell, "hf": hf}, {"s": 64, "longctx": cell_oom}])
+    off_row = {"s": 32, "plan": "q", "offload_params": True, "longctx": offloaded, "predicted_bytes": 1 << 20,
+               "predicted_host_bytes": 2 << 30, "model_flops": memory.model_flops(cfg, 32)}  # fmt: skip
+    md = memory.report(meta, [{"s": 32, "plan": "p", "longctx": cell, "hf": hf}, {"s": 64, "longctx": cell_oom},
+                              off_row])  # fmt: skip
     assert "| 32 | p | " in md and "| 64 | - | oom | - |" in md
+    assert "## Parameters, gradients and optimizer states in host memory (tiny)" in md and "\n| 32 | q | " in md
 
 
 def test_bench_transformers_runner_through_the_step_timer(monkeypatch):

@@ -115,7 +115,7 @@ def _hf_step_runner(config, S: int, device: torch.device):
 def _measure(make, config, S: int, steps: int, warmup: int, device: torch.device, **kw) -> dict[str, Any]:
     """One row's cell: `time_steps` of ``make(config, S, device, **kw)`` as a dict (status ok / oom / error)."""
     # the copies' profile is one more step: not for the one-step rows of --longest, whose step can take minutes
-    probe = _copy_profile if kw.get("offload_params") and steps + warmup > 1 else None
+    probe = _copy_profile if kw.get("offload_params") and steps + warmup > 1 and device.type == "cuda" else None
     r = time_steps(lambda: make(config, S, device, **kw), tokens=S, steps=steps, warmup=warmup, device=device,
                    probe=probe)  # fmt: skip
     if r.ok:

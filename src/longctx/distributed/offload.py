@@ -67,7 +67,7 @@ def offload_model(
     model: nn.Module,
     mesh: Any = None,
     *,
-    param_dtype: torch.dtype | None = torch.bfloat16,
+    param_dtype: torch.dtype | str | None = "auto",
     units: list[nn.Module] | None = None,
 ) -> Any:
     """Shard ``model`` with FSDP2's CPU offload policy (`longctx.distributed.mesh.apply_fsdp`), in place; returns
@@ -79,13 +79,15 @@ def offload_model(
         mesh: the ("dp", "cp") mesh of `init_mesh`; None for one process (a one-rank mesh on the GPU if there is
             one).
         param_dtype: the dtype the units compute in (bfloat16: the copies and the GPU's weights are halved); None
-            computes in the parameters' dtype.
+            computes in the parameters' dtype; "auto": bfloat16 on a GPU, None on the CPU (nothing to gain there).
         units: the modules sharded one by one (default `decoder_units`).
     """
     from longctx.distributed.mesh import apply_fsdp, init_mesh
 
     if mesh is None:
         mesh = init_mesh(1, 1)
+    if param_dtype == "auto":
+        param_dtype = torch.bfloat16 if mesh.device_type == "cuda" else None
     apply_fsdp(model, mesh, offload_params=True, param_dtype=param_dtype,
                units=decoder_units(model) if units is None else units)  # fmt: skip
     return mesh

@@ -55,7 +55,7 @@ from longctx.api.varlen import flash_attn_varlen_func
 from longctx.distributed import ContextParallel, cp_attention
 from longctx.distributed.comm import comm_device, group_info
 from longctx.layers.loss import linear_cross_entropy
-from longctx.layers.offload import ActivationOffloader, OffloadedCheckpoint
+from longctx.layers.offload import ActivationOffloader, offloaded_checkpoint
 from longctx.layers.recompute import checkpoint_call, plan_layers, recompute_active
 
 __all__ = [
@@ -509,7 +509,7 @@ def _patch_layers(
                 )
             if _c.start == 0:
                 offloader.begin()
-            return OffloadedCheckpoint.apply(run, offloader, _c.end <= offload_layers, hidden_states)
+            return offloaded_checkpoint(run, offloader, _c.end <= offload_layers, hidden_states)
 
         def pass_forward(self, hidden_states, *args, **kwargs):
             if recompute_active(self):
@@ -678,8 +678,14 @@ def apply(
     context_parallel_method: str = "ring",
     context_parallel_layout: str = "zigzag",
     context_parallel_backend: str = "auto",
+    offload_params: bool = False,
+    mesh: Any = None,
 ) -> nn.Module:
     """Put longctx into a transformers causal LM, in place (Liger-Kernel's ``apply_liger_kernel_to_*`` idea).
+
+    The model may be wrapped by PEFT (``get_peft_model(model, LoraConfig(...))``): longctx goes into the causal LM
+    inside, the adapters stay where PEFT put them (only they train; the frozen base is neither copied nor given
+    gradients).
 
     - attention: switched to ``attn_implementation="longctx"``;
     - recomputation with Megatron's semantics (`longctx.layers.recompute`) over the decoder layers: "full" with
@@ -695,7 +701,12 @@ def apply(
       (B, S); the model shards input ids, labels and positions (``context_parallel_layout``, zigzag by default),
       runs `longctx.distributed.cp_attention` in every layer, and returns a loss whose value is the global mean
       and whose gradient is this rank's share: call `allreduce_gradients(model)` after ``backward`` to get the
-      single-process gradients. Without labels it returns this rank's logits (B, S/P, V).
+      single-process gradients. Without labels it returns this rank's logits (B, S/P, V);
+    - ``offload_params``: the parameters, their gradients and the optimizer's states in host memory, sharded by FSDP2
+      over ``mesh`` (`longctx.distributed.offload`; None: this process alone): build the optimizer after ``apply``,
+      on the host (`longctx.distributed.offload.host_adamw`). With context parallelism, ``mesh`` is
+      ``init_mesh(dp, cp)`` and ``context_parallel_group`` its "cp" group: FSDP2 then sums the gradients over both
+      and `allreduce_gradients` has nothing to do.
 
     Args:
         model: a causal LM of the Llama family (``model.model.layers``).
@@ -707,6 +718,9 @@ def apply(
             group: pass ``torch.distributed.group.WORLD``); None for no context parallelism.
         context_parallel_method: "ring", "allgather" or "ulysses". context_parallel_layout: "zigzag" or
             "contiguous". context_parallel_backend: "auto", "tiled" or "triton".
+        offload_params: parameters, gradients and optimizer states in host memory (FSDP2's CPU offload).
+        mesh: the ("dp", "cp") DeviceMesh of `longctx.distributed.init_mesh` the offloaded states are sharded over
+            (with ``offload_params`` only).
 
     Returns:
         The same model.
@@ -717,11 +731,25 @@ def apply(
             not `lm_head` + cross-entropy (e.g. final logit softcapping), a model that is not a causal LM of the
             Llama family, or attention dropout with context parallelism.
     """
+    wrapper = model
+    if getattr(wrapper, "_longctx_applied", False):
+        raise ValueError("apply was already called on this model; build a fresh model to change the settings")
+    if callable(getattr(model, "get_base_model", None)):  # PEFT's PeftModel: longctx goes into the causal LM inside
+        model = model.get_base_model()
     base = _decoder(model)
     layers = base.layers
     cfg = model.config
     if getattr(model, "_longctx_applied", False):
         raise ValueError("apply was already called on this model; build a fresh model to change the settings")
+    if not isinstance(offload_params, bool):
+        raise TypeError(f"offload_params must be True or False, got {offload_params!r}")
+    if mesh is not None and not offload_params:
+        raise ValueError("mesh is where offload_params shards the states: pass offload_params=True, or no mesh")
+    if offload_params and context_parallel_group is not None and mesh is None:
+        raise ValueError(
+            "offload_params with context parallelism shards the states over the data x context parallel ranks: pass "
+            "mesh=init_mesh(dp, cp) and its cp group (longctx.distributed.cp_group(mesh)) as context_parallel_group"
+        )
     if getattr(model, "is_gradient_checkpointing", False) and recompute_granularity is not None:
         raise ValueError(
             "transformers' gradient checkpointing is on (gradient_checkpointing_enable() or TrainingArguments("
@@ -746,6 +774,12 @@ def apply(
             raise ValueError(
                 f"fused_loss=True computes the loss of {', '.join(FUSED_LOSS_MODELS)} without logits; {name} may "
                 "transform its logits before the loss: pass fused_loss=False"
+            )
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is not None and hasattr(head, "lora_A"):
+            raise ValueError(
+                "the logits-free loss reads lm_head's weight, but PEFT put an adapter on lm_head: leave lm_head out of "
+                "the adapter's target_modules, or pass fused_loss=False"
             )
         softcap = getattr(cfg, "final_logit_softcapping", None)
         if softcap is not None:
@@ -778,9 +812,14 @@ def apply(
     _patch_layers(layers, chunks, offloader, n_off)
     if fused_loss or cp is not None:
         _patch_forward(model, fused_loss=fused_loss, cp=cp)
-    model._longctx_applied = True
-    model._longctx_context_parallel = cp
-    return model
+    if offload_params:
+        from longctx.distributed.offload import offload_model
+
+        offload_model(model, mesh)
+    for m in {id(model): model, id(wrapper): wrapper}.values():
+        m._longctx_applied = True
+        m._longctx_context_parallel = None if offload_params else cp  # offloaded: FSDP2 summed over dp x cp
+    return wrapper
 
 
 def compile_ahead(

@@ -26,7 +26,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["ActivationOffloader", "OffloadedCheckpoint", "host_memory_available", "is_recording", "is_replaying"]
+__all__ = [
+    "ActivationOffloader",
+    "OffloadedCheckpoint",
+    "offloaded_checkpoint",
+    "host_memory_available",
+    "host_memory_total",
+    "is_recording",
+    "is_replaying",
+]
 
 _REPLAY = threading.local()
 
@@ -187,7 +195,13 @@ class OffloadedCheckpoint(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, run_fn: Callable[..., torch.Tensor], offloader: ActivationOffloader, to_host: bool, x: torch.Tensor, *args
+        ctx,
+        run_fn: Callable[..., torch.Tensor],
+        offloader: ActivationOffloader,
+        to_host: bool,
+        anchor: torch.Tensor | None,
+        x: torch.Tensor,
+        *args,
     ):
         dev = x.device
         ctx.run_fn, ctx.offloader, ctx.device = run_fn, offloader, dev
@@ -224,5 +238,18 @@ class OffloadedCheckpoint(torch.autograd.Function):
                     y = ctx.run_fn(x, *args)
             finally:
                 _REPLAY.active = False
-        torch.autograd.backward(y, grad_y)
-        return (None, None, None, x.grad if ctx.x_requires_grad else None, *(None for _ in args))
+        if y.requires_grad:  # nothing in the chunk trains and x needs no gradient: nothing to do
+            torch.autograd.backward(y, grad_y)
+        return (None, None, None, None, x.grad if ctx.x_requires_grad else None, *(None for _ in args))
+
+
+def offloaded_checkpoint(
+    run_fn: Callable[..., torch.Tensor], offloader: ActivationOffloader, to_host: bool, x: torch.Tensor, *args
+) -> torch.Tensor:
+    """``run_fn(x, *args)`` through `OffloadedCheckpoint`. Its output needs a gradient even where ``x`` does not (a
+    frozen embedding under LoRA adapters, whose parameters autograd cannot see inside ``run_fn``): an empty anchor
+    that requires grad goes in then, so the backward (which recomputes and reaches the adapters) runs."""
+    anchor = None
+    if torch.is_grad_enabled() and not x.requires_grad:
+        anchor = torch.empty(0, device=x.device, requires_grad=True)
+    return OffloadedCheckpoint.apply(run_fn, offloader, to_host, anchor, x, *args)

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from longctx.layers.offload import ActivationOffloader, OffloadedCheckpoint
+from longctx.layers.offload import ActivationOffloader, offloaded_checkpoint
 
 __all__ = [
     "GRANULARITIES",
@@ -163,7 +163,7 @@ def run_layers(
 
     for c in chunks:
         if c.checkpointed and active and offloader is not None:
-            x = OffloadedCheckpoint.apply(run_chunk(c.start, c.end), offloader, c.end <= offload_layers, x, *args)
+            x = offloaded_checkpoint(run_chunk(c.start, c.end), offloader, c.end <= offload_layers, x, *args)
         elif c.checkpointed and active:
             x = checkpoint_call(run_chunk(c.start, c.end), x, *args)
         else:

@@ -41,6 +41,64 @@ HOST_OVERHEAD_BYTES = 5 << 30
 GiB = 1 << 30
 
 
+# LoRA's usual targets, by their names in transformers' Llama family, and the longctx GPT linear each one is part of
+# (the GPT fuses q, k, v into linear_qkv and gate, up into linear_fc1)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LORA_PARTS = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
+               "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}  # fmt: skip
+
+
+def check_lora(rank: int | None, targets: tuple[str, ...]) -> None:
+    """ValueError for a LoRA rank that is not a positive int or targets outside `LORA_TARGETS`."""
+    if rank is None:
+        return
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"lora_rank must be a positive int (the adapters' rank, e.g. 16), got {rank!r}")
+    bad = [t for t in targets if t not in _LORA_PARTS]
+    if bad or not targets:
+        raise ValueError(f"lora_targets must be some of {list(LORA_TARGETS)}, got {list(targets)}")
+
+
+def lora_parameters(c: GPTConfig, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> int:
+    """Parameters of LoRA adapters of ``rank`` on ``targets`` of every layer, as PEFT counts them: A (rank, in) and
+    B (out, rank) per target."""
+    h, q, kv, F = c.hidden_size, c.num_attention_heads * c.head_dim, c.kv_heads * c.head_dim, c.ffn_size
+    sizes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+             "gate_proj": (h, F), "up_proj": (h, F), "down_proj": (F, h)}  # fmt: skip
+    return c.num_layers * rank * sum(sum(sizes[t]) for t in targets)
+
+
+class _LoraTwin(torch.nn.Module):
+    """The memory of LoRA adapters on a frozen linear (as many as the ``parts`` of it that are targets): the base
+    output plus ``B(A(x))``, A and B in float32; the input is kept for A's gradient, A's output for B's."""
+
+    def __init__(self, base: torch.nn.Linear, parts: int, rank: int) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_a = torch.nn.Parameter(torch.empty(parts * rank, base.in_features, dtype=torch.float32))
+        self.lora_b = torch.nn.Parameter(torch.empty(base.out_features, parts * rank, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + torch.nn.functional.linear(torch.nn.functional.linear(x, self.lora_a), self.lora_b)
+
+
+def _add_lora(model: GPT, rank: int, targets: tuple[str, ...]) -> None:
+    """Freeze ``model`` and put `_LoraTwin` adapters on the linears of ``targets`` (their gradients are counted
+    apart, so each is dropped once made)."""
+    model.requires_grad_(False)
+    parts: dict[str, int] = {}
+    for t in targets:
+        parts[_LORA_PARTS[t]] = parts.get(_LORA_PARTS[t], 0) + 1
+    for layer in model.layers:
+        for owner in (layer.self_attention, layer.mlp):
+            for name, n in parts.items():
+                if hasattr(owner, name):
+                    setattr(owner, name, _LoraTwin(getattr(owner, name), n, rank))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+
+
 def units_in_flight(parameters: int, layer_parameters: int, root_parameters: int, shards: int, param_bytes: int) -> int:
     """GPU bytes FSDP2 holds for an offloaded model at a step's peak (in a layer's backward): the root unit's
     weights (unsharded for the whole step), two layers' weights (the one running, the next one prefetched), the
@@ -85,6 +143,7 @@ class StepMemory:
     offload_params: bool = False
     host_states: int = 0
     host_overhead: int = 0  # the process's own host memory (libraries, the CUDA context)
+    lora: bool = False  # a LoRA run: the parameters are the frozen base and the adapters, only these train
 
     @property
     def total(self) -> int:
@@ -103,6 +162,12 @@ class StepMemory:
                 ("units in flight (bf16 weights, gradients, host copies)", self.parameters),
                 ("gradients (reduced and copied to the host per unit)", self.gradients),
                 ("optimizer states (on the host)", self.optimizer_states),
+            ]
+        elif self.lora:
+            first = [
+                ("parameters (frozen bf16 base, fp32 adapters)", self.parameters),
+                ("gradients (adapters)", self.gradients),
+                ("optimizer states (adapters, AdamW)", self.optimizer_states),
             ]
         else:
             first = [
@@ -174,6 +239,8 @@ def step_memory(
     exact: bool = False,
     offload_params: bool = False,
     shards: int = 1,
+    lora_rank: int | None = None,
+    lora_targets: tuple[str, ...] = LORA_TARGETS,
 ) -> StepMemory:
     """Predicted peak memory of one training step (forward, backward, AdamW) of ``GPT(config)``.
 
@@ -196,14 +263,18 @@ def step_memory(
             stream is in that dtype too) and each gradient gone to the host once made; the GPU holds the units in
             flight (`units_in_flight`), the host the states.
         shards: ranks the offloaded states are sharded over (data parallel x context parallel).
+        lora_rank: LoRA fine-tuning (PEFT's adapters of this rank on ``lora_targets``): a frozen base in the autocast
+            dtype (no gradients, no optimizer states; the residual stream in that dtype too) and float32 adapters
+            with their gradients and AdamW's states; the step is traced with the adapters in place.
+        lora_targets: the adapted linears, by their names in transformers' Llama family (`LORA_TARGETS`).
 
     Returns:
         A `StepMemory`.
     """
     return step_segments(config, seq_length=seq_length, micro_batch_size=micro_batch_size,
                          autocast_dtype=autocast_dtype, optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
-                         overhead=overhead, exact=exact, offload_params=offload_params,
-                         shards=shards)[0]  # fmt: skip
+                         overhead=overhead, exact=exact, offload_params=offload_params, shards=shards,
+                         lora_rank=lora_rank, lora_targets=tuple(lora_targets))[0]  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)  # step_memory's cache: step_memory.cache_clear() clears it
@@ -218,6 +289,8 @@ def step_segments(
     exact: bool = False,
     offload_params: bool = False,
     shards: int = 1,
+    lora_rank: int | None = None,
+    lora_targets: tuple[str, ...] = LORA_TARGETS,
 ) -> tuple[StepMemory, dict[str, int]]:
     """`step_memory`'s prediction and the peak of each segment of the step's timeline at ``seq_length`` that it is
     read from (``"embedding"``, ``"forward i"``, ``"loss"``, ``"forward end"``, ``"loss backward"``,
@@ -229,9 +302,12 @@ def step_segments(
         raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
     if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
         raise ValueError(f"shards must be a positive int, got {shards!r}")
+    check_lora(lora_rank, lora_targets)
+    if lora_rank is not None and offload_params:
+        raise ValueError("offload_params with lora_rank is not modelled: a LoRA run's frozen base stays on the GPU")
     kw = dict(micro_batch_size=micro_batch_size, autocast_dtype=autocast_dtype, offload_params=offload_params,
               optimizer_bytes_per_parameter=optimizer_bytes_per_parameter, overhead=overhead,
-              shards=shards)  # fmt: skip
+              shards=shards, lora_rank=lora_rank, lora_targets=tuple(lora_targets))  # fmt: skip
     S = seq_length
     from longctx.layers import loss as loss_module
 
@@ -271,6 +347,8 @@ def _traced(
     loss_chunk: int | None = None,
     offload_params: bool = False,
     shards: int = 1,
+    lora_rank: int | None = None,
+    lora_targets: tuple[str, ...] = LORA_TARGETS,
 ) -> tuple[StepMemory, dict[str, int]]:
     """One trace at ``seq_length``: the `StepMemory` and the peak of each segment of the step's timeline.
 
@@ -287,9 +365,10 @@ def _traced(
             return _traced.__wrapped__(config, seq_length=seq_length, micro_batch_size=micro_batch_size,
                                        autocast_dtype=autocast_dtype, overhead=overhead, whole=whole,
                                        optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
-                                       offload_params=offload_params, shards=shards)  # fmt: skip
+                                       offload_params=offload_params, shards=shards, lora_rank=lora_rank,
+                                       lora_targets=lora_targets)  # fmt: skip
     trace_kw = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, autocast_dtype=autocast_dtype,
-                    offload_params=offload_params)  # fmt: skip
+                    offload_params=offload_params, lora_rank=lora_rank, lora_targets=lora_targets)  # fmt: skip
     cut = None if whole else _cut_runs(config)
     timeline = None
     if cut is not None:
@@ -318,10 +397,15 @@ def _traced(
         optimizer_states = 0
         # fp32 weights and gradients (pinned) and AdamW's states, this rank's shard
         on_host = dict(offload_params=True, host_states=-(-n_params * (8 + optimizer_bytes_per_parameter) // shards))
+    elif lora_rank is not None:  # a frozen base (its bytes as traced) and float32 adapters, trained
+        adapters = lora_parameters(config, lora_rank, lora_targets)
+        param_bytes += 4 * adapters
+        grads = 4 * adapters  # counted here: the trace dropped them
+        optimizer_states = adapters * optimizer_bytes_per_parameter
     else:
         grads = param_bytes
         optimizer_states = n_params * optimizer_bytes_per_parameter
-    working = max(0, peak - grads - checkpoint_bytes - kept)
+    working = max(0, peak - (0 if lora_rank is not None else grads) - checkpoint_bytes - kept)
     return StepMemory(
         seq_length=S,
         micro_batch_size=B,
@@ -335,6 +419,7 @@ def _traced(
         host_offloaded=host,
         traced=grads + checkpoint_bytes + kept + working,
         host_overhead=HOST_OVERHEAD_BYTES,
+        lora=lora_rank is not None,
         **on_host,
     ), segments
 
@@ -362,6 +447,8 @@ def _trace(
     micro_batch_size: int,
     autocast_dtype: torch.dtype | None,
     offload_params: bool = False,
+    lora_rank: int | None = None,
+    lora_targets: tuple[str, ...] = LORA_TARGETS,
 ) -> tuple[list[list], dict[tuple[int, int], int], dict[str, int]]:
     """Trace one step of ``GPT(config)``: the tracker's timeline and released bytes, and the parameters counted
     (the model's and one layer's, in numbers and bytes; the residual stream's element size).
@@ -374,7 +461,8 @@ def _trace(
 
     tracker = LiveBytesTracker()
     with FakeTensorMode(), mock.patch.object(attention_layer, "resolve_launchers", lambda *a, **k: _TwinLaunchers):
-        dtype = autocast_dtype if offload_params and autocast_dtype is not None else torch.get_default_dtype()
+        low = (offload_params or lora_rank is not None) and autocast_dtype is not None  # weights as they compute
+        dtype = autocast_dtype if low else torch.get_default_dtype()
         default = torch.get_default_dtype()
         torch.set_default_dtype(dtype)  # the weights in FSDP2's compute dtype (a fake model cannot be cast after)
         try:
@@ -384,6 +472,9 @@ def _trace(
         if offload_params:
             for p in model.parameters():
                 p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        base_counts = _parameter_counts(model)  # the base's, before any adapter
+        if lora_rank is not None:
+            _add_lora(model, lora_rank, lora_targets)
         model.set_core_attention(_twin_attention)
         for layer in model.layers:  # set_core_attention keeps the policy; the kept path needs a fused core
             layer.self_attention.keep_core_attention = config.recompute_skip_core_attention
@@ -401,18 +492,21 @@ def _trace(
             model._trace_phase = "backward"
             loss.backward()
             del loss
-        params = list(model.parameters())
-        layer_params = list(model.layers[0].parameters())
-        counts = {
-            "parameters": sum(p.numel() for p in params),
-            "parameter bytes": sum(p.numel() * p.element_size() for p in params),
-            "layer parameters": sum(p.numel() for p in layer_params),
-            "layer parameter bytes": sum(p.numel() * p.element_size() for p in layer_params),
-            "residual element bytes": model.embedding.weight.element_size(),
-            "parameter element bytes": model.embedding.weight.element_size(),
-            "embedding": model.embedding.weight.numel(),
-        }
-    return tracker.timeline, tracker.released, counts
+    return tracker.timeline, tracker.released, base_counts
+
+
+def _parameter_counts(model: GPT) -> dict[str, int]:
+    params = list(model.parameters())
+    layer_params = list(model.layers[0].parameters())
+    return {
+        "parameters": sum(p.numel() for p in params),
+        "parameter bytes": sum(p.numel() * p.element_size() for p in params),
+        "layer parameters": sum(p.numel() for p in layer_params),
+        "layer parameter bytes": sum(p.numel() * p.element_size() for p in layer_params),
+        "residual element bytes": model.embedding.weight.element_size(),
+        "parameter element bytes": model.embedding.weight.element_size(),
+        "embedding": model.embedding.weight.numel(),
+    }
 
 
 # A run of identical layers (the same recompute and offloading) longer than this is traced cut to this many: the

@@ -23,7 +23,17 @@ import dataclasses
 from dataclasses import dataclass
 
 from longctx.layers.recompute import plan_layers
-from longctx.memory.model import StepMemory, kept_bytes, step_memory, step_segments, units_in_flight
+from longctx.memory.model import (
+    HOST_OVERHEAD_BYTES,
+    LORA_TARGETS,
+    StepMemory,
+    check_lora,
+    kept_bytes,
+    lora_parameters,
+    step_memory,
+    step_segments,
+    units_in_flight,
+)
 from longctx.models.gpt import GPTConfig
 from longctx.units import count_arg, parse_bytes
 
@@ -61,6 +71,8 @@ class Plan:
     host_budget: int | None = None  # None: the host memory was not bounded
     data_parallel: int = 1
     context_parallel: int = 1
+    lora_rank: int | None = None  # a LoRA run: adapters of this rank on lora_targets, the base frozen
+    lora_targets: tuple[str, ...] = LORA_TARGETS
 
     @property
     def binds(self) -> str:
@@ -75,7 +87,10 @@ class Plan:
         return {k: getattr(self.config, k) for k in _PLAN_FIELDS}
 
     def describe(self) -> str:
-        return describe(self.config, self.offload_params)
+        text = describe(self.config, self.offload_params)
+        if self.lora_rank is not None:
+            text += f", LoRA rank {self.lora_rank} on {', '.join(self.lora_targets)} (base frozen in bf16)"
+        return text
 
 
 def describe(c: GPTConfig, offload_params: bool = False) -> str:
@@ -235,6 +250,8 @@ def plan(
     data_parallel: int = 1,
     context_parallel: int = 1,
     offload_params: bool | None = None,
+    lora_rank: int | None = None,
+    lora_targets: tuple[str, ...] | list[str] = LORA_TARGETS,
 ) -> Plan:
     """The plan that fits ``budget`` (and ``host_budget``) at the least predicted added cost.
 
@@ -252,6 +269,9 @@ def plan(
         offload_params: True: parameters, gradients and AdamW states in host memory (`longctx.distributed.offload`);
             False: on the GPU; None: the plan chooses, offloading them only where no plan with them on the GPU
             fits (its CPU optimizer step and copies cost seconds a step: `_offload_seconds`).
+        lora_rank, lora_targets: a LoRA fine-tuning run (PEFT's adapters of this rank on these linears, by their
+            transformers names): the base frozen in bf16 on the GPU (no gradients, no optimizer states), the float32
+            adapters trained (`longctx.memory.model.step_memory`).
 
     Returns:
         A `Plan` whose ``config`` is ``config`` at ``seq_length`` with the chosen settings: ``GPT(plan.config)``
@@ -275,10 +295,16 @@ def plan(
             f"seq_length {seq_length:,} is not divisible by context_parallel={context_parallel}: each rank holds "
             f"seq_length / context_parallel tokens; pass a multiple of {context_parallel}"
         )
+    lora_targets = tuple(lora_targets)
+    check_lora(lora_rank, lora_targets)
+    if lora_rank is not None and offload_params:
+        raise ValueError("offload_params with lora_rank is not planned: a LoRA run's frozen bf16 base stays on the GPU")
     ranks = data_parallel * context_parallel
     S, B = seq_length // context_parallel, micro_batch_size
     n_params, param_bytes = parameter_count(config)
-    modes = [False, True] if offload_params is None else [offload_params]
+    modes = [False] if lora_rank is not None else [False, True] if offload_params is None else [offload_params]
+    lora = dict(lora_rank=lora_rank, lora_targets=lora_targets) if lora_rank is not None else {}
+    adapters = lora_parameters(config, lora_rank, lora_targets) if lora_rank is not None else 0
     # every (plan, mode) in order of predicted added time, the modes in turn; the first that fits both memories wins
     walk: list[tuple[float, int, GPTConfig, bool]] = []
     for off in modes:
@@ -286,17 +312,21 @@ def plan(
             cost = _added_seconds(c, B, S) + (_offload_seconds(c, n_params, ranks, B, S) if off else 0.0)
             walk.append((cost, i, c, off))
     walk.sort(key=lambda t: (t[3], t[0], t[1]))  # plans with the states on the GPU first: offloading is the fallback
-    kw_of = {off: dict(offload_params=off, shards=ranks) if off else {} for off in modes}
+    kw_of = {off: dict(offload_params=off, shards=ranks) if off else dict(lora) for off in modes}
     bounds = {off: _PeakBound(config, S, B, **kw_of[off]) for off in modes}
     counts = _layer_counts(config)
     for cost, _, cand, off in walk:
         # the checkpoints and the states a plan keeps on the GPU for sure: plans that cannot fit are not traced
         if off:
             static = units_in_flight(n_params, counts[0], counts[1], ranks, 2)
+        elif lora_rank is not None:  # the frozen bf16 base; the adapters, their gradients and AdamW's states
+            static = 2 * n_params + 16 * adapters
         else:
             static = 2 * param_bytes + 8 * n_params  # parameters and their gradients, AdamW's two fp32 states
-        if static + _kept_lower_bound(cand, B, S, 2 if off else 4) > limit:
+        if static + _kept_lower_bound(cand, B, S, 2 if off or lora_rank is not None else 4) > limit:
             continue
+        if host_limit is not None and _host_need(cand, off, n_params, ranks, B, S) > host_limit:
+            continue  # the host side is known without a trace
         if cand != bounds[off].none:
             low = bounds[off].lower(cand)
             if low is not None and low > limit:
@@ -304,7 +334,7 @@ def plan(
         mem = step_memory(cand, seq_length=S, micro_batch_size=B, **kw_of[off])
         if mem.total <= limit and (host_limit is None or _host_per_machine(mem, ranks) <= host_limit):
             return Plan(dataclasses.replace(cand, seq_length=seq_length), mem, cost, limit, off, host_limit,
-                        data_parallel, context_parallel)  # fmt: skip
+                        data_parallel, context_parallel, lora_rank, lora_targets)  # fmt: skip
     frugal = _frugal(config, S)
     off = modes[-1]
     frugal_mem = step_memory(frugal, seq_length=S, micro_batch_size=B, **kw_of[off])
@@ -324,8 +354,16 @@ def plan(
         f"({describe(frugal, off)}) needs {', '.join(short)}; {'; '.join(missing) or 'it does not fit'}. "
         + (f"The longest sequence these budgets train is about {longest:,} tokens" if longest else
            "No length fits these budgets")
-        + ("" if off else "; offload_params (parameters in host memory) may train longer")
+        + ("" if off or lora_rank is not None else "; offload_params (parameters in host memory) may train longer")
     )  # fmt: skip
+
+
+def _host_need(c: GPTConfig, offload_params: bool, n_params: int, ranks: int, B: int, S: int) -> int:
+    """A plan's host bytes, every rank of the host together, without its trace (what `step_memory` puts there:
+    the offloaded states, the offloaded checkpoints, the process)."""
+    _, _, checkpoints = kept_bytes(c, S, B, 2 if offload_params else 4, step_memory.__kwdefaults__["autocast_dtype"])
+    states = -(-n_params * 16 // ranks) if offload_params else 0
+    return ranks * (states + checkpoints + HOST_OVERHEAD_BYTES)
 
 
 def _host_per_machine(mem: StepMemory, ranks: int) -> int:
@@ -372,6 +410,10 @@ def _longest_fitting(
     memory_kw = memory_kw or {}
 
     def fits(s: int) -> bool:
+        if host_limit is not None:
+            n = parameter_count(config)[0]
+            if _host_need(_frugal(config, s), bool(memory_kw.get("offload_params")), n, ranks, B, s) > host_limit:
+                return False
         mem = step_memory(_frugal(config, s), seq_length=s, micro_batch_size=B, **memory_kw)
         return mem.total <= limit and (host_limit is None or _host_per_machine(mem, ranks) <= host_limit)
 
@@ -461,6 +503,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offload-params", choices=("auto", "on", "off"), default="auto",
                     help="parameters, gradients and AdamW states in host memory: auto lets the plan choose "
                     "(default auto)")  # fmt: skip
+    ap.add_argument("--lora-rank", type=count_arg("--lora-rank", 1), default=None,
+                    help="plan a LoRA fine-tuning run: adapters of this rank, the base frozen in bf16")  # fmt: skip
+    ap.add_argument("--lora-targets", default=",".join(LORA_TARGETS),
+                    help="the adapted linears, by transformers' names (default: all of them)")  # fmt: skip
     ap.add_argument("--json", default=None, help="also write {S: {settings, predicted_bytes}} to this file")
     args = ap.parse_args(argv)
     offload = {"auto": None, "on": True, "off": False}[args.offload_params]
@@ -468,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
         p = plan(GPTConfig.preset(args.preset), seq_length=args.seq_length, budget=args.budget,
                  micro_batch_size=args.micro_batch_size, host_budget=args.host_budget,
                  data_parallel=args.data_parallel, context_parallel=args.context_parallel,
-                 offload_params=offload)  # fmt: skip
+                 offload_params=offload, lora_rank=args.lora_rank,
+                 lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))  # fmt: skip
     except (ValueError, TypeError) as e:
         print(f"longctx plan: {e}", file=sys.stderr)
         return 2

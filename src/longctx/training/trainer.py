@@ -295,8 +295,9 @@ class Trainer:
                     f"context-parallel {cfg.cp_method}/{cfg.cp_layout} over {cfg.context_parallel} ranks "
                     f"({self.cp.backend})"
                 )
-            self.dp_strategy = apply_fsdp(self.model, self.mesh, offload_params=self.offload,
-                                          param_dtype=self.compute_dtype if self.offload else None)  # fmt: skip
+            # offloaded units compute in bf16 (FSDP2's mixed precision) under bf16, else in the parameters' dtype
+            unit_dtype = torch.bfloat16 if self.offload and self.use_bf16 else None
+            self.dp_strategy = apply_fsdp(self.model, self.mesh, offload_params=self.offload, param_dtype=unit_dtype)
             self.backend += f" | data-parallel {cfg.data_parallel} ({self.dp_strategy})"
         # on the host: torch's fused CPU AdamW; FSDP2's sharded GPU parameters: the foreach implementation
         fused = True if self.offload else False if self.distributed else None

@@ -1,0 +1,191 @@
+"""Parameters, gradients and AdamW states in host memory (`longctx.distributed.offload`, ``offload_params``) on the
+CPU: the units FSDP2 shards, the host optimizer, training equal to the plain model's, the trainer's run and resume,
+and the planner's two memories. The GPU side (pinned states, the units in flight, the 8B rows) is in
+tests/gpu/test_offload_gpu.py and benchmarks/results/memory_H200_llama-8b_offload_*.md."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from longctx.distributed.offload import decoder_units, host_adamw, offload_model
+from longctx.memory import model as memory_model
+from longctx.memory.plan import format_plan, parameter_count, plan
+from longctx.models.gpt import GPT, GPTConfig
+
+TINY = dict(vocab_size=128, seq_length=64, num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+            ffn_hidden_size=128, attention_backend="tiled")  # fmt: skip
+FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def test_presets_have_the_llama_shapes():
+    assert parameter_count(GPTConfig.preset("llama-8b"))[0] == 8_030_261_248  # Llama-3.1-8B
+    assert parameter_count(GPTConfig.preset("llama-3b"))[0] == 3_212_749_824  # Llama-3.2-3B (tied)
+
+
+def test_decoder_units_of_a_gpt():
+    untied = GPT(GPTConfig(**TINY, share_embeddings_and_output_weights=False))
+    assert decoder_units(untied) == [untied.embedding, *untied.layers]
+    tied = GPT(GPTConfig(**TINY))
+    assert decoder_units(tied) == list(tied.layers)  # the tied embedding stays in the root with the output
+
+
+def test_decoder_units_of_a_transformers_model():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    assert decoder_units(model) == [model.model.embed_tokens, *model.model.layers]
+    tied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**cfg.to_dict(), "tie_word_embeddings": True}))
+    assert decoder_units(tied) == list(tied.model.layers)
+
+
+def test_decoder_units_refuse_other_models():
+    with pytest.raises(TypeError, match="offload_params shards a model layer by layer.*got Linear"):
+        decoder_units(nn.Linear(4, 4))
+
+
+def test_host_adamw_steps_only_what_trains_and_only_on_the_host():
+    model = GPT(GPTConfig(**TINY))
+    model.layers[0].requires_grad_(False)
+    opt = host_adamw(model, lr=1e-3)
+    stepped = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert not any(id(p) in stepped for p in model.layers[0].parameters())
+    assert all(id(p) in stepped for p in model.layers[1].parameters())
+    with torch.device("meta"):
+        elsewhere = GPT(GPTConfig(**TINY))
+    with pytest.raises(ValueError, match="host_adamw steps parameters in host memory.*offload_model"):
+        host_adamw(elsewhere, lr=1e-3)
+
+
+def _train(model: GPT, opt, steps: int = 3) -> list[float]:
+    gen = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(steps):
+        x = torch.randint(0, TINY["vocab_size"], (2, TINY["seq_length"]), generator=gen)
+        loss = model(x, labels=x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def test_offloaded_training_equals_the_plain_model():
+    cfg = GPTConfig(**TINY, share_embeddings_and_output_weights=False, **FULL)
+    torch.manual_seed(0)
+    plain = GPT(cfg)
+    torch.manual_seed(0)
+    sharded = GPT(cfg)
+    offload_model(sharded)  # on the CPU: computes in the parameters' dtype
+    opt = host_adamw(sharded, lr=1e-2, weight_decay=0.0)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
+    assert _train(sharded, opt) == pytest.approx(_train(plain, ref), rel=1e-5)
+    for (name, p), q in zip(sharded.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _run(tmp_path, name: str, **kw):
+    from longctx.training.config import TrainConfig
+    from longctx.training.trainer import Trainer
+
+    cfg = TrainConfig(preset="tiny", train_iters=4, micro_batch_size=2, eval_iters=0, quiet=True,
+                      save=str(tmp_path / name), **kw)  # fmt: skip
+    trainer = Trainer(cfg)
+    return trainer, trainer.train()
+
+
+def test_trainer_offload_params_trains_resumes_and_matches(tmp_path):
+    plain, plain_run = _run(tmp_path, "plain")
+    off, off_run = _run(tmp_path, "off", offload_params=True)
+    assert off.dp_strategy == "fsdp2-offload" and plain.dp_strategy is None
+    assert off_run.losses == pytest.approx(plain_run.losses, rel=1e-5)
+    _, first = _run(tmp_path, "halted", offload_params=True, halt_after=2)
+    _, rest = _run(tmp_path, "halted", offload_params=True, resume="auto")
+    assert first.losses + rest.losses == pytest.approx(off_run.losses, rel=1e-6)
+
+
+def test_host_memory_budget_needs_a_memory_budget():
+    from longctx.training.config import TrainConfig, parse_config
+
+    with pytest.raises(ValueError, match="host_memory_budget .* pass --memory-budget"):
+        TrainConfig(host_memory_budget="100GiB")
+    with pytest.raises(ValueError, match="host_memory_budget"):
+        TrainConfig(memory_budget="10GiB", host_memory_budget="lots")
+    cfg = parse_config(["--offload-params", "true", "--memory-budget", "10GiB", "--host-memory-budget", "1TiB"])
+    assert cfg.offload_params and cfg.host_memory_budget == "1TiB"
+
+
+# -- the planner's two memories --------------------------------------------------------------------------------
+
+
+def test_offloaded_step_memory_moves_the_states_to_the_host():
+    cfg = GPTConfig(**TINY, **FULL)
+    n = parameter_count(cfg)[0]
+    gpu = memory_model.step_memory(cfg, seq_length=256)
+    off = memory_model.step_memory(cfg, seq_length=256, offload_params=True)
+    shards = memory_model.step_memory(cfg, seq_length=256, offload_params=True, shards=4)
+    assert off.optimizer_states == 0 and off.gradients == 0 and off.host_states == 16 * n
+    assert shards.host_states == math.ceil(16 * n / 4)
+    assert off.checkpoints * 2 == gpu.checkpoints  # FSDP2's bf16 units: a bf16 residual stream
+    assert gpu.host_total == memory_model.HOST_OVERHEAD_BYTES  # nothing offloaded: the process itself
+    assert off.host_total == 16 * n + memory_model.HOST_OVERHEAD_BYTES
+    from longctx.memory.plan import _host_need
+
+    # the planner's host bytes without a trace are the trace's, with and without offloaded checkpoints
+    for c in (cfg, cfg.replace(cpu_offloading=True)):
+        for o, ranks in ((False, 1), (True, 1), (True, 4)):
+            traced = memory_model.step_memory(c, seq_length=256, offload_params=o, shards=ranks).host_total
+            assert _host_need(c, o, n, ranks, 1, 256) == ranks * traced, (c.cpu_offloading, o, ranks)
+    with pytest.raises(ValueError, match="shards must be a positive int"):
+        memory_model.step_memory(cfg, seq_length=256, offload_params=True, shards=0)
+
+
+def test_the_8b_plan_offloads_and_says_which_memory_binds():
+    p = plan(GPTConfig.preset("llama-8b"), seq_length=32768, budget="78GiB", host_budget="400GiB")
+    assert p.offload_params and p.memory.total <= 78 << 30
+    assert p.memory.host_total <= 400 << 30 and p.binds == "GPU"
+    text = format_plan(p)
+    assert "predicted host peak" in text and "binds: GPU" in text and "| offload_params | True |" in text
+    tight = plan(GPTConfig.preset("llama-8b"), seq_length=32768, budget="78GiB", host_budget="131GiB")
+    assert tight.binds == "host"
+
+
+def test_a_short_host_is_named_with_what_is_missing():
+    with pytest.raises(ValueError, match=r"host .* GiB \(budget 100\.00 GiB\); host is short by .* GiB"):
+        plan(GPTConfig.preset("llama-8b"), seq_length=32768, budget="78GiB", host_budget="100GiB")
+
+
+def test_parallel_ranks_share_the_states_and_split_the_sequence():
+    one = plan(GPTConfig.preset("llama-8b"), seq_length=65536, budget="78GiB", offload_params=True)
+    four = plan(GPTConfig.preset("llama-8b"), seq_length=65536, budget="78GiB", offload_params=True,
+                data_parallel=2, context_parallel=2)  # fmt: skip
+    assert four.memory.seq_length == 32768 and four.config.seq_length == 65536
+    assert four.memory.host_states == math.ceil(one.memory.host_states / 4)
+    with pytest.raises(ValueError, match="not divisible by context_parallel=3"):
+        plan(GPTConfig.preset("llama-8b"), seq_length=65536, budget="78GiB", context_parallel=3)
+    with pytest.raises(ValueError, match="data_parallel must be a positive int"):
+        plan(GPTConfig.preset("llama-8b"), seq_length=65536, budget="78GiB", data_parallel=0)
+
+
+def test_models_that_fit_keep_their_states_on_the_gpu():
+    p = plan(GPTConfig(**TINY), seq_length=256, budget="1GiB")
+    assert not p.offload_params and p.memory.host_states == 0
+
+
+def test_plan_cli_plans_both_memories(capsys, tmp_path):
+    from longctx.memory.plan import main
+
+    out = tmp_path / "plan.json"
+    assert main(["--preset", "llama-8b", "--seq-length", "65536", "--budget", "78GiB", "--host-budget", "400GiB",
+                 "--json", str(out)]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "binds: GPU" in text and "fp32 parameters, gradients, AdamW states" in text
+    entry = json.loads(out.read_text())["65536"]
+    assert entry["offload_params"] is True and entry["predicted_host_bytes"] > 16 * 8e9
+    assert main(["--preset", "llama-8b", "--seq-length", "65536", "--budget", "78GiB", "--offload-params", "off"]) == 2
+    assert "offload_params (parameters in host memory) may train longer" in capsys.readouterr().err
