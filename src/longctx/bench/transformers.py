@@ -1,10 +1,11 @@
 """`longctx bench transformers`: a HuggingFace causal LM with longctx (`apply`) against plain transformers.
 
 Models (``--model``): ``llama``, the Llama-shaped 336M of the memory benchmark (`LlamaForCausalLM`: hidden 1024,
-24 layers, 16 query / 4 kv heads, ffn 2816, vocab 32000); ``gemma2``, a Gemma-2-shaped one (`Gemma2ForCausalLM`:
-hidden 1024, 16 layers, 8 query / 4 kv heads of head dim 256, attention logit softcap 50, sliding-window layers of
-4096 alternating with full ones, ffn 4096, vocab 32000, no final logit softcap). Batch 1, bf16 autocast, fp32
-parameters, AdamW; one training step is forward, backward and the optimizer step. Providers:
+24 layers, 16 query / 4 kv heads, ffn 2816, vocab 32000); ``llama-8b``, Llama-3.1-8B's shape (hidden 4096, 32
+layers, 32 query / 8 kv heads, ffn 14336, vocab 128256; random weights, no download); ``gemma2``, a Gemma-2-shaped
+one (`Gemma2ForCausalLM`: hidden 1024, 16 layers, 8 query / 4 kv heads of head dim 256, attention logit softcap 50,
+sliding-window layers of 4096 alternating with full ones, ffn 4096, vocab 32000, no final logit softcap). Batch 1,
+bf16 autocast, fp32 parameters, AdamW; one training step is forward, backward and the optimizer step. Providers:
 
     hf-sdpa-ckpt          transformers as a user has it: attn_implementation="sdpa", gradient checkpointing,
                           the loss through the (S, vocab) logits (Gemma 2: transformers' SDPA path drops the
@@ -14,6 +15,11 @@ parameters, AdamW; one training step is forward, backward and the optimizer step
     longctx-apply         attn_implementation="longctx" + longctx.integrations.transformers.apply: full
                           recomputation (uniform, 1 layer), the logits-free loss
     longctx-apply-offload the same with the checkpointed layer inputs offloaded to pinned host memory
+
+``--lora``: long-context LoRA fine-tuning, every provider the same way: the base in bf16 and frozen, PEFT's LoRA
+adapters (rank ``--lora-rank``, alpha twice that, on q, k, v, o, gate, up and down; float32) the only parameters
+that train (AdamW over them); the longctx providers get `apply` on the PEFT model. Each longctx row also gives the
+planner's prediction for the run (`longctx.plan` of the GPT of the same shape with the same adapters).
 
 For every provider: tokens/s (S / the median step time) and peak memory (``torch.cuda.max_memory_allocated``;
 on the CPU the peak of live tensors) at each S of ``--seq-lengths``, then (``--longest``) the longest S that
@@ -51,6 +57,10 @@ SHAPE_336M = dict(
     vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
     num_key_value_heads=4,
 )  # fmt: skip
+SHAPE_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8,
+)  # fmt: skip
 SHAPE_QUICK = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2,
@@ -68,13 +78,26 @@ SHAPE_GEMMA2_QUICK = dict(
 MODELS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", SHAPE_336M, SHAPE_QUICK,
               ("hf-sdpa-ckpt", "longctx-apply", "longctx-apply-offload")),
+    "llama-8b": ("LlamaConfig", "LlamaForCausalLM", SHAPE_8B, SHAPE_QUICK,
+                 ("hf-sdpa-ckpt", "longctx-apply", "longctx-apply-offload")),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", SHAPE_GEMMA2, SHAPE_GEMMA2_QUICK,
                ("hf-eager-ckpt", "hf-sdpa-ckpt", "longctx-apply")),
 }  # fmt: skip
 
 
-def build(provider: str, shape: dict[str, Any], max_len: int, device: torch.device, model: str = "llama"):
-    """The ``model`` of ``provider`` (fp32 parameters on ``device``), with its settings applied."""
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build(
+    provider: str,
+    shape: dict[str, Any],
+    max_len: int,
+    device: torch.device,
+    model: str = "llama",
+    lora_rank: int | None = None,
+):
+    """The ``model`` of ``provider`` (fp32 parameters on ``device``; with ``lora_rank``, a frozen bf16 base under
+    PEFT's float32 LoRA adapters), with its settings applied."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -87,11 +110,19 @@ def build(provider: str, shape: dict[str, Any], max_len: int, device: torch.devi
     torch.manual_seed(0)
     impl = {"hf-sdpa-ckpt": "sdpa", "hf-eager-ckpt": "eager"}.get(provider, "longctx")
     with torch.device(device):
-        net = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=torch.float32)
+        net = AutoModelForCausalLM.from_config(
+            cfg, attn_implementation=impl, dtype=torch.bfloat16 if lora_rank else torch.float32
+        )
     net.train()
     if provider.startswith("hf-"):
         net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
+    if lora_rank:
+        import peft
+
+        lora = peft.LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=list(LORA_TARGETS),
+                               lora_dropout=0.0)  # fmt: skip
+        net = peft.get_peft_model(net, lora)  # adapters in float32 (PEFT's autocast_adapter_dtype)
+    if not provider.startswith("hf-"):
         lt.apply(
             net, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
             cpu_offloading=provider.endswith("offload"), fused_loss=True,
@@ -111,15 +142,22 @@ class Runner:
     """One provider's model and optimizer, rebuilt after an out-of-memory error."""
 
     def __init__(
-        self, provider: str, shape: dict[str, Any], max_len: int, device: torch.device, model: str = "llama"
+        self,
+        provider: str,
+        shape: dict[str, Any],
+        max_len: int,
+        device: torch.device,
+        model: str = "llama",
+        lora_rank: int | None = None,
     ) -> None:
         self.provider, self.shape, self.max_len, self.device, self.arch = provider, shape, max_len, device, model
+        self.lora_rank = lora_rank
         self.model = self.opt = None
 
     def _ensure(self) -> None:
         if self.model is None:
-            self.model = build(self.provider, self.shape, self.max_len, self.device, self.arch)
-            self.opt = adamw(self.model, self.device)
+            self.model = build(self.provider, self.shape, self.max_len, self.device, self.arch, self.lora_rank)
+            self.opt = adamw(self.model, self.device)  # the adapters only, under LoRA
 
     def release(self) -> None:
         self.model = self.opt = None
@@ -142,6 +180,22 @@ class Runner:
         over = cap_bytes is not None and r.peak_bytes > cap_bytes
         return {"s": s, "step_ms": 1e3 * r.step_s, "tokens_per_s": r.tokens_per_s, "peak_bytes": r.peak_bytes,
                 "status": "over" if over else "ok", "secs": secs, "peak": r.peak_bytes}  # fmt: skip
+
+
+def predicted_lora_peak(shape: dict[str, Any], s: int, rank: int, offload: bool) -> int:
+    """The planner's peak for a LoRA run of ``shape`` at ``s`` (the longctx GPT of that shape with the same
+    adapters, full recomputation, uniform 1, offloading its checkpoints with ``offload``)."""
+    from longctx.memory.model import step_memory
+    from longctx.models.gpt import GPTConfig
+
+    twin = GPTConfig(
+        vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"], num_layers=shape["num_hidden_layers"],
+        num_attention_heads=shape["num_attention_heads"], num_query_groups=shape["num_key_value_heads"],
+        ffn_hidden_size=shape["intermediate_size"], kv_channels=shape.get("head_dim"),
+        share_embeddings_and_output_weights=False, recompute_granularity="full", recompute_method="uniform",
+        recompute_num_layers=1, cpu_offloading=offload,
+    )  # fmt: skip
+    return step_memory(twin, seq_length=s, lora_rank=rank).total
 
 
 def _env(device: torch.device) -> dict[str, Any]:
@@ -181,6 +235,12 @@ def report(meta: dict[str, Any], ladder: dict[str, list[dict]], longest: dict[st
         "transformers' gradient checkpointing + the loss through the logits; longctx-apply: "
         "attn_implementation='longctx' + apply(full uniform 1, fused_loss); -offload: with cpu_offloading."
         + (
+            f" LoRA: a frozen bf16 base, PEFT adapters of rank {meta['lora_rank']} on q, k, v, o, gate, up, down "
+            "(float32) train, AdamW over them; predicted = the planner's peak for the GPT of the same shape."
+            if meta.get("lora_rank")
+            else ""
+        )
+        + (
             " Gemma 2: transformers' SDPA path drops the attention logit softcap (another model, shown for its "
             "speed); eager and longctx compute it."
             if meta.get("model") == "gemma2"
@@ -200,7 +260,8 @@ def report(meta: dict[str, Any], ladder: dict[str, list[dict]], longest: dict[st
             elif r["status"] != "ok":
                 cells += [r["status"].upper() if r["status"] == "over" else "error", "-"]
             else:
-                cells += [f"{r['tokens_per_s']:.0f}", _gib(r["peak_bytes"])]
+                pred = f" (predicted {_gib(r['predicted_bytes'])})" if r.get("predicted_bytes") else ""
+                cells += [f"{r['tokens_per_s']:.0f}", _gib(r["peak_bytes"]) + pred]
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     if longest:
         head = "| provider | longest S that trains | peak GiB there | tokens/s there | shortest S that does not |"
@@ -238,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--search-limit", type=int, default=1 << 21)
     ap.add_argument("--search-budget-s", type=float, default=900.0, help="per provider")
     ap.add_argument("--memory-cap-gib", type=float, default=None, help="a try above this peak does not fit")
+    ap.add_argument("--lora", action="store_true", help="LoRA fine-tuning: frozen bf16 base, PEFT adapters train")
+    ap.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank with --lora (default 16)")
     ap.add_argument("--quick", action="store_true", help="CPU check: tiny model, S=64,128, a tiny search")
     ap.add_argument("--out-dir", default=str(Path("benchmarks") / "results"))
     ap.add_argument("--tag", default="", help="suffix naming what the run covers, not when")
@@ -262,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         cap = args.memory_cap_gib * 2**30 if args.memory_cap_gib else None
         start, limit, budget = args.search_start, args.search_limit, args.search_budget_s
     max_len = max([*seqs, limit])
+    lora_rank = args.lora_rank if args.lora else None
+    if lora_rank is not None and lora_rank < 1:
+        ap.error(f"--lora-rank must be a positive int, got {lora_rank}")
     env = _env(device)
     h, L, V, f = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"], shape["intermediate_size"]
     hd = shape.get("head_dim", h // shape["num_attention_heads"])
@@ -271,15 +337,17 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "transformers", "model": args.model, "env": env, "shape": shape, "params_m": params / 1e6,
         "providers": providers,
         "seq_lengths": seqs, "steps": steps, "warmup": warmup, "quantum": quantum, "resolution": 0.08,
-        "memory_cap_bytes": cap, "date": _dt.date.today().isoformat(),
+        "memory_cap_bytes": cap, "date": _dt.date.today().isoformat(), "lora_rank": lora_rank,
     }  # fmt: skip
     ladder: dict[str, list[dict]] = {}
     longest: dict[str, dict] = {}
     for p in providers:
-        runner = Runner(p, shape, max_len, device, args.model)
+        runner = Runner(p, shape, max_len, device, args.model, lora_rank)
         ladder[p] = []
         for s in seqs:
             r = runner.run(s, steps, warmup, cap)
+            if lora_rank is not None and p.startswith("longctx"):
+                r["predicted_bytes"] = predicted_lora_peak(shape, s, lora_rank, offload=p.endswith("offload"))
             ladder[p].append(r)
             print(f"{p:>22} S={s:>8}: {r['status']:>5} " + (
                 f"{r['tokens_per_s']:9.0f} tokens/s {_gib(r['peak_bytes'])} GiB" if r["status"] == "ok"
@@ -299,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{p:>22} longest S: {res['best']} (does not fit: {res['over']}; {res['stop']})", flush=True)
         runner.release()
     text = report(meta, ladder, longest)
-    tag = args.tag + ("" if args.model == "llama" else f"_{args.model}") + ("_quick" if args.quick else "")
+    tag = args.tag + ("" if args.model == "llama" else f"_{args.model}") + ("_lora" if lora_rank else "")
+    tag += "_quick" if args.quick else ""
     stem = result_stem(args.out_dir, "transformers", env["gpu"], tag)
     Path(stem).parent.mkdir(parents=True, exist_ok=True)
     clean = {p: {k: v for k, v in res.items() if k != "tries"} | {"tries": res["tries"]} for p, res in longest.items()}
