@@ -127,3 +127,17 @@ def test_bench_transformers_gemma2_runner(provider):
     r = runner.run(64, 1, 0, None)
     assert r["status"] == "ok" and r["tokens_per_s"] > 0
     assert runner.model.config.attn_logit_softcapping == 50.0 and "sliding_attention" in runner.model.config.layer_types
+
+
+@pytest.mark.parametrize("provider", ("hf-sdpa-ckpt", "longctx-apply"))
+def test_bench_transformers_lora_runner_trains_only_the_adapters(provider):
+    pytest.importorskip("peft")
+    runner = bench_tf.Runner(provider, bench_tf.SHAPE_QUICK, 128, CPU, "llama-8b", lora_rank=4)
+    r = runner.run(64, 1, 0, None)
+    assert r["status"] == "ok", r
+    trained = {id(p) for g in runner.opt.param_groups for p in g["params"]}
+    named = dict(runner.model.named_parameters())
+    assert trained and all(id(p) in trained for n, p in named.items() if "lora_" in n)
+    assert all(id(p) not in trained and p.dtype == torch.bfloat16 for n, p in named.items() if "lora_" not in n)
+    pred = bench_tf.predicted_lora_peak(bench_tf.SHAPE_QUICK, 64, 4, offload=False)
+    assert pred > 0
