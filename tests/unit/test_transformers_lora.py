@@ -13,9 +13,10 @@ peft = pytest.importorskip("peft")
 from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import longctx.integrations.transformers as lt  # noqa: E402
+from longctx.memory.model import LORA_TARGETS  # noqa: E402
 
 V = 101
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = list(LORA_TARGETS)  # q, k, v, o, gate, up, down
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 

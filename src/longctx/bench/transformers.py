@@ -49,6 +49,7 @@ import torch
 
 from longctx.bench import result_stem
 from longctx.bench.steps import ERROR, OOM, StepResult, adamw, free, is_oom, time_steps, training_step
+from longctx.memory.model import LORA_TARGETS
 from longctx.units import counts_arg
 
 PROVIDERS = ("hf-sdpa-ckpt", "hf-eager-ckpt", "longctx-apply", "longctx-apply-offload")
@@ -83,9 +84,6 @@ MODELS = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", SHAPE_GEMMA2, SHAPE_GEMMA2_QUICK,
                ("hf-eager-ckpt", "hf-sdpa-ckpt", "longctx-apply")),
 }  # fmt: skip
-
-
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def build(
