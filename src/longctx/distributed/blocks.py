@@ -252,15 +252,33 @@ def needed_ranges(
 
     A query piece (a run of rank r cut at document boundaries) sees the contiguous keys
     [max(doc start, first + lo), min(doc end, last + hi + 1)) (`gather_calls`): the union of its rows' bands is
-    contiguous and every key in it is seen by some row. O((pieces + runs) log runs) per rank.
+    contiguous and every key in it is seen by some row. Only the documents split across ranks are walked: a whole
+    document's keys are all on the rank that holds its queries. O((pieces of split documents + runs) log runs).
     """
     total = sum(n for runs in layout_chunks for _, n, _ in runs)
     world = len(layout_chunks)
     owned = sorted((g, n, r) for r, runs in enumerate(layout_chunks) for _, n, g in runs)
     starts = [g for g, _, _ in owned]
+    cu = docs.cu
+    split = sorted(  # the documents a boundary between two ranks' runs falls inside
+        {d for (_, _, r1), (g2, _, r2) in zip(owned, owned[1:]) if r1 != r2
+         for d in [bisect.bisect_right(cu, g2) - 1] if cu[d] != g2}
+    )  # fmt: skip
     needs = []
     for r in range(world):
-        spans = sorted((c.k0, c.k1) for c in _gather_calls(docs, tuple(layout_chunks[r]), total))
+        runs = sorted(layout_chunks[r], key=lambda run: run[2])
+        run_starts = [g for _, _, g in runs]
+        queries = []  # rank r's runs cut to the split documents
+        for d in split:
+            a, b = cu[d], cu[d + 1]
+            i = max(0, bisect.bisect_right(run_starts, a) - 1)
+            while i < len(runs) and runs[i][2] < b:
+                ls, n, g = runs[i]
+                lo, hi = max(a, g), min(b, g + n)
+                if hi > lo:
+                    queries.append((ls + lo - g, hi - lo, lo))
+                i += 1
+        spans = sorted((c.k0, c.k1) for c in _gather_calls(docs, tuple(queries), total))
         merged: list[list[int]] = []
         for a, b in spans:
             if merged and a <= merged[-1][1]:
