@@ -4,7 +4,9 @@ context_parallel_group=...)`) in gloo processes, against the same model in one p
 One world of 2 processes is spawned (a FileStore in a temporary directory) and runs every case; each case is then
 reported as its own test. Every rank builds the same tiny model from one seed and calls it with the same full
 batch; the loss value must equal the single-process loss and the gradients, summed over the ranks by
-`allreduce_gradients`, the single-process gradients.
+`allreduce_gradients`, the single-process gradients. Packed batches (DataCollatorWithFlattening, with cu_seq_lens or
+with restarting position ids only) are dealt by the dispatcher and compared with the same packed batch in one
+process.
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ CASES = (
     "qwen2-ulysses-zigzag",
     "llama-ring-recompute-logits-loss",
     "llama-num-items-in-batch",
+    "llama-packed-collator-ring",
+    "llama-packed-positions-allgather",
+    "qwen2-packed-collator-ulysses-recompute",
     "bad-padding",
-    "bad-position-ids",
+    "bad-packed-window",
 )
 
 
@@ -64,7 +69,7 @@ def _run_case(name: str, rank: int, world: int) -> None:
 
     import longctx.integrations.transformers as lt
 
-    family = name.split("-")[0] if not name.startswith("bad") else "llama"
+    family = name.split("-")[0] if not name.startswith("bad") else "mistral" if "window" in name else "llama"
     method = next((m for m in ("ring", "allgather", "ulysses") if m in name), "ring")
     layout = "contiguous" if "contiguous" in name else "zigzag"
     x = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(1))  # the same on every rank
@@ -86,13 +91,9 @@ def _run_case(name: str, rank: int, world: int) -> None:
             assert "padding" in str(e), e
             return
         raise AssertionError("padding under context parallelism did not raise")
-    if name == "bad-position-ids":
-        try:
-            model(input_ids=x, position_ids=torch.arange(24)[None], labels=labels)
-        except ValueError as e:
-            assert "position_ids" in str(e), e
-            return
-        raise AssertionError("position_ids under context parallelism did not raise")
+    if "packed" in name:
+        _packed_case(name, model, family, kw)
+        return
 
     single = _model(family)
     extra = {"num_items_in_batch": torch.tensor(37)} if "num-items" in name else {}
@@ -113,6 +114,41 @@ def _run_case(name: str, rank: int, world: int) -> None:
     from longctx.distributed import shard
 
     _close(local, shard(full, 1, None, layout), "logits")
+
+
+def _packed_batch(flash_kwargs: bool) -> dict:
+    from transformers import DataCollatorWithFlattening
+
+    g = torch.Generator().manual_seed(3)
+    docs = [{"input_ids": torch.randint(0, V, (n,), generator=g).tolist()} for n in (9, 5, 13, 1, 7, 11)]  # 46
+    batch = dict(DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(docs))
+    return {k: v for k, v in batch.items() if k != "attention_mask"}
+
+
+def _packed_case(name: str, model, family: str, kw: dict) -> None:
+    import longctx.integrations.transformers as lt
+
+    batch = _packed_batch(flash_kwargs="collator" in name)
+    if name == "bad-packed-window":
+        try:
+            model(**batch)
+        except ValueError as e:
+            assert "sliding window" in str(e), e
+            return
+        raise AssertionError("packed documents with a sliding window under context parallelism did not raise")
+    single = _model(family)
+    ref = single(**batch, use_cache=False).loss  # the same packed batch in one process (varlen)
+    ref.backward()
+    out = model(**batch)
+    plan = model._longctx_context_parallel._packed_plan  # the dispatcher's plan of this batch ran the attention
+    assert plan is not None and plan.total == 46 and plan.local_len == 23, plan
+    out.loss.backward()
+    lt.allreduce_gradients(model)
+    _close(out.loss.detach(), ref.detach(), "loss")
+    ref_g, got_g = _grads(single), _grads(model)
+    assert ref_g.keys() == got_g.keys()
+    for n in ref_g:
+        _close(got_g[n], ref_g[n], n)
 
 
 def case_names(world: int) -> list[str]:

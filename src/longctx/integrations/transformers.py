@@ -561,8 +561,9 @@ def _patch_forward(model: nn.Module, *, fused_loss: bool, cp: ContextParallel | 
         if shift is None and labels is not None:
             shift = _shift_labels(labels)
         if cp is not None:
+            varlen = {k: kwargs.pop(k) for k in _VARLEN_KEYS if k in kwargs}  # this rank's tokens are others
             input_ids, inputs_embeds, position_ids, shift = _cp_inputs(
-                cp, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, shift
+                cp, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, shift, varlen
             )
             attention_mask, use_cache = None, False
         outputs = base(
@@ -593,6 +594,9 @@ def _patch_forward(model: nn.Module, *, fused_loss: bool, cp: ContextParallel | 
     model.forward = types.MethodType(forward, model)
 
 
+_VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
 def _cp_inputs(
     cp: ContextParallel,
     input_ids: torch.Tensor | None,
@@ -601,25 +605,52 @@ def _cp_inputs(
     position_ids: torch.Tensor | None,
     past_key_values: Any,
     shift: torch.Tensor | None,
+    varlen: dict[str, Any],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """This rank's (zigzag) shard of the full-batch inputs and shifted labels, and its global positions."""
+    """This rank's shard of the full-batch inputs and shifted labels, and its positions.
+
+    One sequence per row: the zigzag shard of every row, with global positions. Packed documents (position ids
+    that restart, or the flattening collator's cu_seq_lens): the rows packed end to end and dealt by the dispatcher
+    (`longctx.distributed.dispatch_plan`: documents whole where they fit, balanced by mask area), each tensor
+    (1, B S / P) with positions inside the documents; the plan stays on ``cp`` (``_packed_plan``) for the layers'
+    attention, and for their recomputation in the backward, until the next forward."""
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(
             "context parallelism shards one unpadded sequence per row: got an attention_mask with padding; pack "
             "or trim the batch to full rows"
         )
-    if position_ids is not None:
-        raise ValueError(
-            "context parallelism computes the position ids of each rank's tokens (zigzag); pass position_ids=None "
-            "(packed documents are not supported under context parallelism)"
-        )
     if past_key_values is not None:
         raise ValueError("context parallelism is for training: pass past_key_values=None")
     full = input_ids if input_ids is not None else inputs_embeds
-    S = full.shape[1]
-    cp.check_seq_len(S)
-    pos = cp.position_ids(S, device=full.device).unsqueeze(0).expand(full.shape[0], -1)  # (B, S/P)
-    return cp.shard(input_ids), cp.shard(inputs_embeds), pos, cp.shard(shift)
+    B, S = full.shape[:2]
+    meta = _varlen_kwargs(varlen)
+    if meta is None and position_ids is None:
+        cp._packed_plan = None
+        cp.check_seq_len(S)
+        pos = cp.position_ids(S, device=full.device).unsqueeze(0).expand(B, -1)  # (B, S/P)
+        return cp.shard(input_ids), cp.shard(inputs_embeds), pos, cp.shard(shift)
+    from longctx.distributed.dispatch import dispatch_plan
+    from longctx.masks.packing import document_positions, packed_cu_seqlens
+
+    if meta is not None:  # the collator's documents, over the rows packed end to end
+        if meta.cu_q.tolist() != meta.cu_k.tolist() or int(meta.cu_q[-1]) != B * S:
+            raise ValueError(
+                "context parallelism over packed documents needs cu_seq_lens_q == cu_seq_lens_k covering the batch's "
+                f"{B * S} tokens (DataCollatorWithFlattening's), got {meta.cu_q.tolist()} and {meta.cu_k.tolist()}"
+            )
+        starts = torch.zeros(B * S, dtype=torch.bool, device=full.device)
+        starts[meta.cu_q[:-1].long().to(full.device)] = True
+        starts = starts.view(B, S)
+    else:
+        starts = position_ids.expand(B, S) == 0  # the documents start where the positions restart
+    pos = document_positions(starts)  # (B, S)
+    plan = dispatch_plan(packed_cu_seqlens(starts).tolist(), group=cp.group, causal=True)
+    cp._packed_plan = plan
+
+    def local(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else plan.dispatch(t.reshape(B * S, *t.shape[2:])).unsqueeze(0)
+
+    return local(input_ids), local(inputs_embeds), local(pos), local(shift)
 
 
 def _cp_loss(cp: ContextParallel, local_sum: torch.Tensor, shift: torch.Tensor, num_items: Any) -> torch.Tensor:
@@ -652,8 +683,18 @@ def _cp_attention(
 ) -> torch.Tensor:
     if mask is not None and mask.padding is not None:
         raise ValueError("context parallelism does not support padded rows (attention_mask with zeros)")
-    if _varlen_kwargs(kwargs) is not None:
-        raise ValueError("context parallelism does not support packed batches (cu_seq_lens_q/k)")
+    plan = getattr(cp, "_packed_plan", None)
+    if plan is not None:  # packed documents, dealt by the dispatcher: one launch per step over this rank's tokens
+        if not causal or window is not None:
+            raise ValueError(
+                "context parallelism over packed documents runs causal attention without a sliding window; this "
+                f"layer asks for causal={causal}, window={window}: train without packing or without the window"
+            )
+        q, k, v, run_ctx = follow_autocast(q, k, v)
+        with run_ctx:
+            out = plan.attention(*(t[0].transpose(0, 1) for t in (q, k, v)), method=cp.method, scale=scale,
+                                 backend=cp.backend)  # fmt: skip
+        return out.unsqueeze(0)  # (1, L, Hq, D)
     # the zigzag position ids make transformers see "packed documents" in every rank's shard: the shards are parts
     # of one sequence, and cp_attention applies the causal rule over global positions
     q, k, v, run_ctx = follow_autocast(q, k, v)
@@ -701,7 +742,10 @@ def apply(
       (B, S); the model shards input ids, labels and positions (``context_parallel_layout``, zigzag by default),
       runs `longctx.distributed.cp_attention` in every layer, and returns a loss whose value is the global mean
       and whose gradient is this rank's share: call `allreduce_gradients(model)` after ``backward`` to get the
-      single-process gradients. Without labels it returns this rank's logits (B, S/P, V);
+      single-process gradients. Without labels it returns this rank's logits (B, S/P, V). Packed batches
+      (DataCollatorWithFlattening: cu_seq_lens, or position ids that restart) are packed end to end and dealt by
+      `longctx.distributed.dispatch_plan` (documents whole where they fit, balanced by mask area; causal, no
+      sliding window), ``context_parallel_method`` running over the plan;
     - ``offload_params``: the parameters, their gradients and the optimizer's states in host memory, sharded by FSDP2
       over ``mesh`` (`longctx.distributed.offload`; None: this process alone): build the optimizer after ``apply``,
       on the host (`longctx.distributed.offload.host_adamw`). With context parallelism, ``mesh`` is
