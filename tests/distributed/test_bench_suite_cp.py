@@ -86,3 +86,42 @@ def test_cp_mode_with_gloo():
     assert one["code"] == "ok" and one["S"] == 128 and one["world"] == 1 and one["fwd_bwd_ms"] > 0, one
     assert "against one GPU on the whole sequence" in per_rank[0]["md"]
     assert "unknown context-parallel method 'no_such'" in per_rank[0]["bad_method"]
+
+
+def _check_worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    result: dict = {}
+    try:
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))  # fmt: skip
+        from longctx.bench.suite.cli import main
+
+        out = os.path.join(out_dir, "run")
+        result["rc"] = main(["--cp", "--device", "cpu", "--cp-check", "--cp-no-sweep", "--check-seqlen", "64",
+                             "--heads", "2/2", "--d", "16", "--check-kv-heads", "2", "--cp-backend", "tiled",
+                             "--out", out])  # fmt: skip
+        if rank == 0:
+            result["md"] = pathlib.Path(out, "check.md").read_text()
+            result["rows"] = json.loads(pathlib.Path(out, "check.json").read_text())["rows"]
+    except Exception:  # noqa: BLE001 - reported to the test
+        result["error"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def test_cp_check_through_the_suite_cli():
+    """``--cp --cp-check``: every dense method and layout against the float64 oracle, next to the single-process
+    kernel, written to check.md / check.json of the run folder; exit status 0 when every row passes."""
+    per_rank, hung = spawn_world(_check_worker, WORLD, timeout_s=150)
+    assert not hung, f"ranks {hung} hung"
+    for r, res in enumerate(per_rank):
+        assert "error" not in res, f"rank {r}:\n{res.get('error')}"
+        assert res["rc"] == 0, res
+    rows = per_rank[0]["rows"]
+    combos = {(r["mask"], r["method"], r["layout"]) for r in rows}
+    assert len(combos) == 3 * 3 * 2 and all(r["ok"] for r in rows), rows
+    assert "| causal | ring | zigzag |" in per_rank[0]["md"] and "| NO |" not in per_rank[0]["md"]

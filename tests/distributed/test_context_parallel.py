@@ -80,7 +80,7 @@ def case_names(world: int) -> list[str]:
     if world == 2:
         extra = ["triton-interpreter-ring"]  # the Triton launchers under TRITON_INTERPRET=1
     else:
-        extra = ["subgroups-ring", "bench-max-seq"]  # two context-parallel groups of 2 side by side; bench cp
+        extra = ["subgroups-ring", "bench-max-seq"]  # two context-parallel groups of 2 side by side; bench suite --cp
     return _attention_cases(world) + BAD_CASES + OTHER_CASES + extra
 
 
@@ -299,17 +299,19 @@ def _run_subgroups_case(rank: int, world: int) -> None:
 
 
 def _run_bench_max_seq_case(rank: int, world: int) -> None:
-    """`bench cp --max-seq` on the CPU: a made-up footprint of 1 KiB per token per process that appears in the
+    """`bench suite --cp --max-seq` on the CPU: a made-up footprint of 1 KiB per token per process that appears in the
     backward, against a cap of 0.6 MiB, so every search must end at 512 tokens per GPU (over at 768), each
     over-cap try stopping on every rank together in the middle of the backward (1, 2 and 4 processes)."""
-    import longctx.bench.cp as bench
+    from longctx.bench.suite import cp_longest
+    from longctx.bench.suite.cli import config_from_args, cp_stage_args, parser
 
-    args = bench.parser().parse_args(
-        ["--device", "cpu", "--max-seq", "--gpt-preset", "tiny", "--gpt-override", "attention_backend=tiled"]
+    parsed = parser().parse_args(
+        ["--cp", "--device", "cpu", "--max-seq", "--gpt-preset", "tiny", "--gpt-override", "attention_backend=tiled"]
         + ["--max-seq-gpus", "1,2,4", "--mem-cap-gib", str(0.6 / 1024), "--fake-kib-per-token", "1"]
         + ["--max-seq-start", "512", "--max-seq-warmup-tokens", "256", "--loss-chunk", "200"]
     )
-    rows = bench.run_max_seq(args)
+    args = cp_stage_args(parsed, config_from_args(parsed))
+    rows = cp_longest.run_max_seq(args)
     assert [r["gpus"] for r in rows] == [1, 2, 4]
     for r in rows:
         assert r["error"] is None, r["error"]
@@ -321,7 +323,7 @@ def _run_bench_max_seq_case(rank: int, world: int) -> None:
         assert [(t["n"], t["status"], bool(t["known"])) for t in r["tries"]] == [
             (256, "ok", True), (512, "ok", False), (768, "over", False)], r["tries"]  # fmt: skip
         assert abs(r["gib_per_1k_tokens_per_gpu"] - 1 / 1024) < 1e-9 and abs(r["fixed_gib"]) < 1e-9, r
-    md = "\n".join(bench._max_seq_markdown(rows, args))
+    md = cp_longest.markdown(rows, args)
     assert "| 4 | 2.0K (0.5K) | 3.0K |" in md, md
 
 
@@ -454,7 +456,7 @@ def _linear_try(a: float, b: float, cap: float, calls: list):
 def test_search_longest_brackets_the_crossing(truth: int) -> None:
     """Doubling, then bisection with the linear prediction: the bracket holds the true crossing, within the
     resolution, in a handful of tries; and started from an earlier result with its line, in two or three."""
-    from longctx.bench.cp import QUANTUM, search_longest
+    from longctx.bench.search import QUANTUM, search_longest
 
     a, b = 6e9, 170e3  # fixed bytes, bytes per token
     cap = a + b * (truth + 0.5)
@@ -474,7 +476,7 @@ def test_search_longest_brackets_the_crossing(truth: int) -> None:
 
 
 def test_search_longest_stops_on_errors_budget_and_limit() -> None:
-    from longctx.bench.cp import search_longest
+    from longctx.bench.search import search_longest
 
     r = search_longest(lambda n: dict(status="error", peak=0.0, secs=1.0), start=1024, cap=1.0)
     assert r["best"] is None and r["stop"] == "error" and len(r["tries"]) == 1
@@ -491,11 +493,11 @@ def test_search_longest_stops_on_errors_budget_and_limit() -> None:
 
 
 def test_bench_hidden_states_and_chunked_loss_match_the_gpt() -> None:
-    """bench cp --max-seq takes the loss from the final hidden states in chunks: the same loss and gradients as
+    """bench suite --cp --max-seq takes the loss from the final hidden states in chunks: the same loss and gradients as
     the GPT's own logits (the mirror of GPT.forward must not drift from it)."""
     import torch.nn.functional as F
 
-    from longctx.bench.cp import _final_hidden, _output_weight, chunked_lm_loss_sum
+    from longctx.bench.suite.cp_longest import _final_hidden, _output_weight, chunked_lm_loss_sum
     from longctx.models.gpt import GPT, GPTConfig
 
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

@@ -135,12 +135,21 @@ def test_module_entry_point_version():
     assert r.returncode == 0 and r.stdout.strip() == f"longctx {longctx.__version__}"
 
 
-@pytest.mark.parametrize("which", ["attention", "recompute", "cp"])
+@pytest.mark.parametrize("which", ["attention", "recompute", "suite"])
 def test_bench_subcommands_are_reachable(which, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", which, "--help"])
     assert exit_.value.code == 0
-    assert f"longctx bench {which}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"longctx bench {which}" in out
+    if which == "suite":  # the one context-parallel benchmark: the sweep, the check, the longest sequence
+        assert "--cp-check" in out and "--max-seq" in out
+
+
+def test_the_older_context_parallel_benchmark_is_gone(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "cp"])
+    assert exit_.value.code == 2
 
 
 def test_train_help_lists_every_flag_with_its_default(capsys):

@@ -23,7 +23,7 @@ planner's prediction for the run (`longctx.plan` of the GPT of the same shape wi
 
 For every provider: tokens/s (S / the median step time) and peak memory (``torch.cuda.max_memory_allocated``;
 on the CPU the peak of live tensors) at each S of ``--seq-lengths``, then (``--longest``) the longest S that
-trains one whole step, searched by doubling and bisection (`longctx.bench.cp.search.search_longest`; a try that
+trains one whole step, searched by doubling and bisection (`longctx.bench.search.search_longest`; a try that
 runs out of memory, or exceeds ``--memory-cap-gib``, does not fit).
 
     longctx bench transformers                               # the GPU run
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if not torch.cuda.is_available():
             ap.error("the comparison runs on a CUDA GPU; use --quick for the CPU check")
-        from longctx.bench.cp.search import QUANTUM
+        from longctx.bench.search import QUANTUM
 
         device, shape, quantum = torch.device("cuda"), MODELS[args.model][2], QUANTUM
         seqs, steps, warmup = args.seq_lengths, args.steps, args.warmup
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['tokens_per_s']:9.0f} tokens/s {_gib(r['peak_bytes'])} GiB" if r["status"] == "ok"
                 else r.get("error", "")), flush=True)  # fmt: skip
         if args.longest or args.quick:
-            from longctx.bench.cp.search import search_longest
+            from longctx.bench.search import search_longest
 
             def try_fn(n: int, _runner: Runner = runner) -> dict[str, Any]:
                 return _runner.run(n, 1, 1 if device.type == "cuda" else 0, cap)

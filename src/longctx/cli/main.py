@@ -26,7 +26,6 @@ _BENCHES = {
     "suite": ("longctx.bench.suite", "the Long-Context Attention Benchmark: every mask, provider, length; --cp"),
     "attention": ("longctx.bench.attention", "dense attention at FlashAttention's benchmark shapes (D 64-256)"),
     "recompute": ("longctx.bench.recompute", "memory and step time under activation recomputation"),
-    "cp": ("longctx.bench.cp", "context-parallel attention throughput (run under torchrun)"),
     "memory": ("longctx.bench.memory", "longest trainable S, tokens/s and peak memory against transformers"),
     "transformers": (
         "longctx.bench.transformers",

@@ -11,6 +11,7 @@ import torch
 
 from longctx.bench import result_stem
 from longctx.bench.suite.case import DTYPES
+from longctx.bench.suite.cp_longest import CRITERIA
 from longctx.bench.suite.kernel import SuiteConfig, run_build_timing, run_kernel
 from longctx.bench.suite.providers import provider_names
 from longctx.bench.suite.report import write_report
@@ -111,6 +112,30 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="--cp: also time one GPU on the whole sequence (strong scaling: the reference of packed documents)",
     )
+    ap.add_argument("--cp-no-sweep", action="store_true", help="--cp: no timed sweep (--cp-check, --max-seq only)")
+    c = ap.add_argument_group("--cp-check: NCCL bf16 correctness of cp_attention against a float64 oracle, first")
+    c.add_argument("--cp-check", action="store_true", help="--cp: run the check before the sweep")
+    c.add_argument("--check-seqlen", type=count_arg("--check-seqlen"), default=8192, help="its sequence length")
+    c.add_argument("--check-kv-heads", type=count_arg("--check-kv-heads"), default=4, help="its kv heads (GQA)")
+    c.add_argument("--check-layouts", default="zigzag,contiguous", help="its sequence layouts")
+    c.add_argument("--cp-backend", default="auto", choices=("auto", "tiled", "triton"), help="the launchers")
+    m = ap.add_argument_group("--max-seq: the longest sequence that trains a GPT on 1, ..., P GPUs under a memory cap")
+    m.add_argument("--max-seq", action="store_true", help="--cp: search it after the sweep")
+    m.add_argument("--gpt-preset", default="gpt2-medium", help="the GPT (longctx.models.PRESETS)")
+    m.add_argument("--gpt-override", default="", help="GPTConfig fields, e.g. num_layers=2,hidden_size=64")
+    m.add_argument("--max-seq-gpus", type=_ints, default=None, help="GPU counts to search (default 1 and all)")
+    m.add_argument("--mem-cap-gib", type=float, default=16.0, help="memory cap per GPU (GiB)")
+    m.add_argument("--max-seq-start", type=int, default=8192, help="first try, tokens per GPU")
+    m.add_argument("--max-seq-criterion", choices=CRITERIA, default="allocated",
+                   help="under the cap: peak allocated + --max-seq-margin-gib, or peak reserved")  # fmt: skip
+    m.add_argument("--max-seq-margin-gib", type=float, default=1.0, help="the margin of the allocated criterion")
+    m.add_argument("--max-seq-res", type=float, default=0.08, help="stop when [fit, misfit] is within this")
+    m.add_argument("--max-seq-budget-s", type=float, default=150.0, help="wall-clock budget of the whole search")
+    m.add_argument("--max-seq-limit", type=int, default=1 << 21, help="never try more tokens per GPU than this")
+    m.add_argument("--max-seq-warmup-tokens", type=int, default=1024, help="tokens/GPU of the unmeasured first step")
+    m.add_argument("--loss", default="chunked", choices=("chunked", "full"), help="how the loss is made")
+    m.add_argument("--loss-chunk", type=int, default=1024, help="tokens of logits at a time (--loss chunked)")
+    m.add_argument("--fake-kib-per-token", type=float, default=0.0, help="CPU smoke runs/tests: a made-up peak")
     return ap
 
 
@@ -275,10 +300,56 @@ def _main_cp(args: argparse.Namespace, cfg: SuiteConfig, argv: list[str]) -> int
         if rank == 0:
             write_report(out, rows, meta)
 
-    rows = run_cp(cfg, args.tokens_per_gpu, methods, iters=args.cp_iters, on_row=save, whole=args.cp_whole)
-    save(rows)
+    stage = cp_stage_args(args, cfg)
+    ok = True
+    if args.cp_check:
+        from longctx.bench.suite import cp_check
+
+        check = cp_check.run_check(stage, stage.backend)
+        ok = all(r["ok"] for r in check)
+        _write_part(out, "check", check, cp_check.markdown(check, stage) if check else "", meta, rank)
+    if not args.cp_no_sweep:
+        rows = run_cp(cfg, args.tokens_per_gpu, methods, iters=args.cp_iters, on_row=save, whole=args.cp_whole)
+        save(rows)
+    if args.max_seq:
+        from longctx.bench.suite import cp_longest
+
+        longest = cp_longest.run_max_seq(stage)
+        ok = ok and not any(r["error"] for r in longest)
+        _write_part(out, "longest", longest, cp_longest.markdown(longest, stage) if longest else "", meta, rank)
     if rank == 0:
         print(f"wrote {out}")
     dist.barrier()
     dist.destroy_process_group()
-    return 0
+    return 0 if ok else 1
+
+
+def cp_stage_args(args: argparse.Namespace, cfg: SuiteConfig) -> argparse.Namespace:
+    """The settings of the check and the longest-sequence search (`cp_check`, `cp_longest`) from the suite's: the
+    dense methods among --cp-methods, the check's layouts, heads and head dim, the device type."""
+    dense = [m for m in args.cp_methods.split(",") if m.strip() in ("ring", "allgather", "ulysses")]
+    stage = dict(
+        methods=dense or ["ring"],
+        layouts=[x.strip() for x in args.check_layouts.split(",") if x.strip()],
+        heads=cfg.Hq,
+        kv_heads=args.check_kv_heads,
+        head_dim=cfg.D,
+        backend=args.cp_backend,
+        device=torch.device(cfg.device).type,
+    )
+    return argparse.Namespace(**{**vars(args), **stage})
+
+
+def _write_part(out: str, name: str, rows: list[dict], md: str, meta: dict, rank: int) -> None:
+    """``<out>/<name>.json`` and ``.md``: a part of a --cp run beside its sweep (the first rank writes)."""
+    if rank != 0:
+        return
+    import json
+
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
+    header = f"# {name}: {meta['world']} x {meta['gpu']}, torch {meta['torch']}, triton {meta.get('triton')}\n\n"
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(header + md)
+    print(md, flush=True)

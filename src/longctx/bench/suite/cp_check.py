@@ -1,11 +1,12 @@
-"""`longctx bench cp --check`: NCCL bf16 correctness of context-parallel attention against a float64 oracle."""
+"""`longctx bench suite --cp --cp-check`: NCCL bf16 correctness of context-parallel attention against a float64
+oracle, next to the single-GPU kernel on the whole sequence, and its Markdown section (`markdown`)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from longctx.bench.cp.common import empty_cache, log, max_over_ranks
+from longctx.bench.suite.ranks import empty_cache, log, max_over_ranks
 
 
 def run_check(args, launcher: str) -> list[dict]:
@@ -59,3 +60,20 @@ def run_check(args, launcher: str) -> list[dict]:
         del q, k, v, do, oracle, single
         empty_cache(dev)
     return rows
+
+
+def markdown(rows: list[dict], args) -> str:
+    """The Markdown section of the check's rows."""
+    lines = [
+        f"## NCCL correctness (bf16, S={rows[0]['S']}, Hq={args.heads}, Hkv={args.kv_heads}, D={args.head_dim})",
+        "",
+        "max |error| against the float64 oracle: context parallel / single-GPU kernel on the whole sequence. "
+        "Pass: cp <= 2 x single + 1e-5.",
+        "",
+        "| mask | method | layout | out | dq | dk | dv | pass |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = " | ".join(f"{r['err_' + n]:.1e} / {r['err1_' + n]:.1e}" for n in ("out", "dq", "dk", "dv"))
+        lines.append(f"| {r['mask']} | {r['method']} | {r['layout']} | {cells} | {'yes' if r['ok'] else 'NO'} |")
+    return "\n".join(lines) + "\n"

@@ -1,4 +1,5 @@
-"""`longctx bench cp --max-seq`: the longest sequence that trains the GPT on 1, ..., P GPUs under a memory cap."""
+"""`longctx bench suite --cp --cp-longest`: the longest sequence that trains the GPT on 1, ..., P GPUs under a memory
+cap (ring attention, zigzag, full recomputation), and its Markdown section (`markdown`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from longctx.bench.cp.common import GIB, empty_cache, log, sync
-from longctx.bench.cp.search import QUANTUM, _linfit, search_longest
+from longctx.bench.search import QUANTUM, _linfit, search_longest
+from longctx.bench.suite.ranks import GIB, empty_cache, log, sync
 
 CRITERIA = ("allocated", "reserved")  # --max-seq-criterion
 
@@ -384,3 +385,108 @@ def _max_seq_line(r: dict) -> str:
     if r["extrapolated_max_seq"] is not None:
         line += f"; extrapolated to 95% of {r['gpu_gib']:.0f} GiB: S ~ {r['extrapolated_max_seq']}"
     return line
+
+
+# -- the report --------------------------------------------------------------------------------------------------
+
+
+def _k(n) -> str:
+    return "-" if n is None else f"{n / 1024:.1f}K"
+
+
+def _criterion_text(r: dict) -> str:
+    if r.get("criterion", "reserved") == "allocated":
+        return (
+            f"the peak memory allocated plus a margin of {r.get('margin_gib', 0):g} GiB (criterion `allocated`: "
+            "before it raises out-of-memory, PyTorch's caching allocator waits for pending frees, releases its "
+            "cached blocks and retries, so a step needs what it allocates plus what fragmentation wastes; the margin "
+            "covers that, with expandable segments)"
+        )
+    return (
+        "the peak memory reserved by PyTorch's allocator (criterion `reserved`, what "
+        "`torch.cuda.set_per_process_memory_fraction` caps; it includes cached blocks the allocator would free "
+        "before failing, so it overstates what a step needs)"
+    )
+
+
+def _max_seq_markdown(rows: list[dict], args) -> list[str]:
+    r0 = rows[0]
+    one = next((r for r in rows if r["gpus"] == 1 and r["max_seq"]), None)
+    name = args.gpt_preset + (f" with {args.gpt_override}" if args.gpt_override else "")
+    lines = [
+        f"## Longest trainable sequence: GPT {name} ({r0.get('params_m', 0):.3g}M parameters) under a cap of "
+        f"{r0['cap_gib']:g} GiB per GPU",
+        "",
+        "Each try is one full training step: forward, backward, AdamW step; full recomputation (uniform, 1 layer), "
+        "bf16 autocast, batch 1; ring attention with the zigzag layout on P > 1 GPUs (gradients all-reduced). "
+        f"Tokens per GPU are multiples of {QUANTUM}. The search doubles, then bisects to {args.max_seq_res:.0%}; "
+        f"a try fits when {_criterion_text(r0)} on every GPU stayed within the cap (checked by all ranks together "
+        "at every layer boundary, where they all stop: no rank is left in a ring exchange). **Measured**: the longest "
+        "S that ran and the shortest that did not. **Extrapolated** (not run): the line (criterion's peak) = fixed + "
+        "slope x tokens/GPU through the tries that fit, to 95% of the GPU's memory. The CUDA context and NCCL's "
+        "own buffers come on top.",
+        "",
+    ]
+    if args.loss == "full":
+        lines += [
+            "Loss: the GPT's own forward, which returns the logits of the whole local sequence (B, S/P, vocab) "
+            "and takes their float32 cross-entropy.",
+            "",
+        ]
+    else:
+        lines += [
+            "Loss: from the final hidden states, "
+            f"{args.loss_chunk} tokens of logits at a time (each chunk recomputed in the backward). The GPT's own "
+            "forward returns the logits of the whole sequence: with a 50K vocabulary that is ~6 bytes x vocab = "
+            "0.3 MB per token for the bf16 logits and their float32 copy alone, more than the saved activations "
+            "of all layers under full recomputation; `--loss full` measures that path.",
+            "",
+        ]
+    lines += [
+        "| GPUs | longest S run (tokens/GPU) | shortest S over the cap | peak GiB at the longest (reserved / "
+        "allocated) | GiB per 1K tokens/GPU | fixed GiB | longest S vs 1 GPU | S at 95% of the GPU (extrapolated) "
+        "| tries, s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        P = r["gpus"]
+        run = "-" if r["max_seq"] is None else f"{_k(r['max_seq'])} ({_k(r['best_tokens_per_gpu'])})"
+        over = "-" if r["over_tokens_per_gpu"] is None else _k(r["over_tokens_per_gpu"] * P)
+        peak = (
+            "-" if r["peak_reserved_gib"] is None else f"{r['peak_reserved_gib']:.2f} / {r['peak_allocated_gib']:.2f}"
+        )
+        slope = "-" if r["gib_per_1k_tokens_per_gpu"] is None else f"{r['gib_per_1k_tokens_per_gpu']:.3f}"
+        fixed = "-" if r["fixed_gib"] is None else f"{r['fixed_gib']:.2f}"
+        ratio = "-" if one is None or not r["max_seq"] else f"{r['max_seq'] / one['max_seq']:.2f}x"
+        ext = (
+            "-" if r["extrapolated_max_seq"] is None else f"~{_k(r['extrapolated_max_seq'])} of {r['gpu_gib']:.0f} GiB"
+        )
+        lines.append(
+            f"| {P} | {run} | {over} | {peak} | {slope} | {fixed} | {ratio} | {ext} | {len(r['tries'])}, "
+            f"{r['search_secs']:.0f} |"
+        )
+    lines += [
+        "",
+        "Tries (tokens/GPU: outcome, step seconds, peak GiB reserved / allocated), and why each search stopped:",
+        "",
+    ]
+
+    def gib(t, key):
+        return "-" if t.get(key) is None else f"{t[key] / GIB:.2f}"
+
+    for r in rows:
+        tries = ", ".join(
+            f"{_k(t['n'])}: {t['status']} {t['secs']:.1f} s {gib(t, 'reserved')} / {gib(t, 'allocated')}"
+            + (" (warm-up)" if t.get("known") else "")
+            for t in r["tries"]
+        )
+        lines.append(f"- {r['gpus']} GPU(s): {tries}; stopped: {r['stop']}")
+        if r["error"]:
+            lines.append(f"  - error: `{r['error'].strip().splitlines()[-1]}`")
+    lines.append("")
+    return lines
+
+
+def markdown(rows: list[dict], args) -> str:
+    """The Markdown section of the search's rows."""
+    return "\n".join(_max_seq_markdown(rows, args))
