@@ -112,6 +112,17 @@ def pytest_collection_modifyitems(config, items):
     _select_gpu(config, items)
 
 
+@pytest.fixture(autouse=True)
+def _close_process_group():
+    """A process group a test opened in this process (the one-rank mesh of offload_params, init_mesh(1, 1)) is
+    closed after it: every test starts without one."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture
 def ws_switches():
     """The dense launchers (`longctx.launchers.flash`), with every `longctx.tuning` override the test sets (``ws``,
