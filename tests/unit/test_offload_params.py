@@ -189,3 +189,17 @@ def test_plan_cli_plans_both_memories(capsys, tmp_path):
     assert entry["offload_params"] is True and entry["predicted_host_bytes"] > 16 * 8e9
     assert main(["--preset", "llama-8b", "--seq-length", "65536", "--budget", "78GiB", "--offload-params", "off"]) == 2
     assert "offload_params (parameters in host memory) may train longer" in capsys.readouterr().err
+
+
+def test_a_memory_budget_below_the_states_offloads_them(tmp_path):
+    """``--memory-budget`` under the states of the model: the plan puts them in host memory and the run trains."""
+    from longctx.memory.model import CUDA_OVERHEAD_BYTES
+
+    model = dict(num_layers=4, hidden_size=512, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=1408,
+                 vocab_size=64, seq_length=64)  # fmt: skip
+    cfg = GPTConfig.preset("tiny", **model)
+    budget = CUDA_OVERHEAD_BYTES + 8 * parameter_count(cfg)[0]  # half the 16 bytes a parameter of the states
+    trainer, result = _run(tmp_path, "planned", model=model, memory_budget=f"{budget / 2**20:.0f}MiB",
+                           num_keys=8, num_values=8, num_pairs=4, num_queries=2)  # fmt: skip
+    assert trainer.offload and trainer.dp_strategy == "fsdp2-offload"
+    assert len(result.losses) == 4 and all(math.isfinite(x) for x in result.losses)

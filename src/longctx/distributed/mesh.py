@@ -240,7 +240,7 @@ def apply_fsdp(
                 f"({torch.__version__}) does not have; upgrade torch, or train without offload_params"
             )
         return "allreduce"
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     dp_mesh = mesh["dp", "cp"]._flatten("dp_cp") if offload_params else mesh["dp"]
     if units is None:
@@ -256,8 +256,6 @@ def apply_fsdp(
     if param_dtype is not None:  # cast_forward_inputs=False: RoPE's float32 cos / sin stay float32
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
                                                cast_forward_inputs=False)  # fmt: skip
-    else:
-        kw["offload_policy"] = kw.get("offload_policy", OffloadPolicy())
     for unit in units:
         fully_shard(unit, mesh=dp_mesh, **kw)
     fully_shard(model, mesh=dp_mesh, **kw)

@@ -236,10 +236,13 @@ class Trainer:
             mcfg = dataclasses.replace(mcfg, attention_backend=_default_backend(mcfg, self.device, self.use_bf16))
         self.offload = cfg.offload_params  # parameters, gradients and optimizer states in host memory
         if cfg.memory_budget is not None:  # the plan's memory settings replace the configured ones
+            from longctx.layers.offload import host_memory_available
             from longctx.memory.plan import plan
 
+            # the host memory this machine has available, unless bounded (every rank of the host shares it)
+            host = cfg.host_memory_budget or host_memory_available()
             chosen = plan(mcfg, seq_length=mcfg.seq_length, budget=cfg.memory_budget,
-                          micro_batch_size=cfg.micro_batch_size, host_budget=cfg.host_memory_budget,
+                          micro_batch_size=cfg.micro_batch_size, host_budget=host,
                           data_parallel=cfg.data_parallel, context_parallel=cfg.context_parallel,
                           offload_params=True if cfg.offload_params else None)  # fmt: skip
             mcfg, self.offload = chosen.config, chosen.offload_params
