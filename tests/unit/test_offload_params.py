@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from longctx.distributed.offload import decoder_units, host_adamw, offload_model
+from longctx.distributed.mesh import decoder_units
+from longctx.distributed.offload import host_adamw, offload_model
 from longctx.memory import model as memory_model
 from longctx.memory.plan import format_plan, parameter_count, plan
 from longctx.models.gpt import GPT, GPTConfig

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from longctx.distributed.model import check_agreement, init_distributed
 
@@ -41,6 +42,7 @@ __all__ = [
     "cp_group",
     "batch_rows",
     "apply_fsdp",
+    "decoder_units",
     "fsdp_available",
     "share_of_mean",
     "reduce_gradients",
@@ -198,6 +200,39 @@ def fsdp_available() -> bool:
     return True
 
 
+def decoder_units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards one by one, in the order they run: the input embedding (unless tied to the output
+    projection, which then stays in the root with it) and every decoder layer.
+
+    Knows the longctx GPT (``embedding``, ``layers``) and transformers' causal LMs, PEFT-wrapped or not
+    (``get_input_embeddings()``, ``model.layers``).
+
+    Raises:
+        TypeError: a model with neither shape.
+    """
+    from longctx.models.gpt import GPT
+
+    if isinstance(model, GPT):
+        units: list[nn.Module] = list(model.layers)
+        if not model.config.share_embeddings_and_output_weights:
+            units.insert(0, model.embedding)
+        return units
+    layers = next(  # the decoder stack: transformers' XModel (under XForCausalLM, under PEFT's wrappers)
+        (m.layers for m in model.modules() if isinstance(getattr(m, "layers", None), nn.ModuleList)), None
+    )
+    if layers is None:
+        raise TypeError(
+            f"offload_params shards a model layer by layer: expected a longctx GPT or a transformers causal LM with "
+            f"model.layers, got {type(model).__name__}"
+        )
+    units = list(layers)
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if embed is not None and (output is None or output.weight is not embed.weight):
+        units.insert(0, embed)
+    return units
+
+
 def apply_fsdp(
     model: torch.nn.Module,
     mesh: Any,
@@ -244,8 +279,6 @@ def apply_fsdp(
 
     dp_mesh = mesh["dp", "cp"]._flatten("dp_cp") if offload_params else mesh["dp"]
     if units is None:
-        from longctx.distributed.offload import decoder_units
-
         try:
             units = decoder_units(model)
         except TypeError:  # a model of one's own: its layers, if it has them

@@ -27,40 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["offload_model", "host_adamw", "decoder_units", "build_device", "HostPeak", "host_rss"]
-
-
-def decoder_units(model: nn.Module) -> list[nn.Module]:
-    """The modules FSDP2 shards one by one, in the order they run: the input embedding (unless tied to the output
-    projection, which then stays in the root with it) and every decoder layer.
-
-    Knows the longctx GPT (``embedding``, ``layers``) and transformers' causal LMs, PEFT-wrapped or not
-    (``get_input_embeddings()``, ``model.layers``).
-
-    Raises:
-        TypeError: a model with neither shape.
-    """
-    from longctx.models.gpt import GPT
-
-    if isinstance(model, GPT):
-        units: list[nn.Module] = list(model.layers)
-        if not model.config.share_embeddings_and_output_weights:
-            units.insert(0, model.embedding)
-        return units
-    layers = next(  # the decoder stack: transformers' XModel (under XForCausalLM, under PEFT's wrappers)
-        (m.layers for m in model.modules() if isinstance(getattr(m, "layers", None), nn.ModuleList)), None
-    )
-    if layers is None:
-        raise TypeError(
-            f"offload_params shards a model layer by layer: expected a longctx GPT or a transformers causal LM with "
-            f"model.layers, got {type(model).__name__}"
-        )
-    units = list(layers)
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if embed is not None and (output is None or output.weight is not embed.weight):
-        units.insert(0, embed)
-    return units
+__all__ = ["offload_model", "host_adamw", "build_device", "HostPeak", "host_rss"]
 
 
 def offload_model(
@@ -82,7 +49,7 @@ def offload_model(
             computes in the parameters' dtype; "auto": bfloat16 on a GPU, None on the CPU (nothing to gain there).
         units: the modules sharded one by one (default `decoder_units`).
     """
-    from longctx.distributed.mesh import apply_fsdp, init_mesh
+    from longctx.distributed.mesh import apply_fsdp, decoder_units, init_mesh
 
     if mesh is None:
         mesh = init_mesh(1, 1)
