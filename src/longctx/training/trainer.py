@@ -48,7 +48,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from longctx.api import explain
 from longctx.layers.attention import DocumentAttention
 from longctx.models.gpt import GPT, GPTConfig, lm_loss
 from longctx.training.checkpoint import (
@@ -63,11 +62,9 @@ from longctx.training.checkpoint import (
 from longctx.training.config import TrainConfig, parse_config
 from longctx.training.data import (
     Batch,
-    ByteText,
     RecallTask,
     document_positions,
     packed_cu_seqlens,
-    parse_separator,
 )
 from longctx.training.metrics import (
     MetricsLog,
@@ -78,6 +75,17 @@ from longctx.training.metrics import (
     peak_memory_bytes,
     plot_metrics,
     step_line,
+)
+from longctx.training.setup import (
+    RUN_FILES,
+    SHARDED_DIR,
+    build_task,
+    chosen_backend,
+    default_backend,
+    device_of,
+    init_mesh_for,
+    run_folder_error,
+    world_size,
 )
 
 if TYPE_CHECKING:
@@ -95,9 +103,6 @@ __all__ = [
     "build_optimizer",
     "cpu_threads",
 ]
-
-RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "loss.png")  # what a run writes in its --save folder
-SHARDED_DIR = "checkpoint"  # the folder of sharded checkpoints (step-N/) a run under a mesh writes in --save
 
 
 class NonFiniteError(RuntimeError):
@@ -214,26 +219,26 @@ class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         self.rank = 0
         self.mesh: Any = None
-        self.distributed = cfg.data_parallel * cfg.context_parallel > 1 or _world_size() > 1
+        self.distributed = cfg.data_parallel * cfg.context_parallel > 1 or world_size() > 1
         if self.distributed:
-            self.rank, self.device, self.mesh = _init_mesh(cfg)
+            self.rank, self.device, self.mesh = init_mesh_for(cfg)
             if self.rank != 0:
                 cfg = dataclasses.replace(cfg, quiet=True)
         else:
-            self.device = _device(cfg.device)
-            folder_error = _run_folder_error(cfg)
+            self.device = device_of(cfg.device)
+            folder_error = run_folder_error(cfg)
             if folder_error:
                 raise ValueError(folder_error)
         self.cfg = cfg
         self.use_bf16 = cfg.bf16 if cfg.bf16 is not None else self.device.type == "cuda"
         torch.manual_seed(cfg.seed)  # the model's initial weights
 
-        self.task, mcfg = _build_task(cfg)
+        self.task, mcfg = build_task(cfg)
         threads = cpu_threads(mcfg) if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ else None
         if threads is not None:
             torch.set_num_threads(threads)
         if cfg.model.get("attention_backend") is None:
-            mcfg = dataclasses.replace(mcfg, attention_backend=_default_backend(mcfg, self.device, self.use_bf16))
+            mcfg = dataclasses.replace(mcfg, attention_backend=default_backend(mcfg, self.device, self.use_bf16))
         self.offload = cfg.offload_params  # parameters, gradients and optimizer states in host memory
         if cfg.memory_budget is not None:  # the plan's memory settings replace the configured ones
             from longctx.layers.offload import host_memory_available
@@ -264,7 +269,7 @@ class Trainer:
                 self.model = GPT(mcfg)
         else:
             self.model = GPT(mcfg).to(self.device)
-        self.backend = _chosen_backend(self.model, self.device, self.compute_dtype)
+        self.backend = chosen_backend(self.model, self.device, self.compute_dtype)
         self.cp: ContextParallel | None = None
         self.cp_docs: DocumentParallel | None = None  # context parallelism over packed documents
         self.doc_attention: DocumentAttention | None = None  # packed documents in one process (or cp size 1)
@@ -703,132 +708,6 @@ class Trainer:
         if self.checkpoint_path:
             lines.append(f"  checkpoint        {self.checkpoint_path}")
         return "\n".join(lines)
-
-
-# -- building blocks of the constructor ----------------------------------------------------------------------
-
-
-def _init_mesh(cfg: TrainConfig) -> tuple[int, torch.device, Any]:
-    """This process's rank, its device and the ("dp", "cp") DeviceMesh under torchrun.
-
-    Every rank first checks with the others (`check_agreement`, through `init_mesh`) that they run the same
-    settings and that the world holds data_parallel x context_parallel ranks, and learns why any rank cannot
-    start (a sequence length or head count the context-parallel size cannot split, the first rank's run folder),
-    so each such case is the same ValueError on every rank instead of a hang.
-    """
-    from longctx.distributed.mesh import ParallelDims, init_mesh
-    from longctx.distributed.model import init_distributed
-
-    rank, world, device = init_distributed()
-    dims = ParallelDims(cfg.data_parallel, cfg.context_parallel)
-    errors = [dims.world_error(world), _model_error(cfg), _run_folder_error(cfg) if rank == 0 else None]
-    settings = {**cfg.to_dict(), **cfg.model_config().to_dict()}
-    local_error = next((e for e in errors if e), None)
-    mesh = init_mesh(cfg.data_parallel, cfg.context_parallel, settings=settings, local_error=local_error)
-    return rank, device, mesh
-
-
-def _world_size() -> int:
-    """The number of processes: torch.distributed's world if initialised, else torchrun's WORLD_SIZE (or 1)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _model_error(cfg: TrainConfig) -> str | None:
-    """Why the model cannot run at this context-parallel size (sequence length, heads, dropout), or None."""
-    if cfg.context_parallel == 1:
-        return None
-    from longctx.distributed.sharding import check_divisible
-    from longctx.distributed.ulysses import kv_replication
-
-    mcfg = cfg.model_config()
-    try:
-        check_divisible(mcfg.seq_length, cfg.context_parallel, cfg.cp_layout, what="context-parallel sequence length")
-        if cfg.cp_method in ("ulysses", "ulysses_ring"):
-            size = cfg.context_parallel if cfg.cp_method == "ulysses" else cfg.cp_ulysses_size
-            kv_replication(mcfg.num_attention_heads, mcfg.kv_heads, size)
-    except ValueError as e:
-        return str(e)
-    if mcfg.attention_dropout > 0:
-        return (
-            f"context parallelism needs attention_dropout == 0, got {mcfg.attention_dropout}: the dropout path is a "
-            "dense local attention that cannot see the keys of the other ranks; pass --attention-dropout 0"
-        )
-    return None
-
-
-def _run_folder_error(cfg: TrainConfig) -> str | None:
-    """Why a fresh run may not start in ``cfg.save`` (it holds another run's files), or None."""
-    if not cfg.save or cfg.resume or cfg.overwrite:
-        return None
-    folder = Path(cfg.save)
-    found = [name for name in (*RUN_FILES[:2], SHARDED_DIR) if (folder / name).exists()]
-    if not found:
-        return None
-    return (
-        f"--save {folder} holds another run ({', '.join(found)}); continue it with --resume, start a new run "
-        f"there with --overwrite (deletes {', '.join((*RUN_FILES, SHARDED_DIR))}), or pass another --save folder"
-    )
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but CUDA is not available; use --device cpu")
-    return torch.device(name)
-
-
-def _build_task(cfg: TrainConfig) -> tuple[RecallTask | ByteText, GPTConfig]:
-    """The data and the model configuration that fits it (byte-level text sets the vocabulary to 256)."""
-    if cfg.data:
-        sep = None if cfg.doc_separator is None else parse_separator(cfg.doc_separator)
-        task = ByteText(cfg.data, cfg.model_config().seq_length, doc_separator=sep)
-        return task, cfg.model_config(vocab_size=ByteText.vocab_size)
-    mcfg = cfg.model_config()
-    recall = RecallTask(
-        seq_length=mcfg.seq_length,
-        vocab_size=mcfg.vocab_size,
-        num_pairs=cfg.num_pairs,
-        num_queries=cfg.num_queries,
-        num_keys=cfg.num_keys,
-        num_values=cfg.num_values,
-    )
-    return recall, mcfg
-
-
-def _attention_probe(c: GPTConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialised q (1, Hq, S, D) and k/v (1, Hkv, S, D) of the model's attention, for `longctx.explain`."""
-    q = torch.empty(1, c.num_attention_heads, c.seq_length, c.head_dim, device=device, dtype=dtype)
-    kv = torch.empty(1, c.kv_heads, c.seq_length, c.head_dim, device=device, dtype=dtype)
-    return q, kv
-
-
-def _default_backend(mcfg: GPTConfig, device: torch.device, use_bf16: bool) -> str:
-    """The attention backend when none was configured: our Triton kernels on a GPU where they run the model's
-    attention (the point of this command), else ``auto``. ``--attention-backend auto`` picks the fastest
-    backend for the inputs instead (cuDNN through SDPA, for plain causal attention on the H100)."""
-    if device.type != "cuda":
-        return "auto"
-    q, kv = _attention_probe(mcfg, device, torch.bfloat16 if use_bf16 else torch.float32)
-    try:
-        explain(q, kv, kv, causal=True, backend="triton")
-    except ValueError:
-        return "auto"
-    return "triton"
-
-
-def _chosen_backend(model: GPT, device: torch.device, dtype: torch.dtype) -> str:
-    """The backend that will run the model's attention; ValueError (with the reasons) if the configured one can't."""
-    c = model.config
-    q, kv = _attention_probe(c, device, dtype)
-    try:
-        return explain(q, kv, kv, causal=True, backend=c.attention_backend).backend.name
-    except ValueError as e:
-        raise ValueError(f"attention backend {c.attention_backend!r}: {e}") from e
 
 
 # -- entry points ------------------------------------------------------------------------------------------
