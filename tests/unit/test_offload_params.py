@@ -204,3 +204,11 @@ def test_a_memory_budget_below_the_states_offloads_them(tmp_path):
                            num_keys=8, num_values=8, num_pairs=4, num_queries=2)  # fmt: skip
     assert trainer.offload and trainer.dp_strategy == "fsdp2-offload"
     assert len(result.losses) == 4 and all(math.isfinite(x) for x in result.losses)
+
+
+def test_torchtitans_name_is_accepted_in_yaml(tmp_path):
+    from longctx.training.config import parse_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("enable_cpu_offload: true\npreset: tiny\n")
+    assert parse_config(["--config", str(path)]).offload_params is True

@@ -374,6 +374,7 @@ ALIASES: dict[str, str] = {
     "tie_word_embeddings": "share_embeddings_and_output_weights",
     "num_kv_heads": "num_query_groups",
     "checkpoint_dir": "save",
+    "enable_cpu_offload": "offload_params",  # torchtitan's name for FSDP2's CPU offload of parameters and states
 }
 MODEL_FIELDS = tuple(f.name for f in fields(GPTConfig))
 TRAIN_FIELDS = tuple(f.name for f in fields(TrainConfig) if f.name != "model")
