@@ -78,3 +78,34 @@ def test_offload_gpu_holds_units_in_flight_only():
     root = cfg.vocab_size * cfg.hidden_size
     assert peak < 30 * layer + 4 * root + (64 << 20), (peak, layer, root)
     assert peak < 16 * n / 4, (peak, 16 * n)
+
+
+def test_offloaded_states_with_offloaded_checkpoints_and_chunks_on_the_gpu():
+    """The long-sequence plan's combination on the GPU: states in host memory, every checkpoint in pinned host
+    memory, sequence chunks; the losses of the same plan with the states on the GPU, to bf16 rounding."""
+    plan = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                cpu_offloading=True, sequence_chunk_size=512)  # fmt: skip
+
+    def run(offload: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**CFG, **plan)).cuda()
+        if offload:
+            offload_model(model)
+            opt = host_adamw(model, lr=1e-3, weight_decay=0.0)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            x = torch.randint(0, CFG["vocab_size"], (1, CFG["seq_length"]), generator=gen).cuda()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x, labels=x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses
+
+    ref, got = run(False), run(True)
+    for a, b in zip(ref, got):
+        assert abs(a - b) <= 0.02 * abs(a), (ref, got)
