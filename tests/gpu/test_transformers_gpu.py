@@ -195,3 +195,43 @@ def test_apply_offloading_gradients_bitwise_equal_recompute():
         grads.append(_run(model, "longctx", dict(input_ids=x, labels=x), autocast=True)[1])
     for n in grads[0]:
         assert torch.equal(grads[0][n], grads[1][n]), n
+
+
+# -- LoRA under PEFT through apply ---------------------------------------------------------------------------------
+
+
+def test_lora_through_apply_on_the_gpu():
+    """A bf16 Llama under PEFT's LoRA adapters: longctx (apply with recomputation and the fused loss) against SDPA,
+    the loss and every adapter gradient measured against a float32 SDPA run: within twice SDPA's own bf16 error
+    plus a floor; the frozen base gets no gradient."""
+    peft = pytest.importorskip("peft")
+    cfg = LlamaConfig(vocab_size=V, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=4096)  # fmt: skip
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+    def build(impl: str, dtype: torch.dtype):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=dtype).cuda()
+        torch.manual_seed(1)
+        lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+        return peft.get_peft_model(model, lora)
+
+    x = torch.randint(0, V, (1, 2048), generator=torch.Generator().manual_seed(2)).cuda()
+
+    def run(model, autocast: bool):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
+
+    ref_loss, ref = run(build("sdpa", torch.float32), autocast=False)
+    sdpa_loss, sdpa = run(build("sdpa", torch.bfloat16), autocast=True)
+    model = lt.apply(build("longctx", torch.bfloat16), recompute_granularity="full", recompute_method="uniform",
+                     recompute_num_layers=1)  # fmt: skip
+    got_loss, got = run(model, autocast=True)
+    assert _err(got_loss, ref_loss) <= 2 * _err(sdpa_loss, ref_loss) + 1e-2
+    assert got.keys() == ref.keys() and all("lora_" in n for n in got)
+    for n in ref:
+        scale = ref[n].abs().max().item()
+        assert _err(got[n], ref[n]) <= 2 * _err(sdpa[n], ref[n]) + 2e-2 * scale, n
+    assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
