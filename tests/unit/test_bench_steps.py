@@ -139,5 +139,5 @@ def test_bench_transformers_lora_runner_trains_only_the_adapters(provider):
     named = dict(runner.model.named_parameters())
     assert trained and all(id(p) in trained for n, p in named.items() if "lora_" in n)
     assert all(id(p) not in trained and p.dtype == torch.bfloat16 for n, p in named.items() if "lora_" not in n)
-    pred = bench_tf.predicted_lora_peak(bench_tf.SHAPE_QUICK, 64, 4, offload=False)
-    assert pred > 0
+    if provider.startswith("longctx"):  # the step traced on the model itself
+        assert bench_tf.predicted_peak(provider, bench_tf.SHAPE_QUICK, 64, "llama-8b", 4) > 0

@@ -18,8 +18,8 @@ bf16 autocast, fp32 parameters, AdamW; one training step is forward, backward an
 
 ``--lora``: long-context LoRA fine-tuning, every provider the same way: the base in bf16 and frozen, PEFT's LoRA
 adapters (rank ``--lora-rank``, alpha twice that, on q, k, v, o, gate, up and down; float32) the only parameters
-that train (AdamW over them); the longctx providers get `apply` on the PEFT model. Each longctx row also gives the
-planner's prediction for the run (`longctx.plan` of the GPT of the same shape with the same adapters).
+that train (AdamW over them); the longctx providers get `apply` on the PEFT model. Every longctx row also gives the
+predicted peak (`longctx.integrations.transformers.memory.step_memory`: the step traced on the model itself).
 
 For every provider: tokens/s (S / the median step time) and peak memory (``torch.cuda.max_memory_allocated``;
 on the CPU the peak of live tensors) at each S of ``--seq-lengths``, then (``--longest``) the longest S that
@@ -86,6 +86,20 @@ MODELS = {
 }  # fmt: skip
 
 
+def lora_config(rank: int):
+    """The benchmark's adapters: rank ``rank``, alpha twice that, on q, k, v, o, gate, up and down."""
+    import peft
+
+    return peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(LORA_TARGETS), lora_dropout=0.0)
+
+
+def _config(shape: dict[str, Any], max_len: int, model: str):
+    import transformers
+
+    config_cls = getattr(transformers, MODELS[model][0])
+    return config_cls(**shape, max_position_embeddings=max_len, use_cache=False, tie_word_embeddings=False)
+
+
 def build(
     provider: str,
     shape: dict[str, Any],
@@ -96,15 +110,13 @@ def build(
 ):
     """The ``model`` of ``provider`` (fp32 parameters on ``device``; with ``lora_rank``, a frozen bf16 base under
     PEFT's float32 LoRA adapters), with its settings applied."""
-    import transformers
     from transformers import AutoModelForCausalLM
 
     import longctx.integrations.transformers as lt
 
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; expected one of {', '.join(PROVIDERS)}")
-    config_cls = getattr(transformers, MODELS[model][0])
-    cfg = config_cls(**shape, max_position_embeddings=max_len, use_cache=False, tie_word_embeddings=False)
+    cfg = _config(shape, max_len, model)
     torch.manual_seed(0)
     impl = {"hf-sdpa-ckpt": "sdpa", "hf-eager-ckpt": "eager"}.get(provider, "longctx")
     with torch.device(device):
@@ -117,9 +129,7 @@ def build(
     if lora_rank:
         import peft
 
-        lora = peft.LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=list(LORA_TARGETS),
-                               lora_dropout=0.0)  # fmt: skip
-        net = peft.get_peft_model(net, lora)  # adapters in float32 (PEFT's autocast_adapter_dtype)
+        net = peft.get_peft_model(net, lora_config(lora_rank))  # adapters in float32 (PEFT's autocast_adapter_dtype)
     if not provider.startswith("hf-"):
         lt.apply(
             net, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
@@ -180,20 +190,17 @@ class Runner:
                 "status": "over" if over else "ok", "secs": secs, "peak": r.peak_bytes}  # fmt: skip
 
 
-def predicted_lora_peak(shape: dict[str, Any], s: int, rank: int, offload: bool) -> int:
-    """The planner's peak for a LoRA run of ``shape`` at ``s`` (the longctx GPT of that shape with the same
-    adapters, full recomputation, uniform 1, offloading its checkpoints with ``offload``)."""
-    from longctx.memory.model import step_memory
-    from longctx.models.gpt import GPTConfig
+def predicted_peak(provider: str, shape: dict[str, Any], s: int, model: str, lora_rank: int | None) -> int:
+    """The predicted peak of a longctx provider's step: `longctx.integrations.transformers.memory.step_memory` on
+    the transformers model itself, with the provider's `apply` settings and the same adapters."""
+    from longctx.integrations.transformers.memory import step_memory
 
-    twin = GPTConfig(
-        vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"], num_layers=shape["num_hidden_layers"],
-        num_attention_heads=shape["num_attention_heads"], num_query_groups=shape["num_key_value_heads"],
-        ffn_hidden_size=shape["intermediate_size"], kv_channels=shape.get("head_dim"),
-        share_embeddings_and_output_weights=False, recompute_granularity="full", recompute_method="uniform",
-        recompute_num_layers=1, cpu_offloading=offload,
-    )  # fmt: skip
-    return step_memory(twin, seq_length=s, lora_rank=rank).total
+    settings = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                    cpu_offloading=provider.endswith("offload"), fused_loss=True)  # fmt: skip
+    return step_memory(
+        _config(shape, s, model), seq_length=s, dtype=torch.bfloat16 if lora_rank else torch.float32,
+        lora=lora_config(lora_rank) if lora_rank else None, apply_kwargs=settings,
+    ).total  # fmt: skip
 
 
 def _env(device: torch.device) -> dict[str, Any]:
@@ -234,7 +241,7 @@ def report(meta: dict[str, Any], ladder: dict[str, list[dict]], longest: dict[st
         "attn_implementation='longctx' + apply(full uniform 1, fused_loss); -offload: with cpu_offloading."
         + (
             f" LoRA: a frozen bf16 base, PEFT adapters of rank {meta['lora_rank']} on q, k, v, o, gate, up, down "
-            "(float32) train, AdamW over them; predicted = the planner's peak for the GPT of the same shape."
+            "(float32) train, AdamW over them."
             if meta.get("lora_rank")
             else ""
         )
@@ -344,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         ladder[p] = []
         for s in seqs:
             r = runner.run(s, steps, warmup, cap)
-            if lora_rank is not None and p.startswith("longctx"):
-                r["predicted_bytes"] = predicted_lora_peak(shape, s, lora_rank, offload=p.endswith("offload"))
+            if p.startswith("longctx"):
+                r["predicted_bytes"] = predicted_peak(p, shape, s, args.model, lora_rank)
             ladder[p].append(r)
             print(f"{p:>22} S={s:>8}: {r['status']:>5} " + (
                 f"{r['tokens_per_s']:9.0f} tokens/s {_gib(r['peak_bytes'])} GiB" if r["status"] == "ok"

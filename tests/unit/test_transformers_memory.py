@@ -1,0 +1,73 @@
+"""`integrations.transformers.memory.step_memory`: the peak of a step of a transformers model under `apply`, traced on
+shape-only tensors, equals the bytes the same step holds for real on the CPU (the same attention twin and the same
+no-packing rule in both), with and without PEFT's adapters, recomputation and offloading; and its totals add up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from transformers import LlamaConfig  # noqa: E402
+
+from longctx.integrations.transformers import memory  # noqa: E402
+from longctx.memory.measure import LiveBytesTracker  # noqa: E402
+from longctx.memory.model import CUDA_OVERHEAD_BYTES  # noqa: E402
+
+CFG = dict(vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=12, max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def _real_peak(config, S: int, dtype, lora, apply_kwargs) -> int:
+    torch.manual_seed(0)
+    model = memory.build(config, dtype, lora, apply_kwargs)
+    x = torch.randint(0, config.vocab_size, (1, S), generator=torch.Generator().manual_seed(1))
+    tracker = LiveBytesTracker()
+    with memory.shape_only_step(), tracker:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        del loss
+    return tracker.peak
+
+
+@pytest.mark.parametrize(
+    "dtype,use_lora,settings",
+    [(torch.float32, False, {}), (torch.float32, False, RECOMPUTE), (torch.bfloat16, True, RECOMPUTE),
+     (torch.bfloat16, True, dict(RECOMPUTE, cpu_offloading=True))],
+    ids=("plain", "recompute", "lora-recompute", "lora-offload"),
+)  # fmt: skip
+def test_the_trace_holds_the_bytes_of_the_real_step(dtype, use_lora, settings):
+    config = LlamaConfig(**CFG)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0) if use_lora else None
+    S = 96
+    pred = memory.step_memory(config, seq_length=S, dtype=dtype, lora=lora, apply_kwargs=settings)
+    real = _real_peak(config, S, dtype, lora, settings)
+    if settings.get("cpu_offloading"):  # real CPU tensors stay (there is no other memory): the trace moves them
+        checkpoints = config.num_hidden_layers * S * config.hidden_size * 2  # bf16 hidden states, one per layer
+        assert pred.traced < real <= pred.traced + checkpoints
+    else:
+        assert pred.traced == real
+    model = memory.build(config, dtype, lora)
+    n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert pred.trained_parameters == n_trained and pred.optimizer_states == 8 * n_trained
+    assert pred.parameters == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert pred.total == pred.parameters + pred.optimizer_states + pred.traced + CUDA_OVERHEAD_BYTES
+    if use_lora:
+        assert n_trained < sum(p.numel() for p in model.parameters()) / 4  # the adapters only
+
+
+def test_recomputation_and_offloading_lower_the_traced_peak():
+    config = LlamaConfig(**{**CFG, "num_hidden_layers": 4})
+    peaks = [memory.step_memory(config, seq_length=512, apply_kwargs=s).traced
+             for s in ({}, RECOMPUTE, dict(RECOMPUTE, cpu_offloading=True))]  # fmt: skip
+    assert peaks[0] > peaks[1] > peaks[2], peaks
+
+
+def test_bad_lengths_are_refused():
+    with pytest.raises(ValueError, match="seq_length must be a positive int"):
+        memory.step_memory(LlamaConfig(**CFG), seq_length=0)
