@@ -25,9 +25,12 @@ def main(paths: list[str]) -> None:
             for r in rows:
                 if r["status"] != "ok":
                     continue
-                pred = predicted_peak(provider, meta["shape"], r["s"], meta.get("model", "llama"), meta.get("lora_rank"))
-                print(f"{path}: {provider} S={r['s']}: measured {r['peak_bytes'] / 2**30:.2f} GiB, predicted "
-                      f"{pred / 2**30:.2f} GiB, {pred / r['peak_bytes']:.3f}")
+                model, rank = meta.get("model", "llama"), meta.get("lora_rank")
+                pred = predicted_peak(provider, meta["shape"], r["s"], model, rank)
+                print(
+                    f"{path}: {provider} S={r['s']}: measured {r['peak_bytes'] / 2**30:.2f} GiB, predicted "
+                    f"{pred / 2**30:.2f} GiB, {pred / r['peak_bytes']:.3f}"
+                )
 
 
 if __name__ == "__main__":
