@@ -203,3 +203,32 @@ def test_plan_cli_plans_a_lora_run(capsys):
                  "--lora-targets", "q_proj,k_proj,v_proj,o_proj"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "LoRA rank 16 on q_proj, k_proj, v_proj, o_proj" in out and "frozen bf16 base, fp32 adapters" in out
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_sequence_chunks_keep_loss_and_gradients(lora):
+    """``sequence_chunk_size``: each layer's MLP over chunks of tokens, recomputed in the backward: the same loss
+    and gradients (float64) as the whole MLP, and the MLP runs per chunk."""
+    x = _tokens(2, 23)
+    settings = dict(RECOMPUTE)
+    ref_model = lt.apply(_lora(_llama()) if lora else _llama(), **settings)
+    ref = ref_model(input_ids=x, labels=x).loss
+    ref.backward()
+    model = lt.apply(_lora(_llama()) if lora else _llama(), sequence_chunk_size=5, **settings)
+    base = model.get_base_model() if lora else model
+    seen = []
+    base.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, a, out: seen.append(out.shape[1]))
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    want = {n: p.grad for n, p in ref_model.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-10, atol=1e-13, msg=n)
+    assert 5 in seen and 23 not in seen  # chunks of 5 tokens (and the last of 3), never the whole row
+
+
+def test_sequence_chunk_size_is_checked():
+    with pytest.raises(ValueError, match="sequence_chunk_size must be a positive int or None, got 0"):
+        lt.apply(_llama(), sequence_chunk_size=0)

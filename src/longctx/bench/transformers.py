@@ -15,6 +15,7 @@ bf16 autocast, fp32 parameters, AdamW; one training step is forward, backward an
     longctx-apply         attn_implementation="longctx" + longctx.integrations.transformers.apply: full
                           recomputation (uniform, 1 layer), the logits-free loss
     longctx-apply-offload the same with the checkpointed layer inputs offloaded to pinned host memory
+    longctx-apply-offload-chunks  the same with each layer's MLP in chunks of 4096 tokens (sequence_chunk_size)
 
 ``--lora``: long-context LoRA fine-tuning, every provider the same way: the base in bf16 and frozen, PEFT's LoRA
 adapters (rank ``--lora-rank``, alpha twice that, on q, k, v, o, gate, up and down; float32) the only parameters
@@ -52,7 +53,16 @@ from longctx.bench.steps import ERROR, OOM, StepResult, adamw, free, is_oom, tim
 from longctx.memory.model import LORA_TARGETS
 from longctx.units import counts_arg
 
-PROVIDERS = ("hf-sdpa-ckpt", "hf-eager-ckpt", "longctx-apply", "longctx-apply-offload")
+PROVIDERS = ("hf-sdpa-ckpt", "hf-eager-ckpt", "longctx-apply", "longctx-apply-offload", "longctx-apply-offload-chunks")
+
+
+def apply_settings(provider: str) -> dict[str, Any]:
+    """The `apply` settings of a longctx provider: full recomputation (uniform, 1 layer), the logits-free loss, and
+    offloading / MLP chunks where its name says."""
+    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                cpu_offloading="offload" in provider, fused_loss=True,
+                sequence_chunk_size=4096 if provider.endswith("chunks") else None)  # fmt: skip
+
 
 SHAPE_336M = dict(
     vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
@@ -131,10 +141,7 @@ def build(
 
         net = peft.get_peft_model(net, lora_config(lora_rank))  # adapters in float32 (PEFT's autocast_adapter_dtype)
     if not provider.startswith("hf-"):
-        lt.apply(
-            net, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
-            cpu_offloading=provider.endswith("offload"), fused_loss=True,
-        )  # fmt: skip
+        lt.apply(net, **apply_settings(provider))
     return net
 
 
@@ -195,8 +202,7 @@ def predicted_peak(provider: str, shape: dict[str, Any], s: int, model: str, lor
     the transformers model itself, with the provider's `apply` settings and the same adapters."""
     from longctx.integrations.transformers.memory import step_memory
 
-    settings = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
-                    cpu_offloading=provider.endswith("offload"), fused_loss=True)  # fmt: skip
+    settings = apply_settings(provider)
     return step_memory(
         _config(shape, s, model), seq_length=s, dtype=torch.bfloat16 if lora_rank else torch.float32,
         lora=lora_config(lora_rank) if lora_rank else None, apply_kwargs=settings,

@@ -52,6 +52,22 @@ def _check_output(h: object, layer: nn.Module) -> torch.Tensor:
     return h
 
 
+def _patch_mlp_chunks(layers: nn.ModuleList, chunk: int) -> None:
+    """The MLP of every layer over chunks of ``chunk`` tokens in training, each chunk checkpointed (recomputed in
+    the backward): its (tokens, ffn) intermediates exist for one chunk at a time (the GPT's
+    ``sequence_chunk_size``); position-wise, so the output is the same."""
+    for layer in layers:
+        mlp = layer.mlp
+        whole = mlp.forward
+
+        def forward(x: torch.Tensor, *args: Any, _whole=whole, _mlp=mlp, **kwargs: Any) -> torch.Tensor:
+            if args or kwargs or x.dim() != 3 or x.shape[1] <= chunk or not recompute_active(_mlp):
+                return _whole(x, *args, **kwargs)
+            return torch.cat([checkpoint_call(_whole, xc) for xc in x.split(chunk, dim=1)], dim=1)  # (B, S, h)
+
+        mlp.forward = forward
+
+
 def _patch_layers(
     layers: nn.ModuleList, chunks: list, offloader: ActivationOffloader | None, offload_layers: int
 ) -> None:
@@ -263,6 +279,7 @@ def apply(
     recompute_num_layers: int | None = None,
     cpu_offloading: bool = False,
     cpu_offloading_num_layers: int | None = None,
+    sequence_chunk_size: int | None = None,
     fused_loss: bool = True,
     context_parallel_group: Any = None,
     context_parallel_method: str = "ring",
@@ -284,6 +301,8 @@ def apply(
       scores in the backward);
     - ``cpu_offloading``: the inputs the recomputed chunks keep go to pinned host memory (the first
       ``cpu_offloading_num_layers`` layers, default all), as `longctx.GPT` does;
+    - ``sequence_chunk_size``: each layer's MLP over chunks of that many tokens in training, each recomputed in the
+      backward (the GPT's setting of that name): one chunk's (tokens, ffn) intermediates at a time;
     - ``fused_loss``: with ``labels``, the loss comes from the hidden states through `longctx.linear_cross_entropy`
       without the (tokens, vocab) logits; the output's ``logits`` is then None. Same value as transformers'
       ForCausalLMLoss (mean over counted tokens, or the sum over ``num_items_in_batch`` as the Trainer passes);
@@ -306,6 +325,7 @@ def apply(
         recompute_granularity, recompute_method, recompute_num_layers: as in Megatron (see
             `longctx.layers.recompute`).
         cpu_offloading, cpu_offloading_num_layers: activation offloading of fully recomputed layers.
+        sequence_chunk_size: tokens per chunk of each layer's MLP in training (None: whole).
         fused_loss: the logits-free loss (models in `FUSED_LOSS_MODELS`).
         context_parallel_group: a process group (or the default world when the ``torch.distributed`` world is the
             group: pass ``torch.distributed.group.WORLD``); None for no context parallelism.
@@ -356,6 +376,14 @@ def apply(
             "cpu_offloading moves the inputs of fully recomputed layers to host memory: set "
             f"recompute_granularity='full' (got {recompute_granularity!r})"
         )
+    chunk = sequence_chunk_size
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"sequence_chunk_size must be a positive int or None, got {chunk!r}")
+    if chunk is not None and any(not isinstance(getattr(layer, "mlp", None), nn.Module) for layer in layers):
+        raise TypeError(
+            "sequence_chunk_size runs each layer's MLP in chunks of tokens, but this model's layers have no `mlp` "
+            "module; pass sequence_chunk_size=None"
+        )
     n_off = len(layers) if cpu_offloading_num_layers is None else cpu_offloading_num_layers
     if isinstance(n_off, bool) or not isinstance(n_off, int) or not 1 <= n_off <= len(layers):
         raise ValueError(
@@ -402,6 +430,8 @@ def apply(
     else:  # pragma: no cover - transformers without set_attn_implementation
         cfg._attn_implementation = ATTN_IMPLEMENTATION
     offloader = ActivationOffloader() if cpu_offloading else None
+    if sequence_chunk_size is not None:
+        _patch_mlp_chunks(layers, sequence_chunk_size)
     _patch_layers(layers, chunks, offloader, n_off)
     if fused_loss or cp is not None:
         _patch_forward(model, fused_loss=fused_loss, cp=cp)
