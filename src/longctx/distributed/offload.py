@@ -8,7 +8,7 @@ the CPU (torch's fused CPU kernel) on the fp32 master weights. The GPU holds the
 flight.
 
     mesh = offload_model(model)                      # one process: a one-rank mesh; under torchrun pass init_mesh's
-    optimizer = host_adamw(model, lr=3e-4)           # after sharding: the parameters are host DTensors now
+    optimizer = host_adamw(model, lr=3e-4)           # after sharding: the parameters are host DTensors
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = model(tokens, labels=tokens)          # tokens on the GPU
     loss.backward()
