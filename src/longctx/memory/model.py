@@ -99,13 +99,12 @@ def _add_lora(model: GPT, rank: int, targets: tuple[str, ...]) -> None:
             p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
 
 
-def units_in_flight(parameters: int, layer_parameters: int, root_parameters: int, shards: int, param_bytes: int) -> int:
+def units_in_flight(layer_parameters: int, root_parameters: int, shards: int, param_bytes: int) -> int:
     """GPU bytes FSDP2 holds for an offloaded model at a step's peak (in a layer's backward): the root unit's
     weights (unsharded for the whole step), two layers' weights (the one running, the next one prefetched), the
     prefetched layer's fp32 shard on its way from the host, and the finished layer's gradients with the float32
     reduce-scatter's input and output before they go to the host. ``param_bytes``: bytes of a weight as the
     units compute (2 for bf16)."""
-    del parameters  # the states themselves are on the host
     n, w = layer_parameters, shards
     return (
         param_bytes * root_parameters
@@ -393,7 +392,7 @@ def _traced(
         grads = 0
         layer = counts["layer parameters"]
         units = config.num_layers * layer + (0 if config.share_embeddings_and_output_weights else counts["embedding"])
-        param_bytes = units_in_flight(n_params, layer, n_params - units, shards, counts["parameter element bytes"])
+        param_bytes = units_in_flight(layer, n_params - units, shards, counts["parameter element bytes"])
         optimizer_states = 0
         # fp32 weights and gradients (pinned) and AdamW's states, this rank's shard
         on_host = dict(offload_params=True, host_states=-(-n_params * (8 + optimizer_bytes_per_parameter) // shards))

@@ -318,7 +318,7 @@ def plan(
     for cost, _, cand, off in walk:
         # the checkpoints and the states a plan keeps on the GPU for sure: plans that cannot fit are not traced
         if off:
-            static = units_in_flight(n_params, counts[0], counts[1], ranks, 2)
+            static = units_in_flight(counts[0], counts[1], ranks, 2)
         elif lora_rank is not None:  # the frozen bf16 base; the adapters, their gradients and AdamW's states
             static = 2 * n_params + 16 * adapters
         else:
@@ -408,13 +408,14 @@ def _longest_fitting(
     """The longest S (a multiple of 1024 x context_parallel) whose most frugal plan fits ``limit`` (and the host
     limit), 0 if none."""
     memory_kw = memory_kw or {}
+    n = parameter_count(config)[0] if host_limit is not None else 0
 
     def fits(s: int) -> bool:
-        if host_limit is not None:
-            n = parameter_count(config)[0]
-            if _host_need(_frugal(config, s), bool(memory_kw.get("offload_params")), n, ranks, B, s) > host_limit:
-                return False
-        mem = step_memory(_frugal(config, s), seq_length=s, micro_batch_size=B, **memory_kw)
+        frugal = _frugal(config, s)
+        offload = bool(memory_kw.get("offload_params"))
+        if host_limit is not None and _host_need(frugal, offload, n, ranks, B, s) > host_limit:
+            return False  # the host side is known without a trace
+        mem = step_memory(frugal, seq_length=s, micro_batch_size=B, **memory_kw)
         return mem.total <= limit and (host_limit is None or _host_per_machine(mem, ranks) <= host_limit)
 
     lo, hi = 0, 1024

@@ -345,15 +345,13 @@ def apply(
             Llama family, or attention dropout with context parallelism.
     """
     wrapper = model
-    if getattr(wrapper, "_longctx_applied", False):
-        raise ValueError("apply was already called on this model; build a fresh model to change the settings")
     if callable(getattr(model, "get_base_model", None)):  # PEFT's PeftModel: longctx goes into the causal LM inside
         model = model.get_base_model()
+    if any(getattr(m, "_longctx_applied", False) for m in (wrapper, model)):
+        raise ValueError("apply was already called on this model; build a fresh model to change the settings")
     base = _decoder(model)
     layers = base.layers
     cfg = model.config
-    if getattr(model, "_longctx_applied", False):
-        raise ValueError("apply was already called on this model; build a fresh model to change the settings")
     if not isinstance(offload_params, bool):
         raise TypeError(f"offload_params must be True or False, got {offload_params!r}")
     if mesh is not None and not offload_params:

@@ -136,12 +136,9 @@ def step_memory(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     with torch.device("meta"):
-        model = build(config, dtype, lora)
+        model = build(config, dtype, lora, apply_kwargs or {})
     mode = FakeTensorMode()
     _shape_only(model, mode)
-    from longctx.integrations.transformers.apply import apply
-
-    apply(model, **(apply_kwargs or {}))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     tracker = LiveBytesTracker()
