@@ -100,13 +100,7 @@ def _run_case(name: str, rank: int, world: int) -> None:
     ref = single(input_ids=x, labels=labels, **extra).loss
     ref.backward()
     out = model(input_ids=x, labels=labels, **extra)
-    out.loss.backward()
-    lt.allreduce_gradients(model)
-    _close(out.loss.detach(), ref.detach(), "loss")
-    ref_g, got_g = _grads(single), _grads(model)
-    assert ref_g.keys() == got_g.keys()
-    for n in ref_g:
-        _close(got_g[n], ref_g[n], n)
+    _same_step(model, out.loss, single, ref)
     # without labels: this rank's logits, the matching part of the single-process logits
     with torch.no_grad():
         local = model(input_ids=x).logits
@@ -126,8 +120,6 @@ def _packed_batch(flash_kwargs: bool) -> dict:
 
 
 def _packed_case(name: str, model, family: str, kw: dict) -> None:
-    import longctx.integrations.transformers as lt
-
     batch = _packed_batch(flash_kwargs="collator" in name)
     if name == "bad-packed-window":
         try:
@@ -142,9 +134,17 @@ def _packed_case(name: str, model, family: str, kw: dict) -> None:
     out = model(**batch)
     plan = model._longctx_context_parallel._packed_plan  # the dispatcher's plan of this batch ran the attention
     assert plan is not None and plan.total == 46 and plan.local_len == 23, plan
-    out.loss.backward()
+    _same_step(model, out.loss, single, ref)
+
+
+def _same_step(model, loss, single, ref) -> None:
+    """The context-parallel loss equals the single-process one, and after its backward and `allreduce_gradients`
+    every gradient equals the single process's (``ref`` already differentiated)."""
+    import longctx.integrations.transformers as lt
+
+    loss.backward()
     lt.allreduce_gradients(model)
-    _close(out.loss.detach(), ref.detach(), "loss")
+    _close(loss.detach(), ref.detach(), "loss")
     ref_g, got_g = _grads(single), _grads(model)
     assert ref_g.keys() == got_g.keys()
     for n in ref_g:

@@ -16,9 +16,11 @@ CFG = dict(vocab_size=4096, seq_length=2048, num_layers=4, hidden_size=512, num_
            num_query_groups=2, ffn_hidden_size=1408, share_embeddings_and_output_weights=False)  # fmt: skip
 
 
-def _train(offload: bool, steps: int = 4) -> tuple[list[float], GPT, torch.optim.Optimizer]:
+def _train(offload: bool, steps: int = 4, **plan) -> tuple[list[float], GPT, torch.optim.Optimizer]:
+    """``steps`` AdamW steps of the test model (with the memory settings ``plan``), its states in host memory with
+    ``offload``; the losses, the model and the optimizer."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**CFG)).cuda()
+    model = GPT(GPTConfig(**CFG, **plan)).cuda()
     if offload:
         offload_model(model)
         opt = host_adamw(model, lr=1e-3, weight_decay=0.0)
@@ -86,26 +88,6 @@ def test_offloaded_states_with_offloaded_checkpoints_and_chunks_on_the_gpu():
     plan = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
                 cpu_offloading=True, sequence_chunk_size=512)  # fmt: skip
 
-    def run(offload: bool) -> list[float]:
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(**CFG, **plan)).cuda()
-        if offload:
-            offload_model(model)
-            opt = host_adamw(model, lr=1e-3, weight_decay=0.0)
-        else:
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
-        gen = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(3):
-            x = torch.randint(0, CFG["vocab_size"], (1, CFG["seq_length"]), generator=gen).cuda()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(x, labels=x)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        return losses
-
-    ref, got = run(False), run(True)
+    ref, got = _train(False, 3, **plan)[0], _train(True, 3, **plan)[0]
     for a, b in zip(ref, got):
         assert abs(a - b) <= 0.02 * abs(a), (ref, got)
