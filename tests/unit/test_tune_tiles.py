@@ -52,12 +52,15 @@ def test_write_records_the_gpu_facts_for_the_nearest_row(tmp_path):
     tuning_py = tmp_path / "tuning.py"
     tuning_py.write_text((ROOT / "src" / "longctx" / "tuning.py").read_text())
     measured = tmp_path / "tiles.json"
-    data = {"gpu": "NVIDIA H200", "facts": [[9, 0], 132, 141], "head_dims": [128], "rows": {"fwd:128:full:4:mha": 1}}
+    data = {"gpu": "NVIDIA H20", "facts": [[9, 0], 78, 96], "head_dims": [128], "rows": {"fwd:128:full:4:mha": 1}}
     measured.write_text(json.dumps({**data, "times_ms": {}}))
     tool.write(measured, tuning_py)
     tool.write(measured, tuning_py)  # again: replaced, not repeated
     module = _load(tuning_py, "tuning_written_facts")
-    assert module.MEASURED_GPUS["NVIDIA H200"] == ((9, 0), 132, 141)
-    assert len(module.MEASURED_GPUS) == 2 and module.MEASURED_TILES["NVIDIA H200"] == {"fwd:128:full:4:mha": 1}
+    before = _load(ROOT / "src" / "longctx" / "tuning.py", "tuning_before_facts")
+    assert module.MEASURED_GPUS["NVIDIA H20"] == ((9, 0), 78, 96)
+    assert len(module.MEASURED_GPUS) == len(before.MEASURED_GPUS) + 1
+    assert module.MEASURED_TILES["NVIDIA H20"] == {"fwd:128:full:4:mha": 1}
+    assert module.tile_row("NVIDIA H20 (another board)", (9, 0), 78, 96)[0] == "NVIDIA H20"
     assert module.tile_row("NVIDIA H200 NVL", (9, 0), 132, 141)[0] == "NVIDIA H200"
     assert module.tile_row("NVIDIA H100 PCIe", (9, 0), 114, 80)[0] == "NVIDIA H100 80GB HBM3"

@@ -64,14 +64,17 @@ def test_every_committed_row_names_an_entry_of_its_list():
 
 
 def test_a_gpu_without_a_row_takes_the_nearest_measured_one_of_its_capability():
-    """An H200 (or H100 PCIe / NVL, H800, H20, GH200) runs the H100 SXM's measured tiles, never silently each list's
-    first entry; a GPU of another capability has no measured row, and says so."""
+    """An H200 NVL (or H100 PCIe / NVL, H800, H20, GH200) runs the measured tiles of the nearest measured Hopper
+    (SM count, then memory), never silently each list's first entry; a GPU of another capability has no measured
+    row, and says so."""
     from longctx import tuning
 
     row, why = tuning.tile_row("NVIDIA H100 80GB HBM3", (9, 0), 132, 80)
     assert row == "NVIDIA H100 80GB HBM3" and "measured on this GPU" in why
-    row, why = tuning.tile_row("NVIDIA H200", (9, 0), 132, 141)
-    assert row == "NVIDIA H100 80GB HBM3" and "nearest measured GPU of compute capability 9.0" in why
+    assert tuning.tile_row("NVIDIA H200", (9, 0), 132, 141)[0] == "NVIDIA H200"
+    row, why = tuning.tile_row("NVIDIA H200 NVL", (9, 0), 132, 141)
+    assert row == "NVIDIA H200" and "nearest measured GPU of compute capability 9.0" in why
+    assert tuning.tile_row("NVIDIA H100 NVL", (9, 0), 132, 94)[0] == "NVIDIA H100 80GB HBM3"  # nearer in memory
     assert tuning.tile_row("NVIDIA H100 PCIe", (9, 0), 114, 80)[0] == "NVIDIA H100 80GB HBM3"
     row, why = tuning.tile_row("NVIDIA A100-SXM4-80GB", (8, 0), 108, 80)
     assert row is None and "none measured for compute capability 8.0" in why
@@ -82,13 +85,13 @@ def test_a_gpu_without_a_row_takes_the_nearest_measured_one_of_its_capability():
 
 
 def test_the_launchers_key_their_tiles_by_the_serving_row(monkeypatch):
-    """What the launchers look up on a mocked H200: the H100 row's entries."""
+    """What the launchers look up on a mocked H100 NVL: the H100 SXM row's entries."""
     import torch
 
     from longctx.launchers import runtime
 
     class Props:
-        name, multi_processor_count, total_memory = "NVIDIA H200", 132, 141 * 2**30
+        name, multi_processor_count, total_memory = "NVIDIA H100 NVL", 132, 94 * 2**30
 
     runtime.gpu_name.cache_clear()
     runtime.tile_row_line.cache_clear()
