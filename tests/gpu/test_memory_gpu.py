@@ -85,3 +85,19 @@ def test_memory_model_within_five_percent(kw):
     measured = torch.cuda.max_memory_allocated()
     predicted = step_memory(cfg, seq_length=S).total
     assert abs(predicted - measured) <= 0.05 * measured, (predicted / 2**30, measured / 2**30)
+
+
+def test_offloader_round_trip_through_pinned_pieces():
+    """A tensor whose bytes are not a power of two (6 MiB + 12 bytes, bf16, not contiguous) comes back exact from
+    its pinned pieces, and the host holds its size rounded up to a MiB (7 MiB: 4 + 2 + 1), not to a power of two
+    (8)."""
+    from longctx.layers.offload import ActivationOffloader
+
+    x = torch.randn(3 * (1 << 19) + 3, 3, device="cuda", dtype=torch.bfloat16)[:, :2]
+    off = ActivationOffloader(reserve_bytes=0)
+    off.begin()
+    slot = off.offload(x)
+    back = off.fetch(slot)
+    torch.cuda.synchronize()
+    assert torch.equal(back, x) and back.shape == x.shape
+    assert off.host_bytes == 7 << 20

@@ -102,7 +102,8 @@ def test_impossible_plans_say_what_is_needed():
                        r"budgets; offload_params \(parameters in host memory\) may train longer"):  # fmt: skip
         plan(wide, seq_length=512, budget=budget, offload_params=False)
     p = plan(wide, seq_length=512, budget=budget)
-    assert p.offload_params and p.memory.total <= budget and p.memory.host_states == static_wide
+    assert p.offload_params and p.memory.total <= budget
+    assert p.memory.host_states == memory_model.offloaded_state_bytes(wide, 1)
     with pytest.raises(ValueError, match=r"needs GPU .* \(budget .*\); GPU is short by .* GiB\. (The longest sequence "
                        r"these budgets train is about [\d,]+ tokens|No length fits these budgets)"):  # fmt: skip
         plan(cfg, seq_length=1 << 16, budget=static + (1 << 20) + memory_model.CUDA_OVERHEAD_BYTES)
@@ -169,3 +170,23 @@ def test_train_memory_budget_applies_the_plan():
     assert trainer.model_config.recompute_granularity == "full"
     with pytest.raises(ValueError, match="memory_budget"):
         parse_config(["--memory-budget", "lots"])
+
+
+def test_offloaded_states_count_the_pinned_blocks():
+    """FSDP2 pins each parameter's shard and its gradient, and torch's pinned allocator rounds every block up to a
+    power of two: llama-8b's fused q/k/v (96 MiB in float32), gate/up (448 MiB) and down (224 MiB) projections
+    take 128, 512 and 256 MiB, the embedding and the output projection (1.96 GiB each) 2 GiB; AdamW's states are
+    not pinned."""
+    from longctx.models.gpt import PRESETS
+
+    c = GPTConfig(**PRESETS["llama-8b"])
+    params = 8_030_261_248
+    MiB = 1 << 20
+    per_layer = 2 * (32 + 64 + 32) * MiB  # weight and gradient of qkv, fc1 and fc2, rounded
+    embedding = 2 * 2 * ((1 << 31) - 128256 * 4096 * 4)  # weight and gradient, input embedding and output
+    assert memory_model.offloaded_state_bytes(c, 1) == 16 * params + 32 * per_layer + embedding
+    assert memory_model.pinned_block_bytes(96 * MiB) == 128 * MiB
+    assert memory_model.pinned_block_bytes(64 * MiB) == 64 * MiB
+    # two shards: each rank pins half of every parameter's rows (the 64 MiB projection: 32 MiB, still a power of 2)
+    two = memory_model.offloaded_state_bytes(c, 2)
+    assert two == 8 * params + 32 * per_layer // 2 + 2 * 2 * ((1 << 30) - 64128 * 4096 * 4)

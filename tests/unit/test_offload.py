@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longctx.layers.offload import ActivationOffloader, host_memory_available
+from longctx.layers.offload import ActivationOffloader, host_memory_available, pinned_pieces
 from longctx.memory import saved_bytes
 from longctx.models.gpt import GPT, GPTConfig
 
@@ -102,3 +102,16 @@ def test_host_memory_is_read():
 def test_bad_settings(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
         _cfg(**kw)
+
+
+def test_pinned_pieces_hold_a_buffer_to_a_mib():
+    """Pinned buffers are pieces of power-of-two sizes (torch's pinned allocator rounds each block up to one): a
+    3 GiB checkpoint takes 2 + 1 GiB, not 4."""
+    GiB, MiB = 1 << 30, 1 << 20
+    assert pinned_pieces(3 * GiB) == [2 * GiB, GiB]
+    assert pinned_pieces(1) == [MiB]
+    for n in (3 * GiB + 5, 393216 * 4096 * 2, 77 * MiB - 3, 12345678):
+        pieces = pinned_pieces(n)
+        assert n <= sum(pieces) < n + MiB
+        assert all(p & (p - 1) == 0 for p in pieces) and pieces == sorted(pieces, reverse=True)
+        assert len(set(pieces)) == len(pieces)

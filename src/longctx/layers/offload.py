@@ -15,6 +15,10 @@ masks). Like PyTorch's reentrant checkpoint, the recomputed chunk is differentia
 
 On a CPU device there is no host memory to move to: the offloader keeps the tensor as it is (the same code path,
 for tests).
+
+torch's pinned-memory allocator rounds every block up to a power of two (a 3 GiB checkpoint would take 4 GiB of
+host memory), so each buffer is a few pinned pieces whose sizes are the powers of two of its byte count
+(`pinned_pieces`): the host holds what the checkpoints are, to a MiB.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ __all__ = [
     "offloaded_checkpoint",
     "host_memory_available",
     "host_memory_total",
+    "pinned_pieces",
     "is_recording",
     "is_replaying",
 ]
@@ -72,6 +77,53 @@ def host_memory_total() -> int:
     return _meminfo("MemTotal") or 0
 
 
+PIECE_BYTES = 1 << 20  # the smallest pinned piece; a buffer is its byte count rounded up to this
+
+
+def pinned_pieces(nbytes: int) -> list[int]:
+    """The sizes of the pinned pieces that hold ``nbytes``: the powers of two of ``nbytes`` rounded up to a MiB,
+    largest first (what torch's pinned allocator then takes for them exactly: each is already a power of two)."""
+    total = -(-nbytes // PIECE_BYTES) * PIECE_BYTES
+    return [1 << b for b in range(total.bit_length() - 1, -1, -1) if total >> b & 1]
+
+
+class _PinnedBuffer:
+    """Pinned host memory for one tensor of ``shape`` and ``dtype``, in `pinned_pieces`."""
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype) -> None:
+        self.shape, self.dtype = shape, dtype
+        nbytes = shape.numel() * dtype.itemsize
+        self.pieces = [torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=True) for n in pinned_pieces(nbytes)]
+        self.nbytes = nbytes
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(p.numel() for p in self.pieces)
+
+    def _spans(self):
+        start = 0
+        for piece in self.pieces:
+            n = min(piece.numel(), self.nbytes - start)
+            if n <= 0:
+                return
+            yield piece[:n], start, start + n
+            start += n
+
+    def store(self, x: torch.Tensor) -> None:
+        """Copy ``x`` (on the device) in, without blocking the host."""
+        flat = x.contiguous().view(-1).view(torch.uint8)
+        for piece, a, b in self._spans():
+            piece.copy_(flat[a:b], non_blocking=True)
+
+    def load(self, device: torch.device) -> torch.Tensor:
+        """A new tensor on ``device`` with the contents, copied without blocking the host."""
+        t = torch.empty(self.shape, dtype=self.dtype, device=device)
+        flat = t.view(-1).view(torch.uint8)
+        for piece, a, b in self._spans():
+            flat[a:b].copy_(piece, non_blocking=True)
+        return t
+
+
 class ActivationOffloader:
     """Slots of tensors moved to pinned host memory and back, in forward order; one per checkpointed chunk.
 
@@ -85,7 +137,7 @@ class ActivationOffloader:
 
     def __init__(self, reserve_bytes: int = 8 << 30) -> None:
         self.reserve_bytes = reserve_bytes
-        self._buffers: list[torch.Tensor] = []  # pinned host buffers, by slot, reused across steps
+        self._buffers: list[_PinnedBuffer] = []  # pinned host buffers, by slot, reused across steps
         self._slots: list[dict[str, Any]] = []
         self._stream: torch.cuda.Stream | None = None
 
@@ -96,19 +148,19 @@ class ActivationOffloader:
     @property
     def host_bytes(self) -> int:
         """Pinned host memory held."""
-        return sum(b.numel() * b.element_size() for b in self._buffers)
+        return sum(b.host_bytes for b in self._buffers)
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         if self._stream is None or self._stream.device != device:
             self._stream = torch.cuda.Stream(device)
         return self._stream
 
-    def _buffer(self, slot: int, x: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, slot: int, x: torch.Tensor) -> _PinnedBuffer:
         if slot < len(self._buffers):
             buf = self._buffers[slot]
             if buf.shape == x.shape and buf.dtype == x.dtype:
                 return buf
-        need = x.numel() * x.element_size()
+        need = sum(pinned_pieces(x.numel() * x.element_size()))
         avail = host_memory_available()
         if avail is not None and avail - need < self.reserve_bytes:
             raise ValueError(
@@ -117,7 +169,9 @@ class ActivationOffloader:
                 f"{self.reserve_bytes / 2**30:.0f} GiB is kept free: offload fewer layers (cpu_offloading_num_layers), "
                 "use a shorter sequence, or a machine with more host memory"
             )
-        buf = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
+        if slot < len(self._buffers):
+            self._buffers[slot] = None  # the old pieces go back to the pinned pool before new ones are taken
+        buf = _PinnedBuffer(x.shape, x.dtype)
         if slot < len(self._buffers):
             self._buffers[slot] = buf
         else:
@@ -137,7 +191,7 @@ class ActivationOffloader:
         stream = self._side_stream(x.device)
         stream.wait_stream(torch.cuda.current_stream(x.device))  # x is written
         with torch.cuda.stream(stream):
-            buf.copy_(x, non_blocking=True)
+            buf.store(x)
             done = torch.cuda.Event()
             done.record(stream)
         x.record_stream(stream)  # its memory is not reused before the copy has read it
@@ -154,8 +208,7 @@ class ActivationOffloader:
         stream = self._side_stream(entry["device"])
         with torch.cuda.stream(stream):
             stream.wait_event(entry["d2h"])
-            t = torch.empty(entry["host"].shape, dtype=entry["host"].dtype, device=entry["device"])
-            t.copy_(entry["host"], non_blocking=True)
+            t = entry["host"].load(entry["device"])
             ready = torch.cuda.Event()
             ready.record(stream)
         entry["tensor"], entry["h2d"] = t, ready

@@ -116,6 +116,27 @@ def units_in_flight(layer_parameters: int, root_parameters: int, shards: int, pa
     )
 
 
+def pinned_block_bytes(nbytes: int) -> int:
+    """Host bytes torch's pinned-memory allocator takes for a request of ``nbytes``: it rounds every block up to a
+    power of two."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+def offloaded_state_bytes(config: GPTConfig, shards: int, optimizer_bytes_per_parameter: int = 8) -> int:
+    """Host bytes of one rank's states with ``offload_params``: for every parameter, its dim-0 shard (padded to a
+    multiple of ``shards``, as FSDP2 shards) as the float32 weight and the float32 gradient FSDP2 copies back, each
+    a pinned block (`pinned_block_bytes`: the up and down projections of llama-8b, 224 MiB each, take 256), and
+    the optimizer's states (pageable). Counted on a model without storage."""
+    with torch.device("meta"):
+        params = list(GPT(config).parameters())
+    total = 0
+    for p in params:
+        rows = p.shape[0] if p.dim() else 1
+        shard = -(-rows // shards) * (p.numel() // max(rows, 1))
+        total += 2 * pinned_block_bytes(4 * shard) + optimizer_bytes_per_parameter * shard
+    return total
+
+
 @dataclass(frozen=True)
 class StepMemory:
     """The predicted peak of one training step, in bytes, with where it goes.
@@ -395,7 +416,8 @@ def _traced(
         param_bytes = units_in_flight(layer, n_params - units, shards, counts["parameter element bytes"])
         optimizer_states = 0
         # fp32 weights and gradients (pinned) and AdamW's states, this rank's shard
-        on_host = dict(offload_params=True, host_states=-(-n_params * (8 + optimizer_bytes_per_parameter) // shards))
+        on_host = dict(offload_params=True,
+                       host_states=offloaded_state_bytes(config, shards, optimizer_bytes_per_parameter))  # fmt: skip
     elif lora_rank is not None:  # a frozen base (its bytes as traced) and float32 adapters, trained
         adapters = lora_parameters(config, lora_rank, lora_targets)
         param_bytes += 4 * adapters

@@ -30,6 +30,7 @@ from longctx.memory.model import (
     check_lora,
     kept_bytes,
     lora_parameters,
+    offloaded_state_bytes,
     step_memory,
     step_segments,
     units_in_flight,
@@ -362,7 +363,7 @@ def _host_need(c: GPTConfig, offload_params: bool, n_params: int, ranks: int, B:
     """A plan's host bytes, every rank of the host together, without its trace (what `step_memory` puts there:
     the offloaded states, the offloaded checkpoints, the process)."""
     _, _, checkpoints = kept_bytes(c, S, B, 2 if offload_params else 4, step_memory.__kwdefaults__["autocast_dtype"])
-    states = -(-n_params * 16 // ranks) if offload_params else 0
+    states = offloaded_state_bytes(c, ranks) if offload_params else 0
     return ranks * (states + checkpoints + HOST_OVERHEAD_BYTES)
 
 
