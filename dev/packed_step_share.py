@@ -1,0 +1,106 @@
+"""The share of a packed-document training step that attention takes on this GPU: `longctx train`'s own step
+(llama-350m by default, 32K tokens of packed text, '\\x00' between documents) under torch.profiler.
+
+Attention is every kernel of longctx's attention (the dense and block-sparse Triton and Gluon kernels: names
+starting ``attn_``, ``bwd_``, ``sparse_``); the share is their time over the step's wall time, and over all kernel
+time. It is what faster short-sequence attention could at most give this step. Prints one JSON line.
+
+    PYTHONPATH=src python dev/packed_step_share.py [--data text.txt] [--preset llama-350m --seq-length 32768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+
+ATTENTION = re.compile(r"^(attn_|bwd_(dq|dkdv|preprocess)|sparse_)")
+
+
+def _site_packages_text(path: str, limit: int = 64_000_000) -> str:
+    import pathlib
+    import sysconfig
+
+    total = 0
+    with open(path, "wb") as out:
+        for p in sorted(pathlib.Path(sysconfig.get_paths()["purelib"]).rglob("*.py")):
+            data = p.read_bytes().replace(b"\x00", b"")
+            if data:
+                out.write(data + b"\x00")
+                total += len(data) + 1
+            if total > limit:
+                break
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--data",
+        default=None,
+        help="text with '\\x00' between documents (default: the Python sources "
+        "of this interpreter's site-packages, as dev/cp_train_gpu.sh packs them)",
+    )
+    ap.add_argument("--preset", default="llama-350m")
+    ap.add_argument("--seq-length", type=int, default=32768)
+    ap.add_argument("--steps", type=int, default=4, help="timed steps after two warm-up steps")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    args = ap.parse_args()
+
+    import torch
+
+    if args.data is None:
+        args.data = _site_packages_text("/tmp/packed_step_share.txt")
+    from longctx.training.config import parse_config
+    from longctx.training.trainer import Trainer
+
+    cfg = parse_config([
+        "--preset", args.preset, "--seq-length", str(args.seq_length), "--micro-batch-size", "1",
+        "--data", args.data, "--doc-separator", "\\x00", "--steps", str(args.steps + 3), "--eval-iters", "0",
+        "--save", "none", "--quiet",
+    ])  # fmt: skip
+    trainer = Trainer(cfg)
+    gpu = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if gpu else (lambda: None)  # the CPU: a smoke run of this script only
+    for step in range(2):
+        trainer.train_step(step)
+    sync()
+    t0 = time.perf_counter()
+    for step in range(2, 2 + args.steps):
+        trainer.train_step(step)
+    sync()
+    step_s = (time.perf_counter() - t0) / args.steps
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+        trainer.train_step(2 + args.steps)
+        sync()
+    total = attention = 0.0
+    by_kernel: dict[str, float] = {}
+    for e in prof.events():
+        if gpu and e.device_type.name != "CUDA":
+            continue
+        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        total += us
+        if ATTENTION.match(e.name):
+            attention += us
+            by_kernel[e.name] = by_kernel.get(e.name, 0.0) + us
+    out = {
+        "gpu": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__, "preset": args.preset,
+        "seq_length": args.seq_length, "backend": trainer.backend, "step_s": round(step_s, 4),
+        "tokens_per_s": round(args.seq_length / step_s), "kernel_s": round(total / 1e6, 4),
+        "attention_s": round(attention / 1e6, 4), "attention_share_of_step": round(attention / 1e6 / step_s, 4),
+        "attention_share_of_kernels": round(attention / max(total, 1.0), 4),
+        "attention_kernels_ms": {k: round(v / 1e3, 2) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])},
+    }  # fmt: skip
+    line = json.dumps(out)
+    print(line, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
