@@ -138,14 +138,17 @@ def report(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "autocast, fp32 parameters, fused AdamW; a step is forward, backward and the optimizer step; tokens/s from "
         f"the median of {meta['steps']} steps after {meta['warmup']} warm-up; peak = torch.cuda.max_memory_allocated.",
         f"Command: `{meta['command']}`",
-        "",
-        "| S | longctx plan | longctx tokens/s | longctx peak GiB | predicted GiB | predicted / measured |"
-        " HF + SDPA + checkpointing tokens/s | HF peak GiB | speed vs HF | memory vs HF |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     star = " \\*"
     offloaded = [r for r in rows if r.get("offload_params")]
     rows = [r for r in rows if not r.get("offload_params")]
+    if rows:  # the states on the GPU, against transformers
+        lines += [
+            "",
+            "| S | longctx plan | longctx tokens/s | longctx peak GiB | predicted GiB | predicted / measured |"
+            " HF + SDPA + checkpointing tokens/s | HF peak GiB | speed vs HF | memory vs HF |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
     for r in rows:
         o, h = r.get("longctx", {}), r.get("hf", {})
         ok_o, ok_h = o.get("status") == "ok", h.get("status") == "ok"
