@@ -2,7 +2,8 @@
 
 Every check measures longctx's error and SDPA's error against the same float32 run (SDPA, fp32 weights, no
 autocast) and asks ``err(longctx) <= 2 * err(SDPA) + floor``: attention that follows autocast, and a tiny Llama /
-Mistral / Qwen2 under bf16 autocast (plain, right-padded, packed with the flattening collator), with `apply`.
+Mistral / Qwen2 under bf16 autocast (plain, right-padded, packed with the flattening collator), with `apply` (and its
+kept attention, ``recompute_skip_core_attention``).
 """
 
 from __future__ import annotations
@@ -195,6 +196,47 @@ def test_apply_offloading_gradients_bitwise_equal_recompute():
         grads.append(_run(model, "longctx", dict(input_ids=x, labels=x), autocast=True)[1])
     for n in grads[0]:
         assert torch.equal(grads[0][n], grads[1][n]), n
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["keep", "offload-keep"])
+def test_apply_keep_attention_bf16_against_apply_without_it(offload):
+    """recompute_skip_core_attention under bf16 autocast: each layer's attention ran forward once (longctx's Triton
+    launchers, counted), and the gradients are as close to apply's without the option, and to the float32 run, as
+    SDPA's bf16 gradients are to the float32 run (plus a floor)."""
+    import dataclasses
+    from unittest import mock
+
+    import longctx.layers.attention as attention_layer
+    from longctx.launchers.select import resolve_launchers
+
+    x = _tokens(1, 2048, seed=7)
+    batch = dict(input_ids=x, labels=x)
+    settings = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                    cpu_offloading=offload)  # fmt: skip
+    model = _model("llama")
+    exact = _run(model, "sdpa", batch, autocast=False)[1]
+    ref = _run(model, "sdpa", batch, autocast=True)[1]
+    plain = _run(lt.apply(_model("llama"), **settings), "longctx", batch, autocast=True)[1]
+    used = []
+
+    def launchers(*a, **k):
+        inner = resolve_launchers(*a, **k)
+
+        def forward(*a, **k):
+            used.append(inner.name)
+            return inner.forward(*a, **k)
+
+        return dataclasses.replace(inner, forward=forward)
+
+    kept_model = lt.apply(_model("llama"), recompute_skip_core_attention=True, **settings)
+    with mock.patch.object(attention_layer, "resolve_launchers", launchers):
+        kept = _run(kept_model, "longctx", batch, autocast=True)[1]
+    assert used == ["triton"] * _SHAPE["num_hidden_layers"]
+    assert kept.keys() == exact.keys()
+    for n in exact:
+        bound = 2 * _err(ref[n], exact[n]) + 5e-3 * exact[n].abs().max().item()
+        assert _err(kept[n], exact[n]) <= bound, n
+        assert _err(kept[n], plain[n]) <= bound, n
 
 
 # -- LoRA under PEFT through apply ---------------------------------------------------------------------------------

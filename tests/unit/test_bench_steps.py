@@ -129,7 +129,7 @@ def test_bench_transformers_gemma2_runner(provider):
     assert runner.model.config.attn_logit_softcapping == 50.0 and "sliding_attention" in runner.model.config.layer_types
 
 
-@pytest.mark.parametrize("provider", ("hf-sdpa-ckpt", "longctx-apply"))
+@pytest.mark.parametrize("provider", ("hf-sdpa-ckpt", "longctx-apply", "longctx-apply-offload-keep"))
 def test_bench_transformers_lora_runner_trains_only_the_adapters(provider):
     pytest.importorskip("peft")
     runner = bench_tf.Runner(provider, bench_tf.SHAPE_QUICK, 128, CPU, "llama-8b", lora_rank=4)
@@ -141,3 +141,12 @@ def test_bench_transformers_lora_runner_trains_only_the_adapters(provider):
     assert all(id(p) not in trained and p.dtype == torch.bfloat16 for n, p in named.items() if "lora_" not in n)
     if provider.startswith("longctx"):  # the step traced on the model itself
         assert bench_tf.predicted_peak(provider, bench_tf.SHAPE_QUICK, 64, "llama-8b", 4) > 0
+
+
+def test_bench_transformers_keep_providers_keep_attention():
+    keep = {p: bench_tf.apply_settings(p) for p in ("longctx-apply-keep", "longctx-apply-offload-keep")}
+    assert all(p in bench_tf.PROVIDERS for p in keep)
+    assert all(s["recompute_skip_core_attention"] and s["recompute_granularity"] == "full" for s in keep.values())
+    assert [s["cpu_offloading"] for s in keep.values()] == [False, True]
+    others = [p for p in bench_tf.PROVIDERS if p.startswith("longctx") and p not in keep]
+    assert not any(bench_tf.apply_settings(p)["recompute_skip_core_attention"] for p in others)

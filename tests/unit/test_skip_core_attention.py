@@ -3,10 +3,14 @@ full recomputation, one attention forward less per layer (counted), and the kept
 
 from __future__ import annotations
 
+import dataclasses
+from unittest import mock
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+import longctx.layers.attention as attention_layer
 from longctx.launchers.select import resolve_launchers
 from longctx.masks import Band
 from longctx.models.gpt import GPT, GPTConfig
@@ -79,14 +83,34 @@ def test_one_attention_forward_less_per_layer():
     assert saved == L * attention_forward, (saved, attention_forward)
 
 
+def _counting_launchers(calls: list):
+    """`resolve_launchers` whose forward counts its calls (the kept path's attention forwards)."""
+
+    def resolve(*args, **kwargs):
+        launchers = resolve_launchers(*args, **kwargs)
+
+        def forward(*a, **k):
+            calls.append(1)
+            return launchers.forward(*a, **k)
+
+        return dataclasses.replace(launchers, forward=forward)
+
+    return mock.patch.object(attention_layer, "resolve_launchers", resolve)
+
+
 def test_eval_and_no_grad_keep_nothing():
     model = _model(_cfg(recompute_skip_core_attention=True))
     x = torch.randint(0, 64, (1, 64), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
+    calls = []
+    with _counting_launchers(calls):
+        with torch.no_grad():
+            model(x)
+        model.eval()
         model(x)
-    model.eval()
-    model(x)
-    assert all(layer.self_attention._kept is None for layer in model.layers)
+        assert calls == []  # no chunk recorded: attention ran as without the option
+        model.train()
+        model(x, labels=torch.roll(x, -1, 1)).backward()
+    assert len(calls) == model.config.num_layers
 
 
 @pytest.mark.parametrize(

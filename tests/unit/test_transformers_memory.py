@@ -1,6 +1,7 @@
 """`integrations.transformers.memory.step_memory`: the peak of a step of a transformers model under `apply`, traced on
 shape-only tensors, equals the bytes the same step holds for real on the CPU (the same attention twin and the same
-no-packing rule in both), with and without PEFT's adapters, recomputation and offloading; and its totals add up."""
+no-packing rule in both), with and without PEFT's adapters, recomputation, offloading and kept attention; and its totals
+add up."""
 
 from __future__ import annotations
 
@@ -35,11 +36,15 @@ def _real_peak(config, S: int, dtype, lora, apply_kwargs) -> int:
     return tracker.peak
 
 
+KEEP = dict(RECOMPUTE, recompute_skip_core_attention=True)
+
+
 @pytest.mark.parametrize(
     "dtype,use_lora,settings",
     [(torch.float32, False, {}), (torch.float32, False, RECOMPUTE), (torch.bfloat16, True, RECOMPUTE),
-     (torch.bfloat16, True, dict(RECOMPUTE, cpu_offloading=True))],
-    ids=("plain", "recompute", "lora-recompute", "lora-offload"),
+     (torch.bfloat16, True, dict(RECOMPUTE, cpu_offloading=True)), (torch.float32, False, KEEP),
+     (torch.bfloat16, True, KEEP), (torch.bfloat16, True, dict(KEEP, cpu_offloading=True))],
+    ids=("plain", "recompute", "lora-recompute", "lora-offload", "keep", "lora-keep", "lora-offload-keep"),
 )  # fmt: skip
 def test_the_trace_holds_the_bytes_of_the_real_step(dtype, use_lora, settings):
     config = LlamaConfig(**CFG)
@@ -59,6 +64,28 @@ def test_the_trace_holds_the_bytes_of_the_real_step(dtype, use_lora, settings):
     assert pred.total == pred.parameters + pred.optimizer_states + pred.traced + CUDA_OVERHEAD_BYTES
     if use_lora:
         assert n_trained < sum(p.numel() for p in model.parameters()) / 4  # the adapters only
+
+
+def test_kept_attention_is_held_from_the_forward_to_the_recomputation():
+    """recompute_skip_core_attention: at the end of the forward the step holds, beyond full recomputation, every
+    layer's kept output (bf16 under autocast) and float32 lse, (B, Hq, S) each; after the backward nothing."""
+    config = LlamaConfig(**CFG)
+    B, S = 2, 96
+    held = []
+    for settings in (RECOMPUTE, KEEP):
+        model = memory.build(config, torch.float32, None, settings)
+        x = torch.randint(0, config.vocab_size, (B, S), generator=torch.Generator().manual_seed(1))
+        tracker = LiveBytesTracker()
+        with memory.shape_only_step(), tracker:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=x, labels=x).loss
+            forward_end = tracker.current
+            loss.backward()
+            del loss
+        held.append((forward_end, tracker.current))
+    H, D = config.num_attention_heads, config.head_dim
+    assert held[1][0] - held[0][0] == config.num_hidden_layers * B * H * S * (2 * D + 4)
+    assert held[1][1] == held[0][1]
 
 
 def test_recomputation_and_offloading_lower_the_traced_peak():

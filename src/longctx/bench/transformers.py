@@ -16,6 +16,9 @@ bf16 autocast, fp32 parameters, AdamW; one training step is forward, backward an
                           recomputation (uniform, 1 layer), the logits-free loss
     longctx-apply-offload the same with the checkpointed layer inputs offloaded to pinned host memory
     longctx-apply-offload-chunks  the same with each layer's MLP in chunks of 4096 tokens (sequence_chunk_size)
+    longctx-apply-keep    longctx-apply keeping each layer's attention output and lse for the recomputation
+                          (recompute_skip_core_attention: attention's forward runs once a step, not twice)
+    longctx-apply-offload-keep    longctx-apply-offload with the attention kept the same way
 
 ``--lora``: long-context LoRA fine-tuning, every provider the same way: the base in bf16 and frozen, PEFT's LoRA
 adapters (rank ``--lora-rank``, alpha twice that, on q, k, v, o, gate, up and down; float32) the only parameters
@@ -53,14 +56,16 @@ from longctx.bench.steps import ERROR, OOM, StepResult, adamw, free, is_oom, tim
 from longctx.memory.model import LORA_TARGETS
 from longctx.units import counts_arg
 
-PROVIDERS = ("hf-sdpa-ckpt", "hf-eager-ckpt", "longctx-apply", "longctx-apply-offload", "longctx-apply-offload-chunks")
+PROVIDERS = ("hf-sdpa-ckpt", "hf-eager-ckpt", "longctx-apply", "longctx-apply-offload", "longctx-apply-offload-chunks",
+             "longctx-apply-keep", "longctx-apply-offload-keep")  # fmt: skip
 
 
 def apply_settings(provider: str) -> dict[str, Any]:
     """The `apply` settings of a longctx provider: full recomputation (uniform, 1 layer), the logits-free loss, and
-    offloading / MLP chunks where its name says."""
+    offloading / MLP chunks / kept attention where its name says."""
     return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
                 cpu_offloading="offload" in provider, fused_loss=True,
+                recompute_skip_core_attention=provider.endswith("keep"),
                 sequence_chunk_size=4096 if provider.endswith("chunks") else None)  # fmt: skip
 
 
@@ -244,7 +249,8 @@ def report(meta: dict[str, Any], ladder: dict[str, list[dict]], longest: dict[st
         f"cuDNN {env.get('cudnn')}. Batch 1, bf16 autocast, fp32 parameters, AdamW; one step = forward + backward + "
         "optimizer step; median of the timed steps. hf-sdpa-ckpt / hf-eager-ckpt: SDPA / eager attention + "
         "transformers' gradient checkpointing + the loss through the logits; longctx-apply: "
-        "attn_implementation='longctx' + apply(full uniform 1, fused_loss); -offload: with cpu_offloading."
+        "attn_implementation='longctx' + apply(full uniform 1, fused_loss); -offload: with cpu_offloading; -keep: "
+        "with recompute_skip_core_attention; -chunks: with sequence_chunk_size=4096."
         + (
             f" LoRA: a frozen bf16 base, PEFT adapters of rank {meta['lora_rank']} on q, k, v, o, gate, up, down "
             "(float32) train, AdamW over them."

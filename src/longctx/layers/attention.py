@@ -21,11 +21,12 @@ forward, kept until the next call, so a recomputed forward in the backward sees 
 the B rows as one packed sequence through `flash_attn_varlen_func`.
 
 Recomputation that never recomputes attention (``keep_core_attention``, LightSeq's rematerialization-aware
-checkpointing): inside a chunk run by `longctx.layers.offload.OffloadedCheckpoint`, the forward keeps the core
-attention's output and log-sum-exp, and the recomputed forward in the backward reads them back instead of running
-attention again; the backward of attention (which recomputes the scores anyway) runs from q, k, v, out and lse
-through the launchers of `longctx.launchers.select`. The price is one (B, S, Hq D) output and one (B, Hq, S) float32
-lse kept per layer.
+checkpointing; `kept_causal_attention`, which the transformers integration calls too): inside a chunk run by
+`longctx.layers.offload.OffloadedCheckpoint`, the forward keeps the core attention's output and log-sum-exp, and the
+recomputed forward in the backward reads them back instead of running attention again; the backward of attention
+(which recomputes the scores anyway) runs from q, k, v, out and lse through the launchers of
+`longctx.launchers.select` ("auto": longctx's Triton kernels on CUDA for float16/bfloat16, the tiled ones in plain
+PyTorch otherwise). The price is one (B, S, Hq D) output and one (B, Hq, S) float32 lse kept per layer.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from longctx.api import attention, explain, flash_attn_varlen_func
+from longctx.api.core import follow_autocast
 from longctx.launchers.select import resolve_launchers
-from longctx.layers.offload import is_recording, is_replaying
+from longctx.layers.offload import is_recording, is_replaying, kept_results
 from longctx.layers.recompute import checkpoint_call, recompute_active
 from longctx.layers.rotary import apply_rotary
 from longctx.masks import Band
@@ -49,6 +51,7 @@ __all__ = [
     "DocumentAttention",
     "default_core_attention",
     "dense_attention_with_dropout",
+    "kept_causal_attention",
 ]
 
 CoreAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -176,6 +179,45 @@ class _KeptAttention(torch.autograd.Function):
 _CAUSAL = Band(None, 0)  # causal self-attention: Sq == Sk, key j <= query i
 
 
+def kept_causal_attention(
+    owner: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor | None:
+    """Causal self-attention that a fully recomputed chunk runs forward once and backward once (the module doc).
+
+    Inside the chunk's forward (`longctx.layers.offload.is_recording`) it runs the launchers' forward and keeps
+    ``(out, lse)`` under ``owner`` in the chunk's `kept_results`; in the chunk's recomputation (`is_replaying`) it
+    returns what ``owner`` kept there through `_KeptAttention`, whose backward is attention's backward. Elsewhere,
+    or when ``owner`` kept nothing, it returns None and the caller runs its attention as usual. Only for plain
+    causal attention over one sequence (Sq == Sk; no window, softcap, padding or packed documents): the caller
+    decides, the same way in the forward and in its recomputation. Under ``torch.autocast`` q, k and v are cast as
+    `longctx.attention` casts them.
+
+    Args:
+        owner: what keeps the result, a dict key (the layer; one call per layer and chunk, or several read back in
+            their order).
+        q: (B, Hq, S, D); k, v: (B, Hkv, S, D), Hq a multiple of Hkv.
+        scale: the softmax scale.
+
+    Returns:
+        out (B, Hq, S, D) in q's dtype (the autocast dtype inside autocast), or None.
+    """
+    kept = kept_results()
+    if kept is None:
+        return None
+    q, k, v, run_ctx = follow_autocast(q, k, v)
+    if is_recording():  # the chunk's forward, whose activations are dropped: keep out and lse
+        with run_ctx:
+            out, lse = resolve_launchers("auto", q.device, q.dtype).forward(q, k, v, scale=scale, band=_CAUSAL)
+        kept.setdefault(owner, []).append((out, lse))
+        return out
+    mine = kept.get(owner)
+    if not (is_replaying() and mine):
+        return None
+    out, lse = mine.pop(0)  # its recomputation in the backward: read them back
+    assert out.shape == q.shape, "a recomputation reads back what its own forward kept"
+    return _KeptAttention.apply(q, k, v, out, lse, scale)
+
+
 class SelfAttention(nn.Module):
     """Multi-head, grouped-query or multi-query causal self-attention.
 
@@ -213,7 +255,6 @@ class SelfAttention(nn.Module):
         self.recompute_core_attention = False
         # Set by the recomputation policy: keep the attention output for the recomputed forward (see the module doc).
         self.keep_core_attention = False
-        self._kept: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def set_core_attention(self, fn: CoreAttentionFn | None) -> None:
         """Replace the core attention (None restores ``longctx.attention(causal=True, backend=...)``)."""
@@ -223,15 +264,9 @@ class SelfAttention(nn.Module):
         if self.attention_dropout > 0 and self.training:
             return dense_attention_with_dropout(q, k, v, self.attention_dropout)
         if self.keep_core_attention and getattr(self.core_attention, "backend", None) is not None:
-            if is_recording():  # the chunk's forward, whose activations are dropped: keep out and lse
-                out, lse = resolve_launchers("auto", q.device, q.dtype).forward(
-                    q, k, v, scale=self.head_dim**-0.5, band=_CAUSAL
-                )
-                self._kept = (out, lse)
+            out = kept_causal_attention(self, q, k, v, self.head_dim**-0.5)
+            if out is not None:
                 return out
-            if is_replaying() and self._kept is not None:  # its recomputation in the backward: read them back
-                (out, lse), self._kept = self._kept, None
-                return _KeptAttention.apply(q, k, v, out, lse, self.head_dim**-0.5)
         return self.core_attention(q, k, v)
 
     def core_is_unfused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -39,6 +39,7 @@ __all__ = [
     "pinned_pieces",
     "is_recording",
     "is_replaying",
+    "kept_results",
 ]
 
 _REPLAY = threading.local()
@@ -54,6 +55,15 @@ def is_replaying() -> bool:
     """True while `OffloadedCheckpoint` recomputes a chunk in the backward (layers that kept results in their
     forward, such as the attention output, read them back instead of recomputing)."""
     return getattr(_REPLAY, "active", False)
+
+
+def kept_results() -> dict[Any, list] | None:
+    """Where the layers of the chunk that `OffloadedCheckpoint` records or replays keep results (a dict a layer
+    keys by itself, the same dict in the forward and in its recomputation); None outside a chunk.
+
+    The dict lives with the chunk's autograd node, not with the layer: a recomputation reads only what its own
+    forward kept, and a graph dropped without a backward drops what it kept."""
+    return getattr(_REPLAY, "kept", None)
 
 
 def _meminfo(key: str) -> int | None:
@@ -244,7 +254,8 @@ def _autocast_state(device_type: str) -> dict[str, Any] | None:
 class OffloadedCheckpoint(torch.autograd.Function):
     """``run_fn(x, *args)`` keeping nothing for backward but ``args`` (small, e.g. RoPE tables) and ``x`` (in the
     offloader's host memory when ``to_host``, else where it is); recomputed and differentiated in the backward,
-    inside `is_replaying`, after a forward inside `is_recording`."""
+    inside `is_replaying`, after a forward inside `is_recording` (what layers keep there, `kept_results`, stays
+    with this node until its recomputation)."""
 
     @staticmethod
     def forward(
@@ -262,12 +273,13 @@ class OffloadedCheckpoint(torch.autograd.Function):
         ctx.cuda_rng = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None
         ctx.autocast = _autocast_state(dev.type)
         ctx.x_requires_grad = x.requires_grad
-        _REPLAY.recording = True
+        ctx.kept = {}
+        _REPLAY.recording, _REPLAY.kept = True, ctx.kept
         try:
             with torch.no_grad():
                 y = run_fn(x, *args)
         finally:
-            _REPLAY.recording = False
+            _REPLAY.recording, _REPLAY.kept = False, None
         ctx.slot = offloader.offload(x, to_host)
         ctx.save_for_backward(*args)
         return y
@@ -285,12 +297,13 @@ class OffloadedCheckpoint(torch.autograd.Function):
             autocast = (
                 torch.autocast(dev.type, **ctx.autocast) if ctx.autocast is not None else contextlib.nullcontext()
             )
-            _REPLAY.active = True
+            _REPLAY.active, _REPLAY.kept = True, ctx.kept
             try:
                 with torch.enable_grad(), autocast:
                     y = ctx.run_fn(x, *args)
             finally:
-                _REPLAY.active = False
+                _REPLAY.active, _REPLAY.kept = False, None
+                ctx.kept = None  # what was not read back goes with the recomputation
         if y.requires_grad:  # nothing in the chunk trains and x needs no gradient: nothing to do
             torch.autograd.backward(y, grad_y)
         return (None, None, None, None, x.grad if ctx.x_requires_grad else None, *(None for _ in args))

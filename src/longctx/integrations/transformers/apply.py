@@ -107,7 +107,8 @@ def _patch_layers(
                 isinstance(x, torch.Tensor) and x.requires_grad for x in t)]  # fmt: skip
             if grads or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
                 raise ValueError(
-                    f"cpu_offloading needs layer inputs other than the hidden states without gradients, got {grads}"
+                    "cpu_offloading and recompute_skip_core_attention need layer inputs other than the hidden states "
+                    f"without gradients, got {grads}"
                 )
             if _c.start == 0:
                 offloader.begin()
@@ -279,6 +280,7 @@ def apply(
     recompute_num_layers: int | None = None,
     cpu_offloading: bool = False,
     cpu_offloading_num_layers: int | None = None,
+    recompute_skip_core_attention: bool = False,
     sequence_chunk_size: int | None = None,
     fused_loss: bool = True,
     context_parallel_group: Any = None,
@@ -301,6 +303,14 @@ def apply(
       scores in the backward);
     - ``cpu_offloading``: the inputs the recomputed chunks keep go to pinned host memory (the first
       ``cpu_offloading_num_layers`` layers, default all), as `longctx.GPT` does;
+    - ``recompute_skip_core_attention`` (with full recomputation): the forward of each recomputed layer keeps its
+      attention output and log-sum-exp, and the layer's recomputation in the backward reads them back, so attention
+      runs one forward and one backward a step (`longctx.layers.attention.kept_causal_attention`, as the GPT's
+      option of that name). It costs one (B, S, Hq D) output in the attention's dtype and one (B, Hq, S) float32
+      lse per recomputed layer, on the device. Kept where that is exact: causal attention over one sequence
+      (GQA included), no window shorter than the sequence, no logit softcap. A call with padding, packed documents
+      (cu_seq_lens or restarting position ids), a shorter sliding window or a softcap recomputes its attention as
+      without the option (Gemma 2's full-attention layers keep, its sliding ones recompute);
     - ``sequence_chunk_size``: each layer's MLP over chunks of that many tokens in training, each recomputed in the
       backward (the GPT's setting of that name): one chunk's (tokens, ffn) intermediates at a time;
     - ``fused_loss``: with ``labels``, the loss comes from the hidden states through `longctx.linear_cross_entropy`
@@ -325,6 +335,7 @@ def apply(
         recompute_granularity, recompute_method, recompute_num_layers: as in Megatron (see
             `longctx.layers.recompute`).
         cpu_offloading, cpu_offloading_num_layers: activation offloading of fully recomputed layers.
+        recompute_skip_core_attention: keep attention's output for the recomputation (full recomputation only).
         sequence_chunk_size: tokens per chunk of each layer's MLP in training (None: whole).
         fused_loss: the logits-free loss (models in `FUSED_LOSS_MODELS`).
         context_parallel_group: a process group (or the default world when the ``torch.distributed`` world is the
@@ -339,10 +350,11 @@ def apply(
         The same model.
 
     Raises:
-        ValueError / TypeError: invalid recompute settings (Megatron's rules), offloading without full
-            recomputation, transformers' own gradient checkpointing left on, fused_loss on a model whose loss is
-            not `lm_head` + cross-entropy (e.g. final logit softcapping), a model that is not a causal LM of the
-            Llama family, or attention dropout with context parallelism.
+        ValueError / TypeError: invalid recompute settings (Megatron's rules), offloading or kept attention without
+            full recomputation, kept attention with attention dropout or context parallelism, transformers' own
+            gradient checkpointing left on, fused_loss on a model whose loss is not `lm_head` + cross-entropy (e.g.
+            final logit softcapping), a model that is not a causal LM of the Llama family, or attention dropout with
+            context parallelism.
     """
     wrapper = model
     if callable(getattr(model, "get_base_model", None)):  # PEFT's PeftModel: longctx goes into the causal LM inside
@@ -373,6 +385,28 @@ def apply(
         raise ValueError(
             "cpu_offloading moves the inputs of fully recomputed layers to host memory: set "
             f"recompute_granularity='full' (got {recompute_granularity!r})"
+        )
+    keep = recompute_skip_core_attention
+    if not isinstance(keep, bool):
+        raise TypeError(f"recompute_skip_core_attention must be True or False, got {keep!r}")
+    dropout = getattr(cfg, "attention_dropout", 0.0) or 0.0
+    if keep and (recompute_granularity != "full" or dropout > 0):
+        raise ValueError(
+            "recompute_skip_core_attention keeps the attention output of fully recomputed layers: it needs "
+            f"recompute_granularity='full' (got {recompute_granularity!r}) and config.attention_dropout == 0 (got "
+            f"{dropout}); pass recompute_granularity='full' with recompute_method and recompute_num_layers, or "
+            "recompute_skip_core_attention=False"
+        )
+    if keep and context_parallel_group is not None:
+        raise ValueError(
+            "recompute_skip_core_attention keeps the attention of one device, but context parallelism runs "
+            "cp_attention across the group (recomputed in the backward): pass recompute_skip_core_attention=False "
+            "with context_parallel_group"
+        )
+    if keep and any(not isinstance(getattr(layer, "self_attn", None), nn.Module) for layer in layers):
+        raise TypeError(
+            "recompute_skip_core_attention keeps each layer's attention, but this model's layers have no `self_attn` "
+            "module; pass recompute_skip_core_attention=False"
         )
     chunk = sequence_chunk_size
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
@@ -427,10 +461,16 @@ def apply(
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     else:  # pragma: no cover - transformers without set_attn_implementation
         cfg._attn_implementation = ATTN_IMPLEMENTATION
-    offloader = ActivationOffloader() if cpu_offloading else None
+    # the chunks run through OffloadedCheckpoint (their inputs on the device unless offloaded) when their layers
+    # keep results for the recomputation
+    offloader = ActivationOffloader() if cpu_offloading or keep else None
+    for c in chunks if keep else ():
+        if c.checkpointed:
+            for layer in layers[c.start : c.end]:
+                layer.self_attn._longctx_keep_attention = True
     if sequence_chunk_size is not None:
         _patch_mlp_chunks(layers, sequence_chunk_size)
-    _patch_layers(layers, chunks, offloader, n_off)
+    _patch_layers(layers, chunks, offloader, n_off if cpu_offloading else 0)
     if fused_loss or cp is not None:
         _patch_forward(model, fused_loss=fused_loss, cp=cp)
     if offload_params:

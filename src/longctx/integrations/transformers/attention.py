@@ -1,7 +1,8 @@
 """The attention implementation ``"longctx"`` of transformers models: the mask interface (`longctx_mask` returns a
 `LongctxMask`: causal or not, the window, the padding or the packed documents) and the attention call
-(`longctx_attention_forward`: dense, varlen for padded or packed rows, context parallel under `apply`'s group).
-Importing the package registers both (`register`)."""
+(`longctx_attention_forward`: dense, varlen for padded or packed rows, context parallel under `apply`'s group, kept
+for the recomputation under `apply`'s ``recompute_skip_core_attention``). Importing the package registers both
+(`register`)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from longctx.api.core import attention, follow_autocast
 from longctx.api.varlen import flash_attn_varlen_func
 from longctx.distributed import ContextParallel, cp_attention
+from longctx.layers.attention import kept_causal_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "LongctxMask", "longctx_attention_forward", "longctx_mask", "register"]
 
@@ -240,6 +242,13 @@ def _window(w: int | None) -> tuple[int, int]:
     return (-1, -1) if w is None else (w - 1, 0)
 
 
+def _plain_causal(q: torch.Tensor, k: torch.Tensor, causal: bool, window: int | None, softcap: float) -> bool:
+    """Whether `kept_causal_attention` computes this call exactly: causal over one sequence (no KV cache), no
+    window shorter than it, no softcap (padding and packed documents went to the varlen path before)."""
+    S = k.shape[2]
+    return causal and q.shape[2] == S and (window is None or window >= S) and not softcap
+
+
 def _varlen_kwargs(kwargs: dict[str, Any]) -> _Varlen | None:
     keys = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
     vals = [kwargs.get(k) for k in keys]
@@ -372,6 +381,10 @@ def longctx_attention_forward(
         raise ValueError(
             f"attn_implementation='longctx' implements sliding windows for causal attention only; {_SDPA_HINT}"
         )
+    if getattr(module, "_longctx_keep_attention", False) and _plain_causal(query, key, causal, window, cap):
+        out = kept_causal_attention(module, query, key, value, scale)  # None outside a recomputed chunk
+        if out is not None:
+            return out.transpose(1, 2), None  # (B, S, Hq, D)
     out = attention(
         query, key, value, causal=causal, window=_window(window) if window else None, scale=scale, softcap=cap
     )

@@ -6,9 +6,10 @@ with ``apply(**apply_kwargs)``, and runs one whole forward and backward at S und
 `longctx.memory.LiveBytesTracker` counts the bytes of every live tensor, as `longctx.memory.model` does for the
 longctx GPT. What the trace cannot run is replaced by what has the same memory: the attention kernels by the
 flash twin of the memory model (q, k, v, out and the float32 lse kept; dq, dk, dv and the float32 accumulator in
-the backward), and the two data-dependent checks for packed documents (a row is one sequence here). To the traced
-peak (the gradients of what trains included) it adds the parameters, AdamW's two float32 states for what trains,
-and the fixed allowance for the CUDA libraries.
+the backward; with ``recompute_skip_core_attention`` the same twin keeps each recomputed layer's out and lse from the
+forward to its recomputation), and the two data-dependent checks for packed documents (a row is one sequence here).
+To the traced peak (the gradients of what trains included) it adds the parameters, AdamW's two float32 states for
+what trains, and the fixed allowance for the CUDA libraries.
 
 So transformers' own layers (its norms in float32, PEFT's casts) are counted as they run: for Llama-3.1-8B's shape
 under LoRA, the prediction was within 1% of the H200's measured peak at 32K and 128K tokens (docs/memory.md),
@@ -86,13 +87,17 @@ def build(config: Any, dtype: torch.dtype, lora: Any = None, apply_kwargs: dict[
 
 @contextlib.contextmanager
 def shape_only_step():
-    """The replacements a traced step needs: the attention kernels' twin, and no data-dependent search for packed
-    documents (transformers' and longctx's: every row is one sequence)."""
+    """The replacements a traced step needs: the attention kernels' twin (for the kept attention of
+    ``recompute_skip_core_attention`` too: its launchers), and no data-dependent search for packed documents
+    (transformers' and longctx's: every row is one sequence)."""
     import transformers.masking_utils as masking
 
     import longctx.integrations.transformers.attention as attention
+    import longctx.layers.attention as attention_layer
+    from longctx.memory.model import _TwinLaunchers
 
     with mock.patch.object(attention, "attention", _twin_attention), \
+            mock.patch.object(attention_layer, "resolve_launchers", lambda *a, **k: _TwinLaunchers), \
             mock.patch.object(masking, "find_packed_sequence_indices", lambda *a, **k: None), \
             mock.patch.object(attention, "_varlen_from_positions", lambda *a, **k: None):  # fmt: skip
         yield
