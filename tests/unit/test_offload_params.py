@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -134,14 +135,16 @@ def test_offloaded_step_memory_moves_the_states_to_the_host():
     assert shards.host_states == math.ceil(16 * n / 4)
     assert off.checkpoints * 2 == gpu.checkpoints  # FSDP2's bf16 units: a bf16 residual stream
     assert gpu.host_total == memory_model.HOST_OVERHEAD_BYTES  # nothing offloaded: the process itself
-    assert off.host_total == 16 * n + memory_model.HOST_OVERHEAD_BYTES
-    from longctx.memory.plan import _host_need
+    # 16 bytes a parameter, the pinned weight and gradient rounded up to powers of two
+    assert off.host_states == memory_model.offloaded_state_bytes(cfg, 1) >= 16 * n
+    assert off.host_total == off.host_states + memory_model.HOST_OVERHEAD_BYTES
+    from longctx.memory.plan import host_need
 
     # the planner's host bytes without a trace are the trace's, with and without offloaded checkpoints
     for c in (cfg, cfg.replace(cpu_offloading=True)):
         for o, ranks in ((False, 1), (True, 1), (True, 4)):
             traced = memory_model.step_memory(c, seq_length=256, offload_params=o, shards=ranks).host_total
-            assert _host_need(c, o, n, ranks, 1, 256) == ranks * traced, (c.cpu_offloading, o, ranks)
+            assert host_need(c, o, ranks, 1, 256) == ranks * traced, (c.cpu_offloading, o, ranks)
     with pytest.raises(ValueError, match="shards must be a positive int"):
         memory_model.step_memory(cfg, seq_length=256, offload_params=True, shards=0)
 
@@ -227,3 +230,21 @@ def test_offloaded_states_with_offloaded_checkpoints_and_chunks():
     opt = host_adamw(sharded, lr=1e-2, weight_decay=0.0)
     ref = torch.optim.AdamW(plain.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
     assert _train(sharded, opt) == pytest.approx(_train(plain, ref), rel=1e-5)
+
+
+def test_an_offload_run_the_host_cannot_hold_is_refused_before_it_starts(tmp_path):
+    """Without a memory budget (no plan checks the host), an offload_params run whose host need exceeds what the
+    machine has available stops with a ValueError naming both, before any state is built, instead of being killed
+    by the kernel later with its work."""
+    from longctx.memory.plan import host_need
+    from longctx.models.gpt import PRESETS
+
+    need = host_need(GPTConfig(**PRESETS["tiny"]), True, 1, 2, GPTConfig(**PRESETS["tiny"]).seq_length)
+    short = mock.patch("longctx.layers.offload.host_memory_available", return_value=need // 2)
+    with short, pytest.raises(ValueError, match=r"offload_params needs about .* GiB of host memory on this machine "
+                                                r"\(1 rank\(s\).*but .* GiB is available"):  # fmt: skip
+        _run(tmp_path, "short", offload_params=True)
+    assert not (tmp_path / "short" / "checkpoint.pt").exists()
+    with mock.patch("longctx.layers.offload.host_memory_available", return_value=need + (1 << 30)):
+        off, _ = _run(tmp_path, "enough", offload_params=True)
+    assert off.dp_strategy == "fsdp2-offload"

@@ -122,19 +122,44 @@ def pinned_block_bytes(nbytes: int) -> int:
     return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
+# What a plan changes in a configuration; none of it changes a parameter's shape.
+PLAN_FIELDS = (
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
+    "recompute_skip_core_attention",
+    "sequence_chunk_size",
+    "cpu_offloading",
+    "cpu_offloading_num_layers",
+)
+
+
+@functools.lru_cache(maxsize=16)
+def _one_layer_shapes(config: GPTConfig) -> tuple[list[torch.Size], list[torch.Size]]:
+    """(the shapes of one layer's parameters, the shapes of the others) of ``config`` (one layer, planned
+    settings at their defaults: the key of this cache), from a model without storage."""
+    with torch.device("meta"):
+        model = GPT(config)
+    layer = {id(p) for p in model.layers[0].parameters()}
+    params = list(model.parameters())
+    return [p.shape for p in params if id(p) in layer], [p.shape for p in params if id(p) not in layer]
+
+
 def offloaded_state_bytes(config: GPTConfig, shards: int, optimizer_bytes_per_parameter: int = 8) -> int:
     """Host bytes of one rank's states with ``offload_params``: for every parameter, its dim-0 shard (padded to a
     multiple of ``shards``, as FSDP2 shards) as the float32 weight and the float32 gradient FSDP2 copies back, each
     a pinned block (`pinned_block_bytes`: the up and down projections of llama-8b, 224 MiB each, take 256), and
-    the optimizer's states (pageable). Counted on a model without storage."""
-    with torch.device("meta"):
-        params = list(GPT(config).parameters())
-    total = 0
-    for p in params:
-        rows = p.shape[0] if p.dim() else 1
-        shard = -(-rows // shards) * (p.numel() // max(rows, 1))
-        total += 2 * pinned_block_bytes(4 * shard) + optimizer_bytes_per_parameter * shard
-    return total
+    the optimizer's states (pageable). Counted on a model without storage (the layers are alike: one stands for
+    all)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.name in PLAN_FIELDS}
+    layer, others = _one_layer_shapes(config.replace(num_layers=1, **defaults))
+
+    def host(shape: torch.Size) -> int:
+        rows = shape[0] if len(shape) else 1
+        shard = -(-rows // shards) * (shape.numel() // max(rows, 1))
+        return 2 * pinned_block_bytes(4 * shard) + optimizer_bytes_per_parameter * shard
+
+    return config.num_layers * sum(map(host, layer)) + sum(map(host, others))
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from longctx.layers.recompute import plan_layers
 from longctx.memory.model import (
     HOST_OVERHEAD_BYTES,
     LORA_TARGETS,
+    PLAN_FIELDS,
     StepMemory,
     check_lora,
     kept_bytes,
@@ -49,15 +50,7 @@ _PCIE_BYTES = 20e9
 # The fused CPU AdamW of offloaded states: it reads and writes about 28 bytes a parameter (weight, gradient, two
 # states; weight and states written back), at about this host memory bandwidth.
 _HOST_ADAM_BYTES = 40e9
-_PLAN_FIELDS = (
-    "recompute_granularity",
-    "recompute_method",
-    "recompute_num_layers",
-    "recompute_skip_core_attention",
-    "sequence_chunk_size",
-    "cpu_offloading",
-    "cpu_offloading_num_layers",
-)
+_PLAN_FIELDS = PLAN_FIELDS
 
 
 @dataclass(frozen=True)
@@ -326,7 +319,7 @@ def plan(
             static = 2 * param_bytes + 8 * n_params  # parameters and their gradients, AdamW's two fp32 states
         if static + _kept_lower_bound(cand, B, S, 2 if off or lora_rank is not None else 4) > limit:
             continue
-        if host_limit is not None and _host_need(cand, off, n_params, ranks, B, S) > host_limit:
+        if host_limit is not None and host_need(cand, off, ranks, B, S) > host_limit:
             continue  # the host side is known without a trace
         if cand != bounds[off].none:
             low = bounds[off].lower(cand)
@@ -340,12 +333,12 @@ def plan(
     off = modes[-1]
     frugal_mem = step_memory(frugal, seq_length=S, micro_batch_size=B, **kw_of[off])
     short = [f"GPU {frugal_mem.total / 2**30:.2f} GiB (budget {limit / 2**30:.2f} GiB)"]
-    host_need = _host_per_machine(frugal_mem, ranks)
+    host_frugal = _host_per_machine(frugal_mem, ranks)
     if host_limit is not None:
-        short.append(f"host {host_need / 2**30:.2f} GiB (budget {host_limit / 2**30:.2f} GiB)")
+        short.append(f"host {host_frugal / 2**30:.2f} GiB (budget {host_limit / 2**30:.2f} GiB)")
     missing = [
         f"{name} is short by {(need - have) / 2**30:.2f} GiB"
-        for name, need, have in (("GPU", frugal_mem.total, limit), ("host", host_need, host_limit))
+        for name, need, have in (("GPU", frugal_mem.total, limit), ("host", host_frugal, host_limit))
         if have is not None and need > have
     ]
     longest = max(_longest_fitting(config, limit, B, host_limit, kw_of[m], ranks, context_parallel) for m in modes)
@@ -359,9 +352,9 @@ def plan(
     )  # fmt: skip
 
 
-def _host_need(c: GPTConfig, offload_params: bool, n_params: int, ranks: int, B: int, S: int) -> int:
+def host_need(c: GPTConfig, offload_params: bool, ranks: int, B: int, S: int) -> int:
     """A plan's host bytes, every rank of the host together, without its trace (what `step_memory` puts there:
-    the offloaded states, the offloaded checkpoints, the process)."""
+    the offloaded states, the offloaded checkpoints, the process); ``S`` is each rank's tokens."""
     _, _, checkpoints = kept_bytes(c, S, B, 2 if offload_params else 4, step_memory.__kwdefaults__["autocast_dtype"])
     states = offloaded_state_bytes(c, ranks) if offload_params else 0
     return ranks * (states + checkpoints + HOST_OVERHEAD_BYTES)
@@ -409,12 +402,11 @@ def _longest_fitting(
     """The longest S (a multiple of 1024 x context_parallel) whose most frugal plan fits ``limit`` (and the host
     limit), 0 if none."""
     memory_kw = memory_kw or {}
-    n = parameter_count(config)[0] if host_limit is not None else 0
 
     def fits(s: int) -> bool:
         frugal = _frugal(config, s)
         offload = bool(memory_kw.get("offload_params"))
-        if host_limit is not None and _host_need(frugal, offload, n, ranks, B, s) > host_limit:
+        if host_limit is not None and host_need(frugal, offload, ranks, B, s) > host_limit:
             return False  # the host side is known without a trace
         mem = step_memory(frugal, seq_length=s, micro_batch_size=B, **memory_kw)
         return mem.total <= limit and (host_limit is None or _host_per_machine(mem, ranks) <= host_limit)

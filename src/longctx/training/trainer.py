@@ -255,6 +255,8 @@ class Trainer:
                 print(f"memory plan for {cfg.memory_budget}: {chosen.describe()} (predicted peak "
                       f"{chosen.memory.total / 2**30:.2f} GiB, host {chosen.memory.host_total / 2**30:.2f} GiB)",
                       flush=True)  # fmt: skip
+        if self.offload and cfg.memory_budget is None:  # a plan checked the host already
+            host_check(mcfg, cfg, self.distributed)
         if self.offload and not self.distributed:  # FSDP2 over a one-rank mesh keeps the states on the host
             from longctx.distributed.mesh import init_mesh
 
@@ -711,6 +713,37 @@ class Trainer:
 
 
 # -- entry points ------------------------------------------------------------------------------------------
+
+
+def host_check(mcfg: GPTConfig, cfg: TrainConfig, distributed: bool) -> None:
+    """Refuse, before anything is allocated, an ``offload_params`` run whose host memory (the ranks of this machine
+    together: their shards of the states, their offloaded checkpoints, the processes) exceeds what the machine has
+    available: a run that meets the limit later is killed by the kernel with its work, where this is a ValueError,
+    on every rank together."""
+    from longctx.layers.offload import host_memory_available
+    from longctx.memory.plan import host_need
+
+    avail = host_memory_available()
+    ranks = cfg.data_parallel * cfg.context_parallel
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))  # the ranks sharing this machine's memory
+    need = host_need(mcfg, True, ranks, cfg.micro_batch_size, mcfg.seq_length // cfg.context_parallel)
+    need = need // ranks * local
+    error = None
+    if avail is not None and need > avail:
+        error = (
+            f"offload_params needs about {need / 2**30:.1f} GiB of host memory on this machine ({local} rank(s): "
+            f"the float32 weights and gradients in pinned memory, AdamW's states"
+            + (", the offloaded checkpoints" if mcfg.cpu_offloading else "")
+            + f"), but {avail / 2**30:.1f} GiB is available: spread the states over more ranks "
+            "(--data-parallel / --context-parallel), offload fewer checkpoints or use a shorter --seq-length, or "
+            "pass --memory-budget to let the planner choose within both memories"
+        )
+    if distributed:
+        from longctx.distributed.model import check_agreement
+
+        check_agreement({}, error)  # the same verdict on every rank
+    elif error:
+        raise ValueError(error)
 
 
 def run(cfg: TrainConfig) -> TrainResult:
