@@ -50,7 +50,6 @@ _PCIE_BYTES = 20e9
 # The fused CPU AdamW of offloaded states: it reads and writes about 28 bytes a parameter (weight, gradient, two
 # states; weight and states written back), at about this host memory bandwidth.
 _HOST_ADAM_BYTES = 40e9
-_PLAN_FIELDS = PLAN_FIELDS
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ class Plan:
     @property
     def settings(self) -> dict:
         """The plan's settings, by their GPTConfig names (``plan.settings``: a dict, e.g. for a config file)."""
-        return {k: getattr(self.config, k) for k in _PLAN_FIELDS}
+        return {k: getattr(self.config, k) for k in PLAN_FIELDS}
 
     def describe(self) -> str:
         text = describe(self.config, self.offload_params)
