@@ -98,3 +98,27 @@ def test_recomputation_and_offloading_lower_the_traced_peak():
 def test_bad_lengths_are_refused():
     with pytest.raises(ValueError, match="seq_length must be a positive int"):
         memory.step_memory(LlamaConfig(**CFG), seq_length=0)
+
+
+def test_the_lora_planner_twin_does_not_read_below_the_transformers_trace():
+    """`longctx.plan(..., lora_rank=...)` traces a longctx GPT of the model's shape with adapter twins; PEFT casts
+    each target's input to float32 (and autocast casts it back, a copy kept for A's gradient), so a twin that skips
+    those copies reads low. At a Llama shape the twin stays within [1.0, 1.08] of the trace of the transformers
+    model under PEFT and apply at two lengths (it fused q/k/v and gate/up where transformers does not)."""
+    from transformers import LlamaConfig
+
+    from longctx.bench.transformers import lora_config
+    from longctx.memory.model import step_memory as gpt_step
+    from longctx.models.gpt import GPTConfig
+
+    full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    small = dict(hidden_size=512, num_layers=4, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=1792)
+    gpt = GPTConfig.preset("llama-8b").replace(vocab_size=4096, **small, **full)
+    for S in (2048, 8192):
+        hf = LlamaConfig(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                         intermediate_size=1792, vocab_size=4096, max_position_embeddings=S, rope_theta=500000.0,
+                         tie_word_embeddings=False, use_cache=False)  # fmt: skip
+        twin = gpt_step(gpt.replace(seq_length=S), seq_length=S, lora_rank=16).total
+        traced = memory.step_memory(hf, seq_length=S, dtype=torch.bfloat16, lora=lora_config(16),
+                             apply_kwargs=dict(full, fused_loss=True)).total  # fmt: skip
+        assert 1.0 <= twin / traced <= 1.08, (S, twin / traced)

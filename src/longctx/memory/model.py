@@ -69,31 +69,51 @@ def lora_parameters(c: GPTConfig, rank: int, targets: tuple[str, ...] = LORA_TAR
 
 
 class _LoraTwin(torch.nn.Module):
-    """The memory of LoRA adapters on a frozen linear (as many as the ``parts`` of it that are targets): the base
-    output plus ``B(A(x))``, A and B in float32; the input is kept for A's gradient, A's output for B's."""
+    """The memory of PEFT's LoRA adapters on a frozen linear, one adapter per target fused into it (``shares``: each
+    target's share of the linear's outputs and whether an adapter targets it). Each adapter runs as PEFT's
+    ``lora.Linear`` runs it: the input cast to the adapters' float32 (a copy per target), A (autocast casts that
+    copy back to bf16 and keeps it for A's gradient), B, times the scaling, added to its share of the output."""
 
-    def __init__(self, base: torch.nn.Linear, parts: int, rank: int) -> None:
+    scaling = 2.0  # alpha / rank: its value does not change a byte
+
+    def __init__(self, base: torch.nn.Linear, shares: list[tuple[int, bool]], rank: int) -> None:
         super().__init__()
-        self.base = base
-        self.lora_a = torch.nn.Parameter(torch.empty(parts * rank, base.in_features, dtype=torch.float32))
-        self.lora_b = torch.nn.Parameter(torch.empty(base.out_features, parts * rank, dtype=torch.float32))
+        self.base, self.shares = base, shares
+        widths = [w for w, targeted in shares if targeted]
+        f32 = torch.float32
+        self.lora_a = torch.nn.ParameterList(torch.empty(rank, base.in_features, dtype=f32) for _ in widths)
+        self.lora_b = torch.nn.ParameterList(torch.empty(w, rank, dtype=f32) for w in widths)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + torch.nn.functional.linear(torch.nn.functional.linear(x, self.lora_a), self.lora_b)
+        y = self.base(x)
+        start, i = 0, 0
+        for w, targeted in self.shares:
+            if targeted:  # added in place: PEFT's sum replaces its target's base output, which is then freed
+                a = torch.nn.functional.linear(x.to(torch.float32), self.lora_a[i])
+                y[..., start : start + w] += torch.nn.functional.linear(a, self.lora_b[i]) * self.scaling
+                i += 1
+            start += w
+        return y
 
 
 def _add_lora(model: GPT, rank: int, targets: tuple[str, ...]) -> None:
     """Freeze ``model`` and put `_LoraTwin` adapters on the linears of ``targets`` (their gradients are counted
     apart, so each is dropped once made)."""
     model.requires_grad_(False)
-    parts: dict[str, int] = {}
-    for t in targets:
-        parts[_LORA_PARTS[t]] = parts.get(_LORA_PARTS[t], 0) + 1
+    c = model.config
+    q, kv, h, F = c.num_attention_heads * c.head_dim, c.kv_heads * c.head_dim, c.hidden_size, c.ffn_size
+    fused = {"linear_qkv": [("q_proj", q), ("k_proj", kv), ("v_proj", kv)], "linear_proj": [("o_proj", h)],
+             "linear_fc1": [("gate_proj", F), ("up_proj", F)], "linear_fc2": [("down_proj", h)]}  # fmt: skip
     for layer in model.layers:
         for owner in (layer.self_attention, layer.mlp):
-            for name, n in parts.items():
-                if hasattr(owner, name):
-                    setattr(owner, name, _LoraTwin(getattr(owner, name), n, rank))
+            for name, parts in fused.items():
+                shares = [(w, t in targets) for t, w in parts]
+                if not hasattr(owner, name) or not any(targeted for _, targeted in shares):
+                    continue
+                base = getattr(owner, name)
+                if sum(w for w, _ in shares) != base.out_features:  # not fused as above (an MLP without a gate)
+                    shares = [(base.out_features, True)]
+                setattr(owner, name, _LoraTwin(base, shares, rank))
     for p in model.parameters():
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
