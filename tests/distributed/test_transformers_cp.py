@@ -4,7 +4,8 @@ context_parallel_group=...)`) in gloo processes, against the same model in one p
 One world of 2 processes is spawned (a FileStore in a temporary directory) and runs every case; each case is then
 reported as its own test. Every rank builds the same tiny model from one seed and calls it with the same full
 batch; the loss value must equal the single-process loss and the gradients, summed over the ranks by
-`allreduce_gradients`, the single-process gradients. Packed batches (DataCollatorWithFlattening, with cu_seq_lens or
+`allreduce_gradients`, the single-process gradients (under PEFT's LoRA adapters: the adapters' gradients, the only
+ones). Packed batches (DataCollatorWithFlattening, with cu_seq_lens or
 with restarting position ids only) are dealt by the dispatcher and compared with the same packed batch in one
 process.
 """
@@ -35,12 +36,16 @@ CASES = (
     "llama-packed-collator-ring",
     "llama-packed-positions-allgather",
     "qwen2-packed-collator-ulysses-recompute",
+    "llama-lora-ring-zigzag-recompute",
+    "llama-lora-packed-collator-ulysses",
     "bad-padding",
     "bad-packed-window",
 )
 
 
-def _model(family: str):
+def _model(family: str, lora: bool = False):
+    """The family's tiny model; with ``lora``, under PEFT's LoRA adapters on every linear of its layers (only they
+    train; B starts non-zero so that every adapter gradient is exercised)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
     small = dict(
@@ -53,7 +58,17 @@ def _model(family: str):
         "qwen2": lambda: Qwen2Config(**small),
     }[family]()
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="longctx").float()
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="longctx").float()
+    if lora:
+        import peft
+
+        from longctx.memory.model import LORA_TARGETS
+
+        torch.manual_seed(1)
+        adapters = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
+                                   init_lora_weights=False)  # fmt: skip
+        model = peft.get_peft_model(model, adapters)
+    return model
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -78,8 +93,9 @@ def _run_case(name: str, rank: int, world: int) -> None:
     kw = {}
     if "recompute" in name:
         kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, fused_loss=False)
+    lora = "lora" in name
     model = lt.apply(
-        _model(family), context_parallel_group=dist.group.WORLD, context_parallel_method=method,
+        _model(family, lora), context_parallel_group=dist.group.WORLD, context_parallel_method=method,
         context_parallel_layout=layout, **kw,
     )  # fmt: skip
     if name == "bad-padding":
@@ -92,10 +108,10 @@ def _run_case(name: str, rank: int, world: int) -> None:
             return
         raise AssertionError("padding under context parallelism did not raise")
     if "packed" in name:
-        _packed_case(name, model, family, kw)
+        _packed_case(name, model, family, kw, lora)
         return
 
-    single = _model(family)
+    single = _model(family, lora)
     extra = {"num_items_in_batch": torch.tensor(37)} if "num-items" in name else {}
     ref = single(input_ids=x, labels=labels, **extra).loss
     ref.backward()
@@ -119,7 +135,7 @@ def _packed_batch(flash_kwargs: bool) -> dict:
     return {k: v for k, v in batch.items() if k != "attention_mask"}
 
 
-def _packed_case(name: str, model, family: str, kw: dict) -> None:
+def _packed_case(name: str, model, family: str, kw: dict, lora: bool = False) -> None:
     batch = _packed_batch(flash_kwargs="collator" in name)
     if name == "bad-packed-window":
         try:
@@ -128,7 +144,7 @@ def _packed_case(name: str, model, family: str, kw: dict) -> None:
             assert "sliding window" in str(e), e
             return
         raise AssertionError("packed documents with a sliding window under context parallelism did not raise")
-    single = _model(family)
+    single = _model(family, lora)
     ref = single(**batch, use_cache=False).loss  # the same packed batch in one process (varlen)
     ref.backward()
     out = model(**batch)
@@ -146,7 +162,9 @@ def _same_step(model, loss, single, ref) -> None:
     lt.allreduce_gradients(model)
     _close(loss.detach(), ref.detach(), "loss")
     ref_g, got_g = _grads(single), _grads(model)
-    assert ref_g.keys() == got_g.keys()
+    assert ref_g.keys() == got_g.keys() and ref_g
+    if any("lora_" in n for n in ref_g):  # under PEFT only the adapters train
+        assert all("lora_" in n for n in got_g), sorted(got_g)
     for n in ref_g:
         _close(got_g[n], ref_g[n], n)
 
