@@ -122,3 +122,33 @@ def test_the_lora_planner_twin_does_not_read_below_the_transformers_trace():
         traced = memory.step_memory(hf, seq_length=S, dtype=torch.bfloat16, lora=lora_config(16),
                              apply_kwargs=dict(full, fused_loss=True)).total  # fmt: skip
         assert 1.0 <= twin / traced <= 1.08, (S, twin / traced)
+
+
+def test_the_host_side_and_offloaded_states_of_an_apply_step():
+    """The host side of a step: the process, plus the checkpoints ``cpu_offloading`` moves there (one layer input in
+    the residual stream's dtype per layer). With ``offload_params`` the GPU holds the units in flight (the root's
+    weights, two layers' bf16 weights, the prefetched layer's float32 shard, the finished layer's gradients), no
+    optimizer states, and the host each parameter's pinned float32 weight and gradient (rounded up to powers of two)
+    and AdamW's states; the trace runs the bf16 units with each gradient dropped once made."""
+    from longctx.memory.model import HOST_OVERHEAD_BYTES, host_state_bytes, units_in_flight
+
+    config = LlamaConfig(**CFG)
+    S, h, L = 96, config.hidden_size, config.num_hidden_layers
+    offloaded = dict(RECOMPUTE, cpu_offloading=True)
+    plain = memory.step_memory(config, seq_length=S, apply_kwargs=offloaded)
+    assert plain.host == HOST_OVERHEAD_BYTES + L * S * h * 4 and not plain.offload_params  # float32 residual
+    off = memory.step_memory(config, seq_length=S, apply_kwargs=dict(offloaded, offload_params=True))
+    model = memory.build(config, torch.float32)
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    units = L * layer + model.model.embed_tokens.weight.numel()
+    root = sum(p.numel() for p in model.parameters()) - units  # the final norm and the output projection
+    assert off.offload_params and off.optimizer_states == 0
+    assert off.parameters == units_in_flight(layer, root, 1, 2)
+    shapes = [p.shape for p in model.parameters()]
+    assert off.host == HOST_OVERHEAD_BYTES + L * S * h * 2 + host_state_bytes(shapes, 1)  # bf16 residual
+    assert host_state_bytes(shapes, 1) >= 16 * sum(p.numel() for p in model.parameters())
+    assert off.traced < plain.traced  # bf16 units, no gradients kept
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
+    with pytest.raises(ValueError, match="offload_params with lora is not modelled"):
+        memory.step_memory(config, seq_length=S, lora=lora, dtype=torch.bfloat16,
+                           apply_kwargs=dict(offloaded, offload_params=True))  # fmt: skip

@@ -173,13 +173,20 @@ def offloaded_state_bytes(config: GPTConfig, shards: int, optimizer_bytes_per_pa
     all)."""
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.name in PLAN_FIELDS}
     layer, others = _one_layer_shapes(config.replace(num_layers=1, **defaults))
+    one = host_state_bytes(layer, shards, optimizer_bytes_per_parameter)
+    return config.num_layers * one + host_state_bytes(others, shards, optimizer_bytes_per_parameter)
+
+
+def host_state_bytes(shapes: list[torch.Size], shards: int, optimizer_bytes_per_parameter: int = 8) -> int:
+    """Host bytes of one rank's offloaded states of parameters of these ``shapes`` (`offloaded_state_bytes`: each
+    dim-0 shard's float32 weight and gradient in pinned blocks, the optimizer's states pageable)."""
 
     def host(shape: torch.Size) -> int:
         rows = shape[0] if len(shape) else 1
         shard = -(-rows // shards) * (shape.numel() // max(rows, 1))
         return 2 * pinned_block_bytes(4 * shard) + optimizer_bytes_per_parameter * shard
 
-    return config.num_layers * sum(map(host, layer)) + sum(map(host, others))
+    return sum(map(host, shapes))
 
 
 @dataclass(frozen=True)

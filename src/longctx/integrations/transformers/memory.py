@@ -12,8 +12,13 @@ To the traced peak (the gradients of what trains included) it adds the parameter
 what trains, and the fixed allowance for the CUDA libraries.
 
 So transformers' own layers (its norms in float32, PEFT's casts) are counted as they run: for Llama-3.1-8B's shape
-under LoRA, the prediction was within 1% of the H200's measured peak at 32K and 128K tokens (docs/memory.md),
-where the longctx GPT of the same shape (`longctx.plan(..., lora_rank=...)`) under-predicts by 6-10%.
+under LoRA, the prediction was within 1% of the H200's measured peak at 32K and 128K tokens (docs/memory.md).
+
+With ``apply_kwargs={"offload_params": True}`` (the states in host memory, FSDP2 over the decoder layers) the step
+is traced with the weights in bf16 (FSDP2's mixed precision) and each gradient dropped once made, and the GPU holds
+the units in flight instead of the whole model (`longctx.memory.model.units_in_flight`), as the memory model does
+for the GPT. ``host`` is the host side: the offloaded states (their pinned blocks rounded as torch's pinned
+allocator rounds them), the offloaded checkpoints and the process.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ __all__ = ["StepPeak", "step_memory"]
 @dataclass(frozen=True)
 class StepPeak:
     """The predicted GPU peak of one training step, in bytes: ``total`` = parameters + optimizer_states + traced +
-    overhead (``traced``: every tensor the forward and backward hold at their peak, the gradients included)."""
+    overhead (``traced``: every tensor the forward and backward hold at their peak, the gradients included; with
+    ``offload_params``, ``parameters`` are the units in flight). ``host``: the host memory of the step (offloaded
+    states and checkpoints, the process)."""
 
     seq_length: int
     parameters: int
@@ -40,6 +47,8 @@ class StepPeak:
     optimizer_states: int
     traced: int
     overhead: int
+    host: int = 0
+    offload_params: bool = False
 
     @property
     def total(self) -> int:
@@ -122,7 +131,8 @@ def step_memory(
         seq_length: tokens per sequence; micro_batch_size: sequences per step.
         dtype: the weights' dtype (bf16 for a LoRA run's frozen base, fp32 for full training under autocast).
         lora: a ``peft.LoraConfig``: the model under PEFT's adapters (only they train); None trains every weight.
-        apply_kwargs: the settings of `apply` (recomputation, ``cpu_offloading``, ``fused_loss``); default {}.
+        apply_kwargs: the settings of `apply` (recomputation, ``cpu_offloading``, ``fused_loss``, ``offload_params``
+            with its ``mesh``: the states sharded over ``mesh.size()`` ranks); default {}.
         autocast_dtype: the autocast of training (bf16), or None.
         overhead: the CUDA libraries' allowance (default the memory model's).
 
@@ -130,22 +140,41 @@ def step_memory(
         A `StepPeak`.
 
     Raises:
-        ValueError: a bad length, or settings `apply` rejects.
+        ValueError: a bad length, settings `apply` rejects, or offload_params with lora.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from longctx.memory.measure import LiveBytesTracker
-    from longctx.memory.model import CUDA_OVERHEAD_BYTES
+    from longctx.memory.model import CUDA_OVERHEAD_BYTES, HOST_OVERHEAD_BYTES, host_state_bytes, units_in_flight
 
     for name, value in (("seq_length", seq_length), ("micro_batch_size", micro_batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    settings = dict(apply_kwargs or {})
+    offload = settings.pop("offload_params", False)
+    shards = settings.pop("mesh", None)
+    shards = 1 if shards is None else shards.size()  # the ranks the states are sharded over
+    if offload and lora is not None:
+        raise ValueError("offload_params with lora is not modelled: a LoRA run's frozen base stays on the GPU")
+    weights = torch.bfloat16 if offload else dtype  # FSDP2's mixed precision: the units compute in bf16
     with torch.device("meta"):
-        model = build(config, dtype, lora, apply_kwargs or {})
+        model = build(config, weights, lora, settings)
     mode = FakeTensorMode()
     _shape_only(model, mode)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    host = HOST_OVERHEAD_BYTES + _offloaded_checkpoints(model, settings, micro_batch_size * seq_length, weights)
+    if offload:  # each gradient goes to the host once made (counted in the units in flight)
+        from longctx.distributed.mesh import decoder_units
+
+        units = decoder_units(model)
+        in_units = {id(p) for u in units for p in u.parameters()}
+        layer = sum(p.numel() for p in units[-1].parameters())
+        root = sum(p.numel() for p in model.parameters() if id(p) not in in_units)
+        params = units_in_flight(layer, root, shards, 2)
+        host += host_state_bytes([p.shape for p in model.parameters()], shards)
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     tracker = LiveBytesTracker()
     autocast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
     with mode, shape_only_step():
@@ -159,7 +188,19 @@ def step_memory(
         seq_length=seq_length,
         parameters=params,
         trained_parameters=trained,
-        optimizer_states=8 * trained,
+        optimizer_states=0 if offload else 8 * trained,
         traced=tracker.peak,
         overhead=CUDA_OVERHEAD_BYTES if overhead is None else overhead,
+        host=host,
+        offload_params=offload,
     )
+
+
+def _offloaded_checkpoints(model: nn.Module, settings: dict[str, Any], tokens: int, dtype: torch.dtype) -> int:
+    """Pinned host bytes of the checkpoints `apply`'s ``cpu_offloading`` moves there: one (tokens, hidden) layer
+    input in the weights' dtype (the residual stream's) per offloaded layer."""
+    if not settings.get("cpu_offloading"):
+        return 0
+    cfg = model.config if hasattr(model, "config") else model.get_base_model().config
+    n = settings.get("cpu_offloading_num_layers") or cfg.num_hidden_layers
+    return n * tokens * cfg.hidden_size * torch.empty((), dtype=dtype).element_size()
