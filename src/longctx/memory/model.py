@@ -154,15 +154,46 @@ PLAN_FIELDS = (
 )
 
 
+@dataclass(frozen=True)
+class ParameterShapes:
+    """The parameters of a GPT by where FSDP2 puts them, each as (shape, bytes an element): one decoder layer's (the
+    layers are alike), the input embedding's (the output projection's too when tied) and the others' (the final
+    norm, the untied output projection)."""
+
+    num_layers: int
+    layer: tuple[tuple[torch.Size, int], ...]
+    embedding: tuple[tuple[torch.Size, int], ...]
+    others: tuple[tuple[torch.Size, int], ...]
+
+    def count(self, part: tuple[tuple[torch.Size, int], ...]) -> int:
+        return sum(shape.numel() for shape, _ in part)
+
+    def total(self) -> tuple[int, int]:
+        """(parameters, their bytes) of the whole model."""
+        parts = [*(self.layer * self.num_layers), *self.embedding, *self.others]
+        return sum(s.numel() for s, _ in parts), sum(s.numel() * b for s, b in parts)
+
+
+def parameter_shapes(config: GPTConfig) -> ParameterShapes:
+    """`ParameterShapes` of ``GPT(config)``, from a one-layer model without storage (cached by shape: the planned
+    settings, `PLAN_FIELDS`, and the length change no parameter)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.name in PLAN_FIELDS}
+    one = _one_layer_shapes(config.replace(num_layers=1, seq_length=1, **defaults))
+    return dataclasses.replace(one, num_layers=config.num_layers)
+
+
 @functools.lru_cache(maxsize=16)
-def _one_layer_shapes(config: GPTConfig) -> tuple[list[torch.Size], list[torch.Size]]:
-    """(the shapes of one layer's parameters, the shapes of the others) of ``config`` (one layer, planned
-    settings at their defaults: the key of this cache), from a model without storage."""
+def _one_layer_shapes(config: GPTConfig) -> ParameterShapes:
     with torch.device("meta"):
         model = GPT(config)
     layer = {id(p) for p in model.layers[0].parameters()}
-    params = list(model.parameters())
-    return [p.shape for p in params if id(p) in layer], [p.shape for p in params if id(p) not in layer]
+    embedding = id(model.embedding.weight)
+
+    def of(keep) -> tuple[tuple[torch.Size, int], ...]:
+        return tuple((p.shape, p.element_size()) for p in model.parameters() if keep(id(p)))
+
+    return ParameterShapes(1, of(lambda i: i in layer), of(lambda i: i == embedding),
+                           of(lambda i: i not in layer and i != embedding))  # fmt: skip
 
 
 def offloaded_state_bytes(config: GPTConfig, shards: int, optimizer_bytes_per_parameter: int = 8) -> int:
@@ -171,10 +202,12 @@ def offloaded_state_bytes(config: GPTConfig, shards: int, optimizer_bytes_per_pa
     a pinned block (`pinned_block_bytes`: the up and down projections of llama-8b, 224 MiB each, take 256), and
     the optimizer's states (pageable). Counted on a model without storage (the layers are alike: one stands for
     all)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.name in PLAN_FIELDS}
-    layer, others = _one_layer_shapes(config.replace(num_layers=1, **defaults))
-    one = host_state_bytes(layer, shards, optimizer_bytes_per_parameter)
-    return config.num_layers * one + host_state_bytes(others, shards, optimizer_bytes_per_parameter)
+    ps = parameter_shapes(config)
+
+    def host(part: tuple[tuple[torch.Size, int], ...]) -> int:
+        return host_state_bytes([shape for shape, _ in part], shards, optimizer_bytes_per_parameter)
+
+    return ps.num_layers * host(ps.layer) + host(ps.embedding) + host(ps.others)
 
 
 def host_state_bytes(shapes: list[torch.Size], shards: int, optimizer_bytes_per_parameter: int = 8) -> int:

@@ -32,6 +32,7 @@ from longctx.memory.model import (
     kept_bytes,
     lora_parameters,
     offloaded_state_bytes,
+    parameter_shapes,
     step_memory,
     step_segments,
     units_in_flight,
@@ -367,26 +368,14 @@ def _host_per_machine(mem: StepMemory, ranks: int) -> int:
 def _layer_counts(config: GPTConfig) -> tuple[int, int]:
     """(parameters of one layer, parameters outside the sharded units: the final norm and the output projection,
     or the embedding when it is tied to it), counted on a model without storage."""
-    import torch
-
-    from longctx.models.gpt import GPT
-
-    with torch.device("meta"):
-        model = GPT(config.replace(num_layers=1))
-    layer = sum(p.numel() for p in model.layers[0].parameters())
-    root = sum(p.numel() for p in model.parameters()) - layer  # units: the layers, and the embedding if untied
-    return layer, root - (0 if config.share_embeddings_and_output_weights else model.embedding.weight.numel())
+    ps = parameter_shapes(config)
+    tied = ps.count(ps.embedding) if config.share_embeddings_and_output_weights else 0
+    return ps.count(ps.layer), ps.count(ps.others) + tied
 
 
 def parameter_count(config: GPTConfig) -> tuple[int, int]:
     """The parameters of ``GPT(config)`` and their bytes, counted on a model without storage."""
-    import torch
-
-    from longctx.models.gpt import GPT
-
-    with torch.device("meta"):
-        params = list(GPT(config).parameters())
-    return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
+    return parameter_shapes(config).total()
 
 
 def _longest_fitting(
