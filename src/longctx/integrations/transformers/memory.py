@@ -152,8 +152,8 @@ def step_memory(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     settings = dict(apply_kwargs or {})
     offload = settings.pop("offload_params", False)
-    shards = settings.pop("mesh", None)
-    shards = 1 if shards is None else shards.size()  # the ranks the states are sharded over
+    mesh = settings.pop("mesh", None)
+    shards = 1 if mesh is None else mesh.size()  # the ranks the states are sharded over
     if offload and lora is not None:
         raise ValueError("offload_params with lora is not modelled: a LoRA run's frozen base stays on the GPU")
     weights = torch.bfloat16 if offload else dtype  # FSDP2's mixed precision: the units compute in bf16
