@@ -60,14 +60,9 @@ def _model(family: str, lora: bool = False):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="longctx").float()
     if lora:
-        import peft
+        from tests.lora import with_lora
 
-        from longctx.memory.model import LORA_TARGETS
-
-        torch.manual_seed(1)
-        adapters = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
-                                   init_lora_weights=False)  # fmt: skip
-        model = peft.get_peft_model(model, adapters)
+        model = with_lora(model)
     return model
 
 

@@ -246,17 +246,16 @@ def test_lora_through_apply_on_the_gpu():
     """A bf16 Llama under PEFT's LoRA adapters: longctx (apply with recomputation and the fused loss) against SDPA,
     the loss and every adapter gradient measured against a float32 SDPA run: within twice SDPA's own bf16 error
     plus a floor; the frozen base gets no gradient."""
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
+    from tests.lora import with_lora
+
     cfg = LlamaConfig(vocab_size=V, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=4096)  # fmt: skip
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
     def build(impl: str, dtype: torch.dtype):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=dtype).cuda()
-        torch.manual_seed(1)
-        lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
-        return peft.get_peft_model(model, lora)
+        return with_lora(model, rank=8)
 
     x = torch.randint(0, V, (1, 2048), generator=torch.Generator().manual_seed(2)).cuda()
 

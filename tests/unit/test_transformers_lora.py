@@ -14,6 +14,7 @@ from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausal
 
 import longctx.integrations.transformers as lt  # noqa: E402
 from longctx.memory.model import LORA_TARGETS  # noqa: E402
+from tests.lora import with_lora  # noqa: E402
 
 V = 101
 TARGETS = list(LORA_TARGETS)  # q, k, v, o, gate, up, down
@@ -25,12 +26,6 @@ def _llama(seed: int = 0, impl: str = "longctx") -> LlamaForCausalLM:
     cfg = LlamaConfig(vocab_size=V, hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=12, max_position_embeddings=128)  # fmt: skip
     return LlamaForCausalLM(cfg).to(torch.float64).train()
-
-
-def _lora(model, seed: int = 1, targets=TARGETS):
-    torch.manual_seed(seed)
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
-    return peft.get_peft_model(model, cfg)
 
 
 def _tokens(B: int, S: int, seed: int = 2) -> torch.Tensor:
@@ -51,11 +46,11 @@ def _adapter_grads(model) -> dict[str, torch.Tensor]:
                          ids=("fused-loss", "recompute", "recompute-offload"))  # fmt: skip
 def test_lora_through_apply_equals_plain_peft(settings):
     x = _tokens(2, 23)
-    ref = _lora(_llama())
+    ref = with_lora(_llama())
     ref.base_model.model.set_attn_implementation("sdpa")
     ref_loss = _f64_loss(ref, x)
     ref_loss.backward()
-    model = lt.apply(_lora(_llama()), **settings)
+    model = lt.apply(with_lora(_llama()), **settings)
     out = model(input_ids=x, labels=x)
     out.loss.backward()
     assert out.logits is None  # the logits-free loss
@@ -70,7 +65,7 @@ def test_lora_through_apply_equals_plain_peft(settings):
 
 
 def test_frozen_base_is_untouched_and_shared_by_training():
-    model = lt.apply(_lora(_llama()), **RECOMPUTE)
+    model = lt.apply(with_lora(_llama()), **RECOMPUTE)
     base = {n: p for n, p in model.named_parameters() if not p.requires_grad}
     before = {n: p.detach().clone() for n, p in base.items()}
     storage = {n: p.data_ptr() for n, p in base.items()}
@@ -93,13 +88,13 @@ def test_lora_with_packed_documents_equals_sdpa():
     docs = [_tokens(1, n, seed=20 + n)[0].tolist() for n in (9, 5, 12)]
     batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d} for d in docs])
     batch = {k: v for k, v in batch.items() if k != "attention_mask"}
-    ref = _lora(_llama())
+    ref = with_lora(_llama())
     ref.base_model.model.set_attn_implementation("sdpa")
     # SDPA finds the packed documents from position_ids only without a KV cache
     logits = ref(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     ref_loss = torch.nn.functional.cross_entropy(logits[0, :-1], batch["labels"][0, 1:], ignore_index=-100)
     ref_loss.backward()
-    model = lt.apply(_lora(_llama()), **RECOMPUTE)
+    model = lt.apply(with_lora(_llama()), **RECOMPUTE)
     loss = model(**batch).loss
     loss.backward()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=0)
@@ -110,12 +105,12 @@ def test_lora_with_packed_documents_equals_sdpa():
 
 def test_an_adapter_on_lm_head_refuses_the_fused_loss():
     with pytest.raises(ValueError, match="PEFT put an adapter on lm_head.*fused_loss=False"):
-        lt.apply(_lora(_llama(), targets=[*TARGETS, "lm_head"]))
-    lt.apply(_lora(_llama(), targets=[*TARGETS, "lm_head"]), fused_loss=False)  # the logits' loss is fine
+        lt.apply(with_lora(_llama(), targets=[*TARGETS, "lm_head"]))
+    lt.apply(with_lora(_llama(), targets=[*TARGETS, "lm_head"]), fused_loss=False)  # the logits' loss is fine
 
 
 def test_apply_twice_on_a_peft_model_raises():
-    model = lt.apply(_lora(_llama()))
+    model = lt.apply(with_lora(_llama()))
     with pytest.raises(ValueError, match="apply was already called"):
         lt.apply(model)
 
@@ -159,7 +154,7 @@ def test_lora_parameters_are_peft_counts():
     from longctx.models.gpt import GPTConfig
 
     for targets in (TARGETS, ["q_proj", "v_proj"], ["down_proj"]):
-        model = _lora(_llama(), targets=targets)
+        model = with_lora(_llama(), targets=targets)
         counted = sum(p.numel() for p in model.parameters() if p.requires_grad)
         twin = GPTConfig(vocab_size=V, num_layers=3, hidden_size=48, num_attention_heads=4, num_query_groups=2,
                          kv_channels=12, ffn_hidden_size=64)  # fmt: skip
@@ -211,10 +206,10 @@ def test_sequence_chunks_keep_loss_and_gradients(lora):
     and gradients (float64) as the whole MLP, and the MLP runs per chunk."""
     x = _tokens(2, 23)
     settings = dict(RECOMPUTE)
-    ref_model = lt.apply(_lora(_llama()) if lora else _llama(), **settings)
+    ref_model = lt.apply(with_lora(_llama()) if lora else _llama(), **settings)
     ref = ref_model(input_ids=x, labels=x).loss
     ref.backward()
-    model = lt.apply(_lora(_llama()) if lora else _llama(), sequence_chunk_size=5, **settings)
+    model = lt.apply(with_lora(_llama()) if lora else _llama(), sequence_chunk_size=5, **settings)
     base = model.get_base_model() if lora else model
     seen = []
     base.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, a, out: seen.append(out.shape[1]))

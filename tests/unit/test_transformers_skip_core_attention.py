@@ -22,7 +22,7 @@ import longctx.integrations.transformers as lt  # noqa: E402
 import longctx.integrations.transformers.attention as hf_attention  # noqa: E402
 import longctx.layers.attention as attention_layer  # noqa: E402
 from longctx.launchers.select import resolve_launchers  # noqa: E402
-from longctx.memory.model import LORA_TARGETS  # noqa: E402
+from tests.lora import with_lora  # noqa: E402
 
 V, L = 101, 3
 FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -45,12 +45,7 @@ def _model(family: str = "llama", lora: bool = False, **kw):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_config(family, **kw), attn_implementation="longctx")
     model = model.to(torch.float64).train()
-    if lora:
-        torch.manual_seed(1)
-        cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
-                              init_lora_weights=False)  # fmt: skip
-        model = peft.get_peft_model(model, cfg)
-    return model
+    return with_lora(model) if lora else model
 
 
 def _tokens(B: int, S: int, seed: int = 2) -> torch.Tensor:
@@ -61,6 +56,15 @@ def _step(model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     loss = model(**batch).loss
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_close_to(loss, got, ref_loss, ref) -> None:
+    """``loss`` and the gradients ``got`` float64-tight to ``ref``'s, whose ``ref_loss`` is differentiated."""
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=0)
+    want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-10, atol=1e-13, msg=n)
 
 
 def _assert_equal(got, want) -> None:
@@ -133,11 +137,7 @@ def test_gradients_equal_the_plain_model(lora):
     ref_loss.backward()
     loss, got = _step(lt.apply(_model(lora=lora), recompute_skip_core_attention=True, **FULL),
                       dict(input_ids=x, labels=x))  # fmt: skip
-    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=0)
-    want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-    assert got.keys() == want.keys()
-    for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=1e-10, atol=1e-13, msg=n)
+    _assert_close_to(loss, got, ref_loss, ref)
 
 
 # -- attention runs forward once ----------------------------------------------------------------------------------
@@ -229,11 +229,7 @@ def test_fallbacks_equal_the_plain_model(family, kw):
     ref_loss.backward()
     model = lt.apply(_model(family, **kw), recompute_skip_core_attention=True, **FULL)
     loss, got = _step(model, dict(batch, labels=labels))
-    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=0)
-    want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-    assert got.keys() == want.keys()
-    for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=1e-10, atol=1e-13, msg=n)
+    _assert_close_to(loss, got, ref_loss, ref)
 
 
 # -- what it refuses ------------------------------------------------------------------------------------------------
