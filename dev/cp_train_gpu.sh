@@ -12,19 +12,8 @@ WORK=${WORK:-/tmp/cp_train}
 mkdir -p "$WORK"
 LOG="$OUT/cp_train.log"
 : >"$LOG"
-python3 - "$WORK/text.txt" <<'PY'
-import pathlib, sys, sysconfig
-root = pathlib.Path(sysconfig.get_paths()["purelib"])
-out, total = open(sys.argv[1], "wb"), 0
-for p in sorted(root.rglob("*.py")):
-    data = p.read_bytes().replace(b"\x00", b"")
-    if data:
-        out.write(data + b"\x00")
-        total += len(data) + 1
-    if total > 200_000_000:
-        break
-print(f"text: {total / 1e6:.0f} MB", flush=True)
-PY
+python3 -c 'import sys; sys.path.insert(0, "dev"); from packed_step_share import site_packages_text
+print(f"text: {site_packages_text(sys.argv[1], 200_000_000) / 1e6:.0f} MB", flush=True)' "$WORK/text.txt"
 STEPS=${STEPS:-20}
 METHOD=${METHOD:-p2p}
 COMMON=(--preset llama-350m --seq-length 32768 --micro-batch-size 1 --data "$WORK/text.txt" --doc-separator '\x00'

@@ -18,7 +18,10 @@ import time
 ATTENTION = re.compile(r"^(attn_|bwd_(dq|dkdv|preprocess)|sparse_)")
 
 
-def _site_packages_text(path: str, limit: int = 64_000_000) -> str:
+def site_packages_text(path: str, limit: int = 64_000_000) -> int:
+    """Write the Python sources of this interpreter's site-packages to ``path``, '\\x00' after each file, until
+    ``limit`` bytes (a long-tailed mix of document sizes; `dev/cp_train_gpu.sh` trains on it too); returns the
+    bytes written."""
     import pathlib
     import sysconfig
 
@@ -31,7 +34,7 @@ def _site_packages_text(path: str, limit: int = 64_000_000) -> str:
                 total += len(data) + 1
             if total > limit:
                 break
-    return path
+    return total
 
 
 def main() -> None:
@@ -51,7 +54,8 @@ def main() -> None:
     import torch
 
     if args.data is None:
-        args.data = _site_packages_text("/tmp/packed_step_share.txt")
+        args.data = "/tmp/packed_step_share.txt"
+        site_packages_text(args.data)
     from longctx.training.config import parse_config
     from longctx.training.trainer import Trainer
 
