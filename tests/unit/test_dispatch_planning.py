@@ -267,7 +267,7 @@ def test_traffic_counts(world: int, mask: str) -> None:
             assert sum(tr[m].backward_sent) == sum(tr[m].backward_received), m
         per_tok = 2 * 8 * 128 * 2
         assert tr["p2p"].forward_received[1] == sum(n for ranges in needs[1] for _, n in ranges) * per_tok
-        sizes = [sum(n for _, n, _ in e) for e in export_rows(plan._docs(), layout.chunks)]
+        sizes = [sum(n for _, n, _ in e) for e in export_rows(plan.documents, layout.chunks)]
         assert tr["ring"].forward_received[0] == (sum(sizes) - sizes[0]) * per_tok
         assert tr["allgather"].forward_received[0] == (world - 1) * max(sizes) * per_tok
 

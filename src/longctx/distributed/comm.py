@@ -19,6 +19,8 @@ __all__ = [
     "cpu_group",
     "RingComm",
     "exchange",
+    "all_to_all_rows",
+    "Done",
     "gather_seq",
     "reduce_scatter_seq",
     "gather_flat",
@@ -199,6 +201,30 @@ def exchange(
         assert buf.is_contiguous() and peer != info.rank, (peer, info.rank)
         ops.append(dist.P2POp(dist.irecv, buf, _global_rank(info, peer), info.group, tag))
     return dist.batch_isend_irecv(ops) if ops else []
+
+
+class Done:
+    """The request of an exchange that moved nothing (a group of one)."""
+
+    def wait(self) -> None:
+        pass
+
+
+def all_to_all_rows(info: GroupInfo, send: torch.Tensor, send_counts, recv: torch.Tensor, recv_counts) -> object:
+    """Start one all-to-all with uneven splits along dim 0: rows ``send[sum(send_counts[:p]):][:send_counts[p]]`` go
+    to group rank p; ``recv`` receives ``recv_counts[p]`` rows from each p, in rank order. Every rank of the group
+    calls it (a collective: one call, where a batch of point-to-point operations costs host time per peer), with
+    counts that match the peers' (this rank's ``recv_counts[p]`` is rank p's ``send_counts[rank]``). Returns the
+    request (``.wait()`` makes the current stream wait for it)."""
+    assert info.members is None, "all_to_all_rows runs on a whole group"
+    assert send.is_contiguous() and recv.is_contiguous()
+    if info.world == 1:
+        return Done()
+    row = send[0].numel() if send.shape[0] else recv[0].numel() if recv.shape[0] else 0
+    return dist.all_to_all_single(
+        recv.view(-1), send.view(-1), [n * row for n in recv_counts], [n * row for n in send_counts],
+        group=info.group, async_op=True,
+    )  # fmt: skip
 
 
 def gather_seq(x: torch.Tensor, dim: int, info: GroupInfo, layout) -> torch.Tensor:

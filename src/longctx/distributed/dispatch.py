@@ -22,6 +22,7 @@ all-gather.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -115,6 +116,8 @@ class DispatchPlan:
     areas: tuple[int, ...]
     needs: tuple[tuple[tuple[tuple[int, int], ...], ...], ...] = field(repr=False)
     info: GroupInfo = field(repr=False)
+    # the argument rows every rank of the group agreed on in a collective check of this plan (`_check`)
+    agreed: set = field(default_factory=set, repr=False, compare=False)
 
     @property
     def rank(self) -> int:
@@ -158,7 +161,7 @@ class DispatchPlan:
         P = self.world
         kv, gr = 2 * kv_heads * head_dim * itemsize, 2 * kv_heads * head_dim * grad_itemsize  # per token
         if method in ("ring", "allgather"):
-            sizes = [sum(n for _, n, _ in e) for e in export_rows(self._docs(), self.layout.chunks)]
+            sizes = [sum(n for _, n, _ in e) for e in export_rows(self.documents, self.layout.chunks)]
             if method == "ring":
                 # rank r receives every block but its own and forwards every block but the one it holds last (rank
                 # r + 1's); the dK/dV partial sums: sent for every block but its own, received for all but r - 1's
@@ -181,8 +184,15 @@ class DispatchPlan:
             tuple(s * kv + r * gr for s, r in zip(sent, recv)), tuple(r * kv + s * gr for s, r in zip(sent, recv)),
         )  # fmt: skip
 
-    def _docs(self) -> Documents:
+    @functools.cached_property
+    def documents(self) -> Documents:
+        """The plan's mask as `blocks.Documents` (built once: every layer's call looks its steps up by it)."""
         return Documents(self.cu_seqlens, doc_band(self.causal, self.window))
+
+    @functools.cached_property
+    def routes(self):
+        """This rank's `p2p.Routes` (built once per plan)."""
+        return routes(self.layout, self.needs, self.documents, self.rank)
 
     def positions(self, device=None) -> torch.Tensor:
         """Global positions (int64, (total / P,)) of this rank's tokens, in local order."""
@@ -239,11 +249,10 @@ class DispatchPlan:
         """
         q4, k4, v4 = (_to_bhsd(t) for t in (q, k, v))  # (1, H, total / P, D)
         scale = self._check(q4, k4, v4, method=method, scale=scale, backend=backend, ulysses_size=ulysses_size)
-        mask = self._docs()
+        mask = self.documents
         launchers = resolve_launchers(backend, q4.device, q4.dtype)
         if method == "p2p":
-            mine = routes(self.layout, self.needs, mask, self.rank)
-            out = P2PAttention.apply(q4, k4, v4, self.info, mine, scale, launchers)
+            out = P2PAttention.apply(q4, k4, v4, self.info, self.routes, scale, launchers)
         else:
             out = run_method(
                 q4, k4, v4, info=self.info, method=method, layout=self.layout, mask=mask, scale=scale,
@@ -253,7 +262,12 @@ class DispatchPlan:
 
     def _check(self, q4, k4, v4, *, method, scale, backend, ulysses_size) -> float:
         """`attention.cp_attention`'s collective check with the plan's methods (p2p is checked as allgather, which
-        puts no constraint on heads, and told apart by an extra column). Returns the scale."""
+        puts no constraint on heads, and told apart by an extra column). Returns the scale.
+
+        The first call of a plan with given arguments is checked collectively (a host all-gather, a barrier of the
+        group's ranks); a call whose arguments repeat ones every rank agreed on for this plan (every layer of a
+        model, the recomputed forward, the backward's calls) passes on its local checks alone. A rank whose
+        arguments change alone after that waits for the others in the check and raises on its timeout."""
         info, where = self.info, "DispatchPlan.attention"
         known = isinstance(method, str) and method in PLAN_METHODS
         base = "allgather" if method == "p2p" else method
@@ -277,6 +291,8 @@ class DispatchPlan:
             scale=resolved[0] if resolved else scale, backend=backend, err=int(err is not None),
             ulysses_size=ulysses_size,
         ) + [PLAN_METHODS.index(method) if known else -1]  # fmt: skip
+        if err is None and tuple(row) in self.agreed:
+            return resolved[0]
 
         def describe(rw: list[int]) -> str:
             return _describe(rw[:-1]) + f" (method {PLAN_METHODS[rw[-1]] if rw[-1] >= 0 else '?'})"
@@ -285,6 +301,7 @@ class DispatchPlan:
             row, err, info, q4, where=where, same="its share of one packed sequence with the same arguments",
             describe=describe,
         )  # fmt: skip
+        self.agreed.add(tuple(row))
         return resolved[0]
 
 

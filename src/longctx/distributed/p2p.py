@@ -1,10 +1,11 @@
-"""The dispatcher's "p2p" method: only the K/V rows some local query can see move, in one batched point-to-point
-exchange per pass.
+"""The dispatcher's "p2p" method: only the K/V rows some local query can see move, in one all-to-all with uneven
+splits per exchange (a single collective call: far less host time than a batch of point-to-point operations).
 
 `placement.plan_needs` lists, per pair of ranks, the token ranges one needs from the other. Rank r's part of a plan
-(`Routes`): what it sends to each peer (its local rows of the ranges the peer needs), what it receives from each
-(in peer order, each peer's ranges ascending) and two block-sparse steps, its queries against its own K/V and
-against the received rows (`blocks.SparseStep`: one launch each).
+(`Routes`): the local rows it sends (every peer's rows one after another, in peer order), the tokens it sends to and
+receives from each rank, and two block-sparse steps, its queries against its own K/V and against the received rows
+(`blocks.SparseStep`: one launch each). A message is token-major: each row's K heads, then its V heads
+(``(tokens, B, 2 Hkv, D)``), so every peer's share is one contiguous slice of one buffer.
 
 forward: start the exchange, compute the local step while it runs, then the remote step; the two partial results
 merge by their lse in the accumulation dtype (float32, float64 for float64 inputs). backward: the rows are
@@ -25,13 +26,11 @@ from longctx.distributed.blocks import (
     SparseStep,
     doc_step,
     merge_two,
-    pack_kv,
     rows_index,
     step_backward,
     step_forward,
-    unpack_kv,
 )
-from longctx.distributed.comm import GroupInfo, RingComm, exchange
+from longctx.distributed.comm import Done, GroupInfo, all_to_all_rows
 from longctx.distributed.sharding import ChunkLayout
 
 __all__ = ["Routes", "routes", "P2PAttention"]
@@ -41,18 +40,29 @@ __all__ = ["Routes", "routes", "P2PAttention"]
 class Routes:
     """Rank ``rank``'s part of a p2p plan.
 
-    ``sends``: (peer, local rows [(local_start, length)], tokens) for every peer that needs some of this rank's
-    tokens; ``recvs``: (peer, offset in the received buffer, tokens) for every peer this rank needs tokens from, in
-    rank order. ``local`` / ``remote``: the steps against the local K/V and against the received buffer (None:
-    nothing to compute there).
+    ``send_rows``: the local rows ``(start, length)`` sent, every peer's after the previous peer's;
+    ``send_counts`` / ``recv_counts``: tokens sent to / received from each rank of the group (0 for itself and
+    for ranks it exchanges nothing with), the received rows in peer order, each peer's ranges ascending.
+    ``local`` / ``remote``: the steps against the local K/V and against the received rows (None: nothing to
+    compute there). ``moves``: whether any rank of the group exchanges rows (when none does, as when every
+    document is whole on one rank, no rank calls the collective).
     """
 
     rank: int
-    sends: tuple[tuple[int, tuple[tuple[int, int], ...], int], ...]
-    recvs: tuple[tuple[int, int, int], ...]
-    n_recv: int
+    moves: bool
+    send_rows: tuple[tuple[int, int], ...]
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
     local: SparseStep | None
     remote: SparseStep | None
+
+    @property
+    def n_send(self) -> int:
+        return sum(self.send_counts)
+
+    @property
+    def n_recv(self) -> int:
+        return sum(self.recv_counts)
 
 
 def _local_rows(runs: tuple[tuple[int, int, int], ...], g: int, n: int) -> int:
@@ -68,53 +78,56 @@ def _local_rows(runs: tuple[tuple[int, int, int], ...], g: int, n: int) -> int:
 def routes(layout: ChunkLayout, needs, docs: Documents, rank: int) -> Routes:
     """Rank ``rank``'s `Routes` for a layout, its `placement.plan_needs` and the document mask."""
     own = tuple(sorted(layout.chunks[rank], key=lambda r: r[2]))
-    sends = []
+    send_rows: list[tuple[int, int]] = []
+    send_counts, recv_counts = [0] * layout.world, [0] * layout.world
+    k_chunks, off = [], 0  # k_chunks: runs of the received rows, (start, length, global start)
     for peer in range(layout.world):
-        ranges = needs[peer][rank]
-        if ranges:
-            rows = tuple((_local_rows(own, g, n), n) for g, n in ranges)
-            sends.append((peer, rows, sum(n for _, n in ranges)))
-    recvs, k_chunks, off = [], [], 0  # k_chunks: runs of the received buffer, (start, length, global start)
-    for peer in range(layout.world):
-        ranges = needs[rank][peer]
-        if not ranges:
-            continue
-        recvs.append((peer, off, sum(n for _, n in ranges)))
-        for g, n in ranges:
+        for g, n in needs[peer][rank]:
+            send_rows.append((_local_rows(own, g, n), n))
+            send_counts[peer] += n
+        for g, n in needs[rank][peer]:
             k_chunks.append((off, n, g))
+            recv_counts[peer] += n
             off += n
     q_chunks = layout.chunks[rank]
     remote = doc_step(docs, q_chunks, tuple(k_chunks)) if k_chunks else None
-    return Routes(rank, tuple(sends), tuple(recvs), off, doc_step(docs, q_chunks, q_chunks), remote)
+    moves = any(ranges for row in needs for ranges in row)
+    local = doc_step(docs, q_chunks, q_chunks)
+    return Routes(rank, moves, tuple(send_rows), tuple(send_counts), tuple(recv_counts), local, remote)
 
 
-def _fetch_kv(k: torch.Tensor, v: torch.Tensor, r: Routes, info: GroupInfo, tag: int):
-    """Start the K/V exchange; returns (requests, receive buffers): one flat message (K then V) per peer."""
-    dev = str(k.device)
-    sends = [(peer, pack_kv(k, v, rows_index(rows, dev))) for peer, rows, _ in r.sends]
-    per_tok = k[:, :, :1].numel() + v[:, :, :1].numel()
-    bufs = [(peer, torch.empty(n * per_tok, dtype=k.dtype, device=k.device)) for peer, _, n in r.recvs]
-    return exchange(info, sends, bufs, tag), bufs
+def _rows_message(rows: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, v), each (B, Hkv, n, D) contiguous, of a token-major message ``(n, B, 2 Hkv, D)``."""
+    h = like.shape[1]
+    return tuple(rows[:, :, s].permute(1, 2, 0, 3).contiguous() for s in (slice(0, h), slice(h, 2 * h)))
 
 
-def _unpack(bufs, counts: list[int], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the flat per-peer messages, (B, H, sum(counts), D) each, peers one after another along S."""
-    kvs = [unpack_kv(buf, like, n) for (_, buf), n in zip(bufs, counts)]
-    return torch.cat([k for k, _ in kvs], dim=2), torch.cat([v for _, v in kvs], dim=2)
+def _fetch_kv(k: torch.Tensor, v: torch.Tensor, r: Routes, info: GroupInfo):
+    """Start the K/V exchange; returns (request, receive buffer (n_recv, B, 2 Hkv, D))."""
+    B, H, _, D = k.shape
+    kv = torch.cat((k, v), dim=1).permute(2, 0, 1, 3)  # (S_loc, B, 2 Hkv, D), a view of one copy
+    send = kv.index_select(0, rows_index(r.send_rows, str(k.device)))
+    recv = torch.empty((r.n_recv, B, 2 * H, D), dtype=k.dtype, device=k.device)
+    return _exchange(info, r, send, r.send_counts, recv, r.recv_counts), recv
+
+
+def _exchange(info: GroupInfo, r: Routes, send, send_counts, recv, recv_counts):
+    """`all_to_all_rows` where some rank of the plan moves rows; nothing (on every rank) where none does."""
+    return all_to_all_rows(info, send, send_counts, recv, recv_counts) if r.moves else Done()
 
 
 class P2PAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, info: GroupInfo, r: Routes, scale: float, launchers):
         k, v = k.contiguous(), v.contiguous()
-        reqs, bufs = _fetch_kv(k, v, r, info, tag=0)
+        req, recv = _fetch_kv(k, v, r, info)
         out, lse = step_forward(r.local, q, k, v, scale=scale, launchers=launchers)
-        RingComm.wait(reqs)
+        req.wait()
         if r.remote is not None:
-            k_r, v_r = _unpack(bufs, [n for _, _, n in r.recvs], k)  # (B, Hkv, n_recv, D)
+            k_r, v_r = _rows_message(recv, k)  # (B, Hkv, n_recv, D)
             partial = step_forward(r.remote, q, k_r, v_r, scale=scale, launchers=launchers)
             out, lse = merge_two(out, lse, *partial)
-        del bufs
+        del recv
         lse = lse if q.dtype == torch.float64 else lse.float()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.info, ctx.routes, ctx.scale, ctx.launchers = info, r, scale, launchers
@@ -125,33 +138,27 @@ class P2PAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         info, r, scale, launchers = ctx.info, ctx.routes, ctx.scale, ctx.launchers
         do = do.contiguous()
-        reqs, bufs = _fetch_kv(k, v, r, info, tag=1)
+        req, recv = _fetch_kv(k, v, r, info)
         dq, dk_l, dv_l = step_backward(r.local, do, q, k, v, out, lse, scale=scale, launchers=launchers)
         adt = dq.dtype
         dk = torch.zeros(k.shape, device=q.device, dtype=adt)
         dv = torch.zeros(v.shape, device=q.device, dtype=adt)
         dk[:, :, r.local.k0 : r.local.k1] += dk_l
         dv[:, :, r.local.k0 : r.local.k1] += dv_l
-        RingComm.wait(reqs)
-        back = []
-        if r.recvs:
-            k_r, v_r = _unpack(bufs, [n for _, _, n in r.recvs], k)
-            dk_r = torch.zeros(k_r.shape, device=q.device, dtype=adt)  # (B, Hkv, n_recv, D)
-            dv_r = torch.zeros(v_r.shape, device=q.device, dtype=adt)
-            if r.remote is not None:
-                dq_b, dk_b, dv_b = step_backward(r.remote, do, q, k_r, v_r, out, lse, scale=scale, launchers=launchers)
-                dq += dq_b
-                dk_r[:, :, r.remote.k0 : r.remote.k1] = dk_b
-                dv_r[:, :, r.remote.k0 : r.remote.k1] = dv_b
-            for peer, o, n in r.recvs:
-                back.append((peer, torch.cat([dk_r[:, :, o : o + n].reshape(-1), dv_r[:, :, o : o + n].reshape(-1)])))
-        del bufs
-        per_tok = k[:, :, :1].numel() + v[:, :, :1].numel()
-        back_bufs = [(peer, torch.empty(n * per_tok, dtype=adt, device=q.device)) for peer, _, n in r.sends]
-        RingComm.wait(exchange(info, back, back_bufs, tag=2))
-        if r.sends:
-            dk_in, dv_in = _unpack(back_bufs, [n for _, _, n in r.sends], k)
-            idx = torch.cat([rows_index(rows, str(q.device)) for _, rows, _ in r.sends])
-            dk.index_add_(2, idx, dk_in.to(adt))
-            dv.index_add_(2, idx, dv_in.to(adt))
+        req.wait()
+        H = k.shape[1]
+        back = torch.zeros((r.n_recv, k.shape[0], 2 * H, k.shape[3]), device=q.device, dtype=adt)
+        if r.remote is not None:
+            k_r, v_r = _rows_message(recv, k)
+            dq_b, dk_b, dv_b = step_backward(r.remote, do, q, k_r, v_r, out, lse, scale=scale, launchers=launchers)
+            dq += dq_b
+            back[r.remote.k0 : r.remote.k1, :, :H] = dk_b.permute(2, 0, 1, 3)
+            back[r.remote.k0 : r.remote.k1, :, H:] = dv_b.permute(2, 0, 1, 3)
+        del recv
+        grads = torch.empty((r.n_send, k.shape[0], 2 * H, k.shape[3]), device=q.device, dtype=adt)
+        _exchange(info, r, back, r.recv_counts, grads, r.send_counts).wait()
+        if r.n_send:
+            idx = rows_index(r.send_rows, str(q.device))
+            dk.index_add_(2, idx, grads[:, :, :H].permute(1, 2, 0, 3))
+            dv.index_add_(2, idx, grads[:, :, H:].permute(1, 2, 0, 3))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
