@@ -5,7 +5,13 @@ Attention is every kernel of longctx's attention (the dense and block-sparse Tri
 starting ``attn_``, ``bwd_``, ``sparse_``); the share is their time over the step's wall time, and over all kernel
 time. It is what faster short-sequence attention could at most give this step. Prints one JSON line.
 
+Under torchrun, ``--layout`` passes the data- and context-parallel flags to the trainer; rank 0 reports. Where the
+step's time goes on the host: ``gpu_busy_share`` (the union of the kernels' intervals over the step's wall time: well
+under 1 means the GPU waits for the host), the kernel count, the top kernels, and with ``--python-profile N`` the
+top N functions of a Python profile of one step (written next to ``--out``).
+
     PYTHONPATH=src python dev/packed_step_share.py [--data text.txt] [--preset llama-350m --seq-length 32768]
+    PYTHONPATH=src torchrun --nproc-per-node 4 dev/packed_step_share.py --layout "--context-parallel 4" [--dense]
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ def main() -> None:
     ap.add_argument("--seq-length", type=int, default=32768)
     ap.add_argument("--steps", type=int, default=4, help="timed steps after two warm-up steps")
     ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--layout", default="", help="trainer flags of the layout, e.g. '--context-parallel 4'")
+    ap.add_argument("--dense", action="store_true", help="one causal sequence: no document separator")
+    ap.add_argument("--python-profile", type=int, default=0, help="top functions of a Python profile of one step")
     args = ap.parse_args()
 
     import torch
@@ -59,12 +68,14 @@ def main() -> None:
     from longctx.training.config import parse_config
     from longctx.training.trainer import Trainer
 
+    docs = [] if args.dense else ["--doc-separator", "\\x00"]
     cfg = parse_config([
         "--preset", args.preset, "--seq-length", str(args.seq_length), "--micro-batch-size", "1",
-        "--data", args.data, "--doc-separator", "\\x00", "--steps", str(args.steps + 3), "--eval-iters", "0",
-        "--save", "none", "--quiet",
+        "--data", args.data, *docs, "--steps", str(args.steps + 4), "--eval-iters", "0",
+        "--save", "none", "--quiet", *args.layout.split(),
     ])  # fmt: skip
     trainer = Trainer(cfg)
+    writer = trainer.rank == 0
     gpu = torch.cuda.is_available()
     sync = torch.cuda.synchronize if gpu else (lambda: None)  # the CPU: a smoke run of this script only
     for step in range(2):
@@ -79,31 +90,64 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+        t_prof = time.perf_counter()
         trainer.train_step(2 + args.steps)
         sync()
+        t_prof = time.perf_counter() - t_prof
     total = attention = 0.0
     by_kernel: dict[str, float] = {}
+    every: dict[str, float] = {}
+    spans = []
     for e in prof.events():
         if gpu and e.device_type.name != "CUDA":
             continue
         us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
         total += us
+        every[e.name] = every.get(e.name, 0.0) + us
+        spans.append((e.time_range.start, e.time_range.end))
         if ATTENTION.match(e.name):
             attention += us
             by_kernel[e.name] = by_kernel.get(e.name, 0.0) + us
+    busy, end = 0.0, float("-inf")  # the union of the kernels' intervals (us)
+    for a, b in sorted(spans):
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    python_top = None
+    if args.python_profile:
+        import cProfile
+        import io
+        import pstats
+
+        pr = cProfile.Profile()
+        pr.enable()
+        trainer.train_step(3 + args.steps)
+        sync()
+        pr.disable()
+        buf = io.StringIO()
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(args.python_profile)
+        python_top = buf.getvalue()
     out = {
         "gpu": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__, "preset": args.preset,
         "seq_length": args.seq_length, "backend": trainer.backend, "step_s": round(step_s, 4),
-        "tokens_per_s": round(args.seq_length / step_s), "kernel_s": round(total / 1e6, 4),
+        "tokens_per_s": round(args.seq_length * cfg.data_parallel / step_s), "kernel_s": round(total / 1e6, 4),
         "attention_s": round(attention / 1e6, 4), "attention_share_of_step": round(attention / 1e6 / step_s, 4),
         "attention_share_of_kernels": round(attention / max(total, 1.0), 4),
         "attention_kernels_ms": {k: round(v / 1e3, 2) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])},
+        "layout": args.layout, "dense": args.dense, "profiled_step_s": round(t_prof, 4),
+        "gpu_busy_share": round(busy / 1e6 / max(t_prof, 1e-9), 4), "kernels": len(spans),
+        "top_kernels_ms": {k[:80]: round(v / 1e3, 2) for k, v in sorted(every.items(), key=lambda kv: -kv[1])[:15]},
     }  # fmt: skip
+    if not writer:
+        return
     line = json.dumps(out)
     print(line, flush=True)
     if args.out:
         with open(args.out, "w") as f:
             f.write(line + "\n")
+        if python_top:
+            with open(args.out.rsplit(".", 1)[0] + "_python.txt", "w") as f:
+                f.write(python_top)
 
 
 if __name__ == "__main__":
