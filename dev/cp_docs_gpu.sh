@@ -4,7 +4,7 @@
 # a shard) and a long mix (documents up to the whole sequence), 16K tokens per GPU, against one GPU on the whole
 # sequence (--cp-whole), for 16 / 4 and 64 / 8 heads. Each stage under its own time limit.
 #
-#   OUT=cp_docs_out bash dev/cp_docs_gpu.sh            # HEADS="16/4" to run one head setting
+#   OUT=cp_docs_out bash dev/cp_docs_gpu.sh            # HEADS="16/4" MIXES=short to run one setting
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" cp_docs_out
 # what comes back is at most 8 files: the stages write under WORK, packed into $OUT/cp_docs.tgz after each stage
@@ -27,7 +27,7 @@ stage() {  # stage NAME LIMIT_S ARGS...
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee -a "$LOG"
 stage check "${CHECK_LIMIT:-150}" "${RUN[@]}" dev/cp_docs_check.py --out "$WORK"
 for heads in ${HEADS:-16/4 64/8}; do
-    for mix in short long; do
+    for mix in ${MIXES:-short long}; do
         if [ "$mix" = short ]; then cap=$TOKENS median=1024; else cap=$((TOKENS * NPROC)) median=$TOKENS; fi
         tag="${heads/\//x}_$mix"
         stage "suite $tag" "${SUITE_LIMIT:-150}" "${RUN[@]}" -m longctx.bench.suite --cp --cp-whole \

@@ -53,7 +53,8 @@ def main() -> None:
     )
     ap.add_argument("--preset", default="llama-350m")
     ap.add_argument("--seq-length", type=int, default=32768)
-    ap.add_argument("--steps", type=int, default=4, help="timed steps after two warm-up steps")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=2, help="steps before the timed ones (compilation, first plans)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--layout", default="", help="trainer flags of the layout, e.g. '--context-parallel 4'")
     ap.add_argument("--dense", action="store_true", help="one causal sequence: no document separator")
@@ -71,18 +72,18 @@ def main() -> None:
     docs = [] if args.dense else ["--doc-separator", "\\x00"]
     cfg = parse_config([
         "--preset", args.preset, "--seq-length", str(args.seq_length), "--micro-batch-size", "1",
-        "--data", args.data, *docs, "--steps", str(args.steps + 4), "--eval-iters", "0",
+        "--data", args.data, *docs, "--steps", str(args.warmup + args.steps + 2), "--eval-iters", "0",
         "--save", "none", "--quiet", *args.layout.split(),
     ])  # fmt: skip
     trainer = Trainer(cfg)
     writer = trainer.rank == 0
     gpu = torch.cuda.is_available()
     sync = torch.cuda.synchronize if gpu else (lambda: None)  # the CPU: a smoke run of this script only
-    for step in range(2):
+    for step in range(args.warmup):
         trainer.train_step(step)
     sync()
     t0 = time.perf_counter()
-    for step in range(2, 2 + args.steps):
+    for step in range(args.warmup, args.warmup + args.steps):
         trainer.train_step(step)
     sync()
     step_s = (time.perf_counter() - t0) / args.steps
@@ -91,7 +92,7 @@ def main() -> None:
 
     with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
         t_prof = time.perf_counter()
-        trainer.train_step(2 + args.steps)
+        trainer.train_step(args.warmup + args.steps)
         sync()
         t_prof = time.perf_counter() - t_prof
     total = attention = 0.0
@@ -120,7 +121,7 @@ def main() -> None:
 
         pr = cProfile.Profile()
         pr.enable()
-        trainer.train_step(3 + args.steps)
+        trainer.train_step(args.warmup + args.steps + 1)
         sync()
         pr.disable()
         buf = io.StringIO()

@@ -116,8 +116,8 @@ class DispatchPlan:
     areas: tuple[int, ...]
     needs: tuple[tuple[tuple[tuple[int, int], ...], ...], ...] = field(repr=False)
     info: GroupInfo = field(repr=False)
-    # the argument rows every rank of the group agreed on in a collective check of this plan (`_check`)
-    agreed: set = field(default_factory=set, repr=False, compare=False)
+    # the calls' arguments every rank of the group agreed on in a collective check of this plan -> scale (`_check`)
+    agreed: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def rank(self) -> int:
@@ -265,9 +265,18 @@ class DispatchPlan:
         puts no constraint on heads, and told apart by an extra column). Returns the scale.
 
         The first call of a plan with given arguments is checked collectively (a host all-gather, a barrier of the
-        group's ranks); a call whose arguments repeat ones every rank agreed on for this plan (every layer of a
-        model, the recomputed forward, the backward's calls) passes on its local checks alone. A rank whose
-        arguments change alone after that waits for the others in the check and raises on its timeout."""
+        group's ranks); a call that repeats arguments every rank agreed on for this plan (every layer of a model,
+        a recomputed forward) passes unchecked: its tensors' shapes, dtypes and devices and the other arguments are
+        those of the agreed call. A rank whose arguments change alone after that waits for the others in the check
+        and raises on its timeout."""
+        key = None
+        if all(isinstance(t, torch.Tensor) for t in (q4, k4, v4)):
+            key = (method, scale, backend, ulysses_size, *((t.shape, t.dtype, t.device) for t in (q4, k4, v4)))
+            try:
+                if key in self.agreed:
+                    return self.agreed[key]
+            except TypeError:  # an unhashable argument: the full checks say what is wrong with it
+                key = None
         info, where = self.info, "DispatchPlan.attention"
         known = isinstance(method, str) and method in PLAN_METHODS
         base = "allgather" if method == "p2p" else method
@@ -291,8 +300,6 @@ class DispatchPlan:
             scale=resolved[0] if resolved else scale, backend=backend, err=int(err is not None),
             ulysses_size=ulysses_size,
         ) + [PLAN_METHODS.index(method) if known else -1]  # fmt: skip
-        if err is None and tuple(row) in self.agreed:
-            return resolved[0]
 
         def describe(rw: list[int]) -> str:
             return _describe(rw[:-1]) + f" (method {PLAN_METHODS[rw[-1]] if rw[-1] >= 0 else '?'})"
@@ -301,7 +308,8 @@ class DispatchPlan:
             row, err, info, q4, where=where, same="its share of one packed sequence with the same arguments",
             describe=describe,
         )  # fmt: skip
-        self.agreed.add(tuple(row))
+        if key is not None:
+            self.agreed[key] = resolved[0]
         return resolved[0]
 
 
