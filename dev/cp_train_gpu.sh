@@ -9,7 +9,7 @@
 # dense, METHOD_DENSE (ring), and "@S" for a sequence length other than SEQ (past 32K with --memory-budget BUDGET).
 # With PROFILE="one cp4 ..." each named layout ("one": one GPU) first runs dev/packed_step_share.py (the step's
 # tokens/s after WARMUP steps, the GPU's busy share, top kernels; a Python profile of one step for the layouts in
-# PYPROF) into $OUT/profile_<layout>.json.
+# PYPROF) into $WORK/profile_<layout>.json, packed into $OUT/profiles.tgz after each run.
 #
 #   OUT=cp_train_out bash dev/cp_train_gpu.sh   # LAYOUTS="dp4 dp2cp2 cp4 cp4-dense cp4@131072" STEPS=20 METHOD=p2p
 set -uo pipefail
@@ -54,9 +54,10 @@ for layout in ${PROFILE:-}; do
     echo "=== profile $layout: $par, seq $seq, dense $dense" | tee -a "$LOG"
     "${RUN[@]}" --nproc-per-node $nproc dev/packed_step_share.py --data "$WORK/text.txt" --seq-length "$seq" \
         --layout "$par" "${extra[@]}" --steps "${PROFILE_STEPS:-4}" --warmup "${WARMUP:-5}" \
-        --out "$OUT/profile_$(echo "$layout" | tr ':@' '__').json" 2>&1 | grep -v "Warning\|warn\|USDT" | tail -n 3 \
+        --out "$WORK/profile_$(echo "$layout" | tr ':@' '__').json" 2>&1 | grep -v "Warning\|warn\|USDT" | tail -n 3 \
         | cut -c 1-400 | tee -a "$LOG"
     echo "=== profile $layout: exit ${PIPESTATUS[0]}, $((SECONDS - t)) s" | tee -a "$LOG"
+    (cd "$WORK" && tar czf "$OUT/profiles.tgz" profile_*)
 done
 for layout in ${LAYOUTS-dp4 dp2cp2 cp4}; do
     parallel "$layout" || continue

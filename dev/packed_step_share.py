@@ -43,6 +43,22 @@ def site_packages_text(path: str, limit: int = 64_000_000) -> int:
     return total
 
 
+def _compiled_kernels() -> int:
+    """How many binaries the process's Triton (and Gluon) kernels hold: a rise during timed steps is compilation."""
+    import gc
+
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return 0
+    n = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, JITFunction):
+            for cache in getattr(obj, "device_caches", {}).values():
+                n += len(cache[0]) if isinstance(cache, tuple) and isinstance(cache[0], dict) else 0
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -82,11 +98,16 @@ def main() -> None:
     for step in range(args.warmup):
         trainer.train_step(step)
     sync()
+    compiled = _compiled_kernels()
     t0 = time.perf_counter()
+    each = []
     for step in range(args.warmup, args.warmup + args.steps):
+        t = time.perf_counter()
         trainer.train_step(step)
-    sync()
+        sync()
+        each.append(round(time.perf_counter() - t, 4))
     step_s = (time.perf_counter() - t0) / args.steps
+    compiled = _compiled_kernels() - compiled
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -135,6 +156,7 @@ def main() -> None:
         "attention_s": round(attention / 1e6, 4), "attention_share_of_step": round(attention / 1e6 / step_s, 4),
         "attention_share_of_kernels": round(attention / max(total, 1.0), 4),
         "attention_kernels_ms": {k: round(v / 1e3, 2) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])},
+        "step_s_each": each, "kernels_compiled_in_timed_steps": compiled,
         "layout": args.layout, "dense": args.dense, "profiled_step_s": round(t_prof, 4),
         "gpu_busy_share": round(busy / 1e6 / max(t_prof, 1e-9), 4), "kernels": len(spans),
         "top_kernels_ms": {k[:80]: round(v / 1e3, 2) for k, v in sorted(every.items(), key=lambda kv: -kv[1])[:15]},

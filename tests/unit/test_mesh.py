@@ -147,3 +147,18 @@ def test_train_config_cp_methods(kw, match):
         TrainConfig(**kw)
     ok = TrainConfig(cp_method="ulysses_ring", cp_ulysses_size=2, context_parallel=4)
     assert ok.cp_ulysses_size == 2
+
+
+def test_train_config_auto_cp_method(tmp_path):
+    """cp_method "auto": ulysses over packed documents where the heads split over the ranks, p2p where they do not,
+    ring for one dense sequence; a named method is kept."""
+    from longctx.training.config import TrainConfig
+
+    text = tmp_path / "t.txt"
+    text.write_bytes(b"ab\x00cd\x00")
+    docs = dict(data=str(text), doc_separator="\\x00", preset="tiny")
+    heads = TrainConfig(preset="tiny").model_config().num_attention_heads
+    assert TrainConfig(context_parallel=2, preset="tiny").context_parallel_method() == "ring"
+    assert TrainConfig(context_parallel=2, **docs).context_parallel_method() == "ulysses"
+    assert TrainConfig(context_parallel=2 * heads, **docs).context_parallel_method() == "p2p"
+    assert TrainConfig(context_parallel=2, cp_method="allgather", **docs).context_parallel_method() == "allgather"

@@ -88,7 +88,7 @@ def test_invalid_model_settings_are_errors(flags, match, capsys):
     "kw, error, match",
     [
         ({"micro_batch_size": 0}, ValueError, "micro_batch_size must be >= 1"),
-        ({"cp_method": "mesh"}, ValueError, r"cp_method must be one of \['ring', .*'ulysses_ring', 'p2p'\]"),
+        ({"cp_method": "mesh"}, ValueError, r"cp_method must be one of \['auto', 'ring', .*'ulysses_ring', 'p2p'\]"),
         ({"preset": "huge"}, ValueError, "unknown preset 'huge'"),
         ({"lr": "fast"}, TypeError, "lr must be a float"),
         ({"train_iters": 2.5}, TypeError, "train_iters must be an int"),

@@ -40,7 +40,7 @@ __all__ = [
     "ON_NONFINITE",
 ]
 
-CP_METHODS = ("ring", "allgather", "ulysses", "ulysses_ring", "p2p")
+CP_METHODS = ("auto", "ring", "allgather", "ulysses", "ulysses_ring", "p2p")
 CP_LAYOUTS = ("zigzag", "contiguous")
 ON_NONFINITE = ("stop", "skip")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -91,7 +91,7 @@ class TrainConfig:
     # processes; see longctx.distributed.mesh)
     data_parallel: int = 1
     context_parallel: int = 1
-    cp_method: str = "ring"
+    cp_method: str = "auto"  # auto: `TrainConfig.context_parallel_method`
     cp_layout: str = "zigzag"
     cp_ulysses_size: int | None = None  # ulysses_ring: ranks per all-to-all group
     device: str = "auto"  # auto: cuda if available
@@ -182,6 +182,23 @@ class TrainConfig:
                 "--overwrite starts a new one there; pass one of them"
             )
         self.model_config()  # the model settings, validated by GPTConfig (its ValueError names the field)
+
+    def context_parallel_method(self) -> str:
+        """The context-parallel method the run uses: ``cp_method``, or for "auto" the fastest measured on its data:
+        over packed documents (``doc_separator``) "ulysses" where the model's heads split over the context-parallel
+        ranks, else "p2p" (docs/context-parallel.md); one dense sequence, "ring"."""
+        if self.cp_method != "auto":
+            return self.cp_method
+        if self.doc_separator is None:
+            return "ring"
+        from longctx.distributed.ulysses import kv_replication
+
+        mcfg = self.model_config()
+        try:
+            kv_replication(mcfg.num_attention_heads, mcfg.kv_heads, self.context_parallel)
+        except ValueError:
+            return "p2p"
+        return "ulysses"
 
     def model_config(self, vocab_size: int | None = None) -> GPTConfig:
         """The GPTConfig of this run: the preset, the ``model`` overrides, then ``vocab_size`` if given.
@@ -484,7 +501,8 @@ _TRAIN_HELP: dict[str, str] = {
     "data_parallel": "ranks reading different sequences, parameters sharded over them by FSDP2 (torchrun: "
     "data_parallel * context_parallel processes)",
     "context_parallel": "ranks sharing each sequence (torchrun: data_parallel * context_parallel processes)",
-    "cp_method": "context-parallel method: " + ", ".join(CP_METHODS),
+    "cp_method": "context-parallel method: " + ", ".join(CP_METHODS) + " (auto: ulysses over packed documents where "
+    "the heads split over the ranks, else p2p; ring for one dense sequence)",
     "cp_layout": "context-parallel sequence layout: " + " or ".join(CP_LAYOUTS),
     "cp_ulysses_size": "ulysses_ring: ranks per all-to-all group (a ring across the groups)",
     "device": "auto (cuda if available), cpu, cuda or cuda:N",

@@ -70,8 +70,9 @@ def model_error(cfg: TrainConfig) -> str | None:
     mcfg = cfg.model_config()
     try:
         check_divisible(mcfg.seq_length, cfg.context_parallel, cfg.cp_layout, what="context-parallel sequence length")
-        if cfg.cp_method in ("ulysses", "ulysses_ring"):
-            size = cfg.context_parallel if cfg.cp_method == "ulysses" else cfg.cp_ulysses_size
+        method = cfg.context_parallel_method()
+        if method in ("ulysses", "ulysses_ring"):
+            size = cfg.context_parallel if method == "ulysses" else cfg.cp_ulysses_size
             kv_replication(mcfg.num_attention_heads, mcfg.kv_heads, size)
     except ValueError as e:
         return str(e)

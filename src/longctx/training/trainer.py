@@ -285,24 +285,25 @@ class Trainer:
             from longctx.distributed.mesh import apply_fsdp, cp_group
             from longctx.distributed.model import setup_context_parallel
 
+            cp_method = cfg.context_parallel_method()
             if cfg.context_parallel > 1 and documents:  # the dispatcher plans every batch's documents
                 from longctx.distributed.documents import setup_document_parallel
 
                 self.cp_docs = setup_document_parallel(
-                    self.model, group=cp_group(self.mesh), method=cfg.cp_method, ulysses_size=cfg.cp_ulysses_size
+                    self.model, group=cp_group(self.mesh), method=cp_method, ulysses_size=cfg.cp_ulysses_size
                 )
                 self.backend = (
-                    f"context-parallel {cfg.cp_method} over packed documents (dispatch_plan) over "
+                    f"context-parallel {cp_method} over packed documents (dispatch_plan) over "
                     f"{cfg.context_parallel} ranks ({self.cp_docs.cp_backend})"
                 )
             elif cfg.context_parallel > 1:  # every rank holds the same initial weights: the seed is agreed
                 self.cp = setup_context_parallel(
-                    self.model, group=cp_group(self.mesh), method=cfg.cp_method, layout=cfg.cp_layout,
+                    self.model, group=cp_group(self.mesh), method=cp_method, layout=cfg.cp_layout,
                     broadcast=False, ulysses_size=cfg.cp_ulysses_size,
                 )  # fmt: skip
                 self.cp.check_seq_len(mcfg.seq_length)
                 self.backend = (
-                    f"context-parallel {cfg.cp_method}/{cfg.cp_layout} over {cfg.context_parallel} ranks "
+                    f"context-parallel {cp_method}/{cfg.cp_layout} over {cfg.context_parallel} ranks "
                     f"({self.cp.backend})"
                 )
             # offloaded units compute in bf16 (FSDP2's mixed precision) under bf16, else in the parameters' dtype
