@@ -190,3 +190,30 @@ def test_offloaded_states_count_the_pinned_blocks():
     # two shards: each rank pins half of every parameter's rows (the 64 MiB projection: 32 MiB, still a power of 2)
     two = memory_model.offloaded_state_bytes(c, 2)
     assert two == 8 * params + 32 * per_layer // 2 + 2 * 2 * ((1 << 30) - 64128 * 4096 * 4)
+
+
+def test_context_parallel_traces_the_method_and_keeps_no_attention_outputs():
+    """Under context parallelism the trace runs the method's own code: the ring leaves each layer what one process
+    leaves (its output in q's layout: the output projection's input is a view, not a copy), and its backward holds
+    its accumulators on top; kept attention outputs are refused there and never planned."""
+    cfg = GPTConfig(**BASE, **FULL)
+    plain = memory_model.step_segments(GPTConfig(**BASE), seq_length=256, exact=True)[1]
+    ring = memory_model.step_segments(GPTConfig(**BASE), seq_length=256, exact=True, context_parallel=4)[1]
+    assert ring["forward end"] == plain["forward end"]
+    assert max(ring.values()) >= max(plain.values())
+    with pytest.raises(ValueError, match="recompute_skip_core_attention does not apply under context parallelism"):
+        memory_model.step_memory(cfg.replace(recompute_skip_core_attention=True), seq_length=256, context_parallel=2)
+    with pytest.raises(ValueError, match="cp_method must be one of"):
+        memory_model.step_memory(cfg, seq_length=256, context_parallel=2, cp_method="mesh")
+    from longctx.memory.plan import _candidates
+
+    assert any(c.recompute_skip_core_attention for c in _candidates(cfg, 256))
+    assert not any(c.recompute_skip_core_attention for c in _candidates(cfg, 256, context_parallel=2))
+    p = plan(GPTConfig(**BASE), seq_length=1024, budget="1GiB", context_parallel=4, cp_method="allgather")
+    assert not p.config.recompute_skip_core_attention and p.cp_method == "allgather"
+    assert "context parallel 4 (allgather)" in format_plan(p)
+
+
+def test_impossible_plan_names_the_micro_batch():
+    with pytest.raises(ValueError, match=r"no plan trains S=2,048 in micro batches of 8 sequences in 0.01 GiB"):
+        plan(GPTConfig(**BASE), seq_length=2048, budget="0.01GiB", micro_batch_size=8)

@@ -162,3 +162,22 @@ def test_train_config_auto_cp_method(tmp_path):
     assert TrainConfig(context_parallel=2, **docs).context_parallel_method() == "ulysses"
     assert TrainConfig(context_parallel=2 * heads, **docs).context_parallel_method() == "p2p"
     assert TrainConfig(context_parallel=2, cp_method="allgather", **docs).context_parallel_method() == "allgather"
+
+
+def test_model_error_refuses_kept_attention_under_context_parallelism():
+    """Kept attention outputs do not apply to a context-parallel core attention: the run is refused (on every rank:
+    `setup.model_error` is checked collectively) unless a memory budget's plan chooses the recomputation."""
+    from longctx.training.config import TrainConfig
+    from longctx.training.setup import model_error
+
+    kept = {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+        "recompute_skip_core_attention": True,
+    }
+    assert "does not apply under context parallelism" in model_error(
+        TrainConfig(context_parallel=2, preset="tiny", model=kept)
+    )
+    assert model_error(TrainConfig(context_parallel=2, preset="tiny", model=kept, memory_budget="1GiB")) is None
+    assert model_error(TrainConfig(context_parallel=1, preset="tiny", model=kept)) is None

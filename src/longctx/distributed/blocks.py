@@ -40,6 +40,7 @@ __all__ = [
     "step_forward",
     "step_backward",
     "merge_two",
+    "rounded_like",
     "rows_index",
     "pack_kv",
     "unpack_kv",
@@ -204,6 +205,13 @@ def step_forward(step: SparseStep, q, k, v, *, scale: float, launchers):
     bm = step_block_mask(step, str(q.device))
     ks = slice(step.k0, step.k1)
     return launchers.sparse_forward(q, k[:, :, ks], v[:, :, ks], scale=scale, block_mask=bm)
+
+
+def rounded_like(acc: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``acc`` (an accumulator) in ``like``'s dtype and memory layout: a layer whose q is a (B, H, S, D) view of a
+    (B, S, H, D) tensor gets its output in that layout too, so its reshape back to (B, S, H D) is a view, not a copy
+    kept for the output projection's backward (what the single-GPU kernels' outputs do: `runtime.out_like`)."""
+    return torch.empty_like(like).copy_(acc)
 
 
 def merge_two(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):

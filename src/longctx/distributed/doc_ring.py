@@ -37,6 +37,7 @@ from longctx.distributed.blocks import (
     export_rows,
     merge_into,
     pack_kv,
+    rounded_like,
     rows_index,
     unpack_kv,
 )
@@ -150,7 +151,7 @@ class DocRingAttention(torch.autograd.Function):
                     k_b, v_b = unpack_kv(cur, k, plan.sizes[plan.src(t)])
                     merge(*_step_forward(step, q, k_b, v_b, scale=scale, launchers=launchers))
         del blocks, held
-        out = out_acc.to(q.dtype)
+        out = rounded_like(out_acc, q)
         lse = lse_acc if q.dtype == torch.float64 else lse_acc.float()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.info, ctx.chunks, ctx.docs, ctx.scale, ctx.launchers = info, chunks, docs, scale, launchers

@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from longctx.distributed.blocks import Call, Cover, Mask, accumulate, merge_partial, plan_calls
+from longctx.distributed.blocks import Call, Cover, Mask, accumulate, merge_partial, plan_calls, rounded_like
 from longctx.distributed.comm import GroupInfo, RingComm
 from longctx.distributed.sharding import local_chunks
 from longctx.launchers.select import Launchers
@@ -85,7 +85,7 @@ class RingAttention(torch.autograd.Function):
                 k_cur, v_cur = k_nxt, v_nxt
         _fill_gaps(cover, (out_acc, 0.0), (lse_acc, float("-inf")))
         del spare, k_cur, v_cur
-        out = out_acc.to(q.dtype)
+        out = rounded_like(out_acc, q)
         lse = lse_acc if q.dtype == torch.float64 else lse_acc.float()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.info, ctx.layout, ctx.band, ctx.scale, ctx.launchers = info, layout, band, scale, launchers

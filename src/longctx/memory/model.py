@@ -8,9 +8,12 @@ float32 residual stream are modelled by the code that runs them, at any S, in a 
 
 What the trace cannot run is replaced by a twin with the same memory: the attention kernels (their forward keeps
 q, k, v, out and the float32 log-sum-exp; their backward holds dq, dk, dv, a float32 dQ accumulator and two float32
-rows per query while it runs). To the traced peak it adds the parameters, AdamW's two states, and a fixed allowance
-for what the CUDA libraries allocate on their own (cuBLAS / cuDNN workspaces, allocator rounding), calibrated on the
-H100 (docs/memory.md).
+rows per query while it runs). Under context parallelism (``context_parallel`` > 1) the trace runs on one rank's
+tokens and its core attention is the method's own code (`distributed.attention.run_method`: the ring's accumulators
+and rotating receive buffers, Ulysses' head-split copies, the all-gather's gathered K/V) with the kernels' twins and
+transfers that move nothing (the receive buffers are allocated by the method itself). To the traced peak it adds
+the parameters, AdamW's two states, and a fixed allowance for what the CUDA libraries allocate on their own (cuBLAS /
+cuDNN workspaces, allocator rounding), calibrated on the H100 (docs/memory.md).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from longctx.layers.recompute import plan_layers
 from longctx.memory.measure import LiveBytesTracker
 from longctx.models.gpt import GPT, GPTConfig
 
-__all__ = ["StepMemory", "step_memory", "step_segments", "CUDA_OVERHEAD_BYTES"]
+__all__ = ["StepMemory", "step_memory", "step_segments", "check_context_parallel", "CUDA_OVERHEAD_BYTES"]
 
 # What the CUDA libraries and the caching allocator add to the tensors a step holds (cuBLAS and cuDNN workspaces,
 # 512-byte rounding): calibrated against torch.cuda.max_memory_allocated on the H100 (docs/memory.md).
@@ -327,6 +330,72 @@ def _twin_attention(q, k, v):
 
 _twin_attention.backend = "twin"  # marks the default (fused) core attention: kept-attention recompute applies
 
+# The context-parallel methods whose buffers the trace runs (their sizes do not depend on the data); "p2p" and
+# "ulysses_ring" are traced as the ring (p2p receives at most what the ring passes on; the hybrid rings across groups).
+CP_TRACED = ("ring", "allgather", "ulysses")
+
+
+def _cp_twin_backward(dout, q, k, v, out, lse, **_):
+    """The context-parallel launchers' backward (`launchers.select`): dq, dk, dv in the accumulation dtype (partial
+    sums that the method adds up across ranks), with `_twin_backward`'s workspace."""
+    adt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    grads = tuple(t.new_empty(t.shape, dtype=adt) for t in (q, k, v))
+    work = [q.new_empty(q.shape, dtype=torch.float32), lse.new_empty(lse.shape), lse.new_empty(lse.shape)]
+    del work
+    return grads
+
+
+def check_context_parallel(config: GPTConfig, context_parallel: int, cp_method: str) -> None:
+    """A context-parallel size and method the trace can run for ``config``; ValueError naming what is wrong."""
+    from longctx.distributed.attention import METHODS
+
+    if isinstance(context_parallel, bool) or not isinstance(context_parallel, int) or context_parallel < 1:
+        raise ValueError(f"context_parallel must be a positive int, got {context_parallel!r}")
+    if cp_method not in (*METHODS, "p2p"):
+        raise ValueError(f"cp_method must be one of {(*METHODS, 'p2p')}, got {cp_method!r}")
+    if context_parallel > 1 and config.recompute_skip_core_attention:
+        raise ValueError(
+            "recompute_skip_core_attention does not apply under context parallelism (the context-parallel "
+            "attention is recomputed with its chunk): plan it with recompute_skip_core_attention=False"
+        )
+
+
+class _CPTwinLaunchers:
+    forward = staticmethod(_twin_forward)
+    backward = staticmethod(_cp_twin_backward)
+
+
+@contextlib.contextmanager
+def _no_transfers():
+    """torch.distributed's transfers as no-ops, for a traced context-parallel method: its receive buffers are
+    allocated by its own code (`distributed.comm`), and nothing moves."""
+    import torch.distributed as dist
+
+    names = ("batch_isend_irecv", "all_to_all_single", "all_gather", "all_gather_into_tensor", "all_reduce",
+             "reduce_scatter_tensor")  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(mock.patch.object(dist, name, lambda *a, **k: []))
+        stack.enter_context(mock.patch.object(dist, "P2POp", lambda *a, **k: None))
+        yield
+
+
+def _cp_twin_attention(world: int, method: str, layout: str = "zigzag"):
+    """The core attention of rank 0 of ``world`` context-parallel ranks running ``method`` (causal, one dense
+    sequence of ``world`` times the local tokens) with the kernels' twins; trace it under `_no_transfers`."""
+    from longctx.distributed.attention import run_method
+    from longctx.distributed.comm import GroupInfo
+    from longctx.masks import Band
+
+    info = GroupInfo(None, 0, world, "trace")
+    traced = method if method in CP_TRACED else "ring"
+
+    def attention(q, k, v):
+        return run_method(q, k, v, info=info, method=traced, layout=layout, mask=Band(None, 0),
+                          scale=q.shape[-1] ** -0.5, launchers=_CPTwinLaunchers)  # fmt: skip
+
+    return attention
+
 
 # Lengths up to this are traced as they are; longer ones from two traces at shorter lengths (`step_memory`): a trace
 # costs time in proportion to its sequence chunks, so the shorter traces keep plans with small chunks to a second.
@@ -346,6 +415,8 @@ def step_memory(
     shards: int = 1,
     lora_rank: int | None = None,
     lora_targets: tuple[str, ...] = LORA_TARGETS,
+    context_parallel: int = 1,
+    cp_method: str = "ring",
 ) -> StepMemory:
     """Predicted peak memory of one training step (forward, backward, AdamW) of ``GPT(config)``.
 
@@ -372,6 +443,10 @@ def step_memory(
             dtype (no gradients, no optimizer states; the residual stream in that dtype too) and float32 adapters
             with their gradients and AdamW's states; the step is traced with the adapters in place.
         lora_targets: the adapted linears, by their names in transformers' Llama family (`LORA_TARGETS`).
+        context_parallel: ranks of context parallelism; ``seq_length`` is then one rank's tokens, and the core
+            attention is ``cp_method``'s own code (`CP_TRACED`; the others traced as the ring). Kept attention
+            outputs (``recompute_skip_core_attention``) do not apply there: the context-parallel attention is
+            recomputed with its chunk.
 
     Returns:
         A `StepMemory`.
@@ -379,7 +454,8 @@ def step_memory(
     return step_segments(config, seq_length=seq_length, micro_batch_size=micro_batch_size,
                          autocast_dtype=autocast_dtype, optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
                          overhead=overhead, exact=exact, offload_params=offload_params, shards=shards,
-                         lora_rank=lora_rank, lora_targets=tuple(lora_targets))[0]  # fmt: skip
+                         lora_rank=lora_rank, lora_targets=tuple(lora_targets), context_parallel=context_parallel,
+                         cp_method=cp_method)[0]  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)  # step_memory's cache: step_memory.cache_clear() clears it
@@ -396,6 +472,8 @@ def step_segments(
     shards: int = 1,
     lora_rank: int | None = None,
     lora_targets: tuple[str, ...] = LORA_TARGETS,
+    context_parallel: int = 1,
+    cp_method: str = "ring",
 ) -> tuple[StepMemory, dict[str, int]]:
     """`step_memory`'s prediction and the peak of each segment of the step's timeline at ``seq_length`` that it is
     read from (``"embedding"``, ``"forward i"``, ``"loss"``, ``"forward end"``, ``"loss backward"``,
@@ -410,9 +488,11 @@ def step_segments(
     check_lora(lora_rank, lora_targets)
     if lora_rank is not None and offload_params:
         raise ValueError("offload_params with lora_rank is not modelled: a LoRA run's frozen base stays on the GPU")
+    check_context_parallel(config, context_parallel, cp_method)
     kw = dict(micro_batch_size=micro_batch_size, autocast_dtype=autocast_dtype, offload_params=offload_params,
               optimizer_bytes_per_parameter=optimizer_bytes_per_parameter, overhead=overhead,
-              shards=shards, lora_rank=lora_rank, lora_targets=tuple(lora_targets))  # fmt: skip
+              shards=shards, lora_rank=lora_rank, lora_targets=tuple(lora_targets),
+              context_parallel=context_parallel, cp_method=cp_method)  # fmt: skip
     S = seq_length
     from longctx.layers import loss as loss_module
 
@@ -454,6 +534,8 @@ def _traced(
     shards: int = 1,
     lora_rank: int | None = None,
     lora_targets: tuple[str, ...] = LORA_TARGETS,
+    context_parallel: int = 1,
+    cp_method: str = "ring",
 ) -> tuple[StepMemory, dict[str, int]]:
     """One trace at ``seq_length``: the `StepMemory` and the peak of each segment of the step's timeline.
 
@@ -471,9 +553,11 @@ def _traced(
                                        autocast_dtype=autocast_dtype, overhead=overhead, whole=whole,
                                        optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
                                        offload_params=offload_params, shards=shards, lora_rank=lora_rank,
-                                       lora_targets=lora_targets)  # fmt: skip
+                                       lora_targets=lora_targets, context_parallel=context_parallel,
+                                       cp_method=cp_method)  # fmt: skip
     trace_kw = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, autocast_dtype=autocast_dtype,
-                    offload_params=offload_params, lora_rank=lora_rank, lora_targets=lora_targets)  # fmt: skip
+                    offload_params=offload_params, lora_rank=lora_rank, lora_targets=lora_targets,
+                    context_parallel=context_parallel, cp_method=cp_method)  # fmt: skip
     cut = None if whole else _cut_runs(config)
     timeline = None
     if cut is not None:
@@ -555,18 +639,26 @@ def _trace(
     offload_params: bool = False,
     lora_rank: int | None = None,
     lora_targets: tuple[str, ...] = LORA_TARGETS,
+    context_parallel: int = 1,
+    cp_method: str = "ring",
 ) -> tuple[list[list], dict[tuple[int, int], int], dict[str, int]]:
     """Trace one step of ``GPT(config)``: the tracker's timeline and released bytes, and the parameters counted
     (the model's and one layer's, in numbers and bytes; the residual stream's element size).
 
     ``offload_params``: the weights in the autocast dtype (FSDP2's mixed precision) and every gradient dropped
-    once accumulated (FSDP2 reduces it and sends it to the host after its unit's backward)."""
+    once accumulated (FSDP2 reduces it and sends it to the host after its unit's backward). ``context_parallel`` > 1:
+    the core attention is `_cp_twin_attention`'s, its transfers no-ops."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import longctx.layers.attention as attention_layer
 
     tracker = LiveBytesTracker()
-    with FakeTensorMode(), mock.patch.object(attention_layer, "resolve_launchers", lambda *a, **k: _TwinLaunchers):
+    cp = context_parallel > 1
+    with (
+        FakeTensorMode(),
+        mock.patch.object(attention_layer, "resolve_launchers", lambda *a, **k: _TwinLaunchers),
+        _no_transfers() if cp else contextlib.nullcontext(),
+    ):
         low = (offload_params or lora_rank is not None) and autocast_dtype is not None  # weights as they compute
         dtype = autocast_dtype if low else torch.get_default_dtype()
         default = torch.get_default_dtype()
@@ -581,7 +673,7 @@ def _trace(
         base_counts = _parameter_counts(model)  # the base's, before any adapter
         if lora_rank is not None:
             _add_lora(model, lora_rank, lora_targets)
-        model.set_core_attention(_twin_attention)
+        model.set_core_attention(_cp_twin_attention(context_parallel, cp_method) if cp else _twin_attention)
         for layer in model.layers:  # set_core_attention keeps the policy; the kept path needs a fused core
             layer.self_attention.keep_core_attention = config.recompute_skip_core_attention
         tokens = torch.zeros(micro_batch_size, seq_length, dtype=torch.long)

@@ -67,6 +67,7 @@ class Plan:
     context_parallel: int = 1
     lora_rank: int | None = None  # a LoRA run: adapters of this rank on lora_targets, the base frozen
     lora_targets: tuple[str, ...] = LORA_TARGETS
+    cp_method: str = "ring"  # the context-parallel method planned (context_parallel > 1)
 
     @property
     def binds(self) -> str:
@@ -149,8 +150,11 @@ def _offload_seconds(c: GPTConfig, n_params: int, shards: int, B: int, S: int) -
     return 28 * n / _HOST_ADAM_BYTES + max(0.0, copies - _step_seconds(c, B, S))
 
 
-def _candidates(config: GPTConfig, S: int) -> list[GPTConfig]:
+def _candidates(config: GPTConfig, S: int, context_parallel: int = 1) -> list[GPTConfig]:
+    """The plans tried, cheapest first within each kind; the last is the most frugal. Under context parallelism
+    without kept attention outputs (they do not apply there: `model.check_context_parallel`)."""
     L = config.num_layers
+    skips = (False,) if context_parallel > 1 else (False, True)
     base = {k: None for k in ("recompute_granularity", "recompute_method", "recompute_num_layers")}
     base.update(recompute_skip_core_attention=False, sequence_chunk_size=None, cpu_offloading=False,
                 cpu_offloading_num_layers=None)  # fmt: skip
@@ -158,10 +162,10 @@ def _candidates(config: GPTConfig, S: int) -> list[GPTConfig]:
     chunks = [c for c in (16384, 8192, 4096, 2048) if c < S]
     out = [base]
     for n in sorted({max(1, L // 4), max(1, L // 2), max(1, 3 * L // 4)}):
-        for skip in (False, True):
+        for skip in skips:
             out.append(dict(base, recompute_granularity="full", recompute_method="block", recompute_num_layers=n,
                             recompute_skip_core_attention=skip))  # fmt: skip
-    for skip in (False, True):
+    for skip in skips:
         out.append(dict(full1, recompute_skip_core_attention=skip))
         for ch in chunks:
             out.append(dict(full1, recompute_skip_core_attention=skip, sequence_chunk_size=ch))
@@ -200,7 +204,7 @@ class _PeakBound:
     SLACK = 1 << 20
 
     def __init__(self, config: GPTConfig, S: int, B: int, **memory_kw) -> None:
-        cands = _candidates(config, S)
+        cands = _candidates(config, S, memory_kw.get("context_parallel", 1))
         self.none, self.uniform = cands[0], next(c for c in cands if c.recompute_method == "uniform")
         self.config, self.S, self.B = config, S, B
         self.memory_kw = memory_kw  # offload_params, shards: as the plans' own predictions
@@ -230,8 +234,8 @@ class _PeakBound:
         return fixed + loss - self.SLACK
 
 
-def _frugal(config: GPTConfig, S: int) -> GPTConfig:
-    return _candidates(config, S)[-1]
+def _frugal(config: GPTConfig, S: int, context_parallel: int = 1) -> GPTConfig:
+    return _candidates(config, S, context_parallel)[-1]
 
 
 def plan(
@@ -246,6 +250,7 @@ def plan(
     offload_params: bool | None = None,
     lora_rank: int | None = None,
     lora_targets: tuple[str, ...] | list[str] = LORA_TARGETS,
+    cp_method: str = "ring",
 ) -> Plan:
     """The plan that fits ``budget`` (and ``host_budget``) at the least predicted added cost.
 
@@ -258,8 +263,10 @@ def plan(
         host_budget: host memory the step may use, for every rank of the machine together (offloaded states and
             checkpoints, and each process's own); None does not bound it (the plan still predicts it).
         data_parallel, context_parallel: the ranks; offloaded states are sharded over all of them, and each rank
-            runs ``seq_length / context_parallel`` tokens. (The context-parallel attention's own buffers, a few of
-            K/V chunks, are not in the prediction.)
+            runs ``seq_length / context_parallel`` tokens with ``cp_method``'s attention (its own buffers traced:
+            `model.step_memory`; no kept attention outputs under context parallelism).
+        cp_method: the context-parallel method ("ring", "allgather", "ulysses"; "p2p" and "ulysses_ring" are
+            planned as the ring).
         offload_params: True: parameters, gradients and AdamW states in host memory (`longctx.distributed.offload`);
             False: on the GPU; None: the plan chooses, offloading them only where no plan with them on the GPU
             fits (its CPU optimizer step and copies cost seconds a step: `_offload_seconds`).
@@ -302,11 +309,12 @@ def plan(
     # every (plan, mode) in order of predicted added time, the modes in turn; the first that fits both memories wins
     walk: list[tuple[float, int, GPTConfig, bool]] = []
     for off in modes:
-        for i, c in enumerate(_candidates(config, S)):
+        for i, c in enumerate(_candidates(config, S, context_parallel)):
             cost = _added_seconds(c, B, S) + (_offload_seconds(c, n_params, ranks, B, S) if off else 0.0)
             walk.append((cost, i, c, off))
     walk.sort(key=lambda t: (t[3], t[0], t[1]))  # plans with the states on the GPU first: offloading is the fallback
-    kw_of = {off: dict(offload_params=off, shards=ranks) if off else dict(lora) for off in modes}
+    cp_kw = dict(context_parallel=context_parallel, cp_method=cp_method) if context_parallel > 1 else {}
+    kw_of = {off: dict(offload_params=off, shards=ranks, **cp_kw) if off else dict(lora, **cp_kw) for off in modes}
     bounds = {off: _PeakBound(config, S, B, **kw_of[off]) for off in modes}
     counts = _layer_counts(config)
     for cost, _, cand, off in walk:
@@ -328,8 +336,8 @@ def plan(
         mem = step_memory(cand, seq_length=S, micro_batch_size=B, **kw_of[off])
         if mem.total <= limit and (host_limit is None or _host_per_machine(mem, ranks) <= host_limit):
             return Plan(dataclasses.replace(cand, seq_length=seq_length), mem, cost, limit, off, host_limit,
-                        data_parallel, context_parallel, lora_rank, lora_targets)  # fmt: skip
-    frugal = _frugal(config, S)
+                        data_parallel, context_parallel, lora_rank, lora_targets, cp_method)  # fmt: skip
+    frugal = _frugal(config, S, context_parallel)
     off = modes[-1]
     frugal_mem = step_memory(frugal, seq_length=S, micro_batch_size=B, **kw_of[off])
     short = [f"GPU {frugal_mem.total / 2**30:.2f} GiB (budget {limit / 2**30:.2f} GiB)"]
@@ -343,8 +351,9 @@ def plan(
     ]
     longest = max(_longest_fitting(config, limit, B, host_limit, kw_of[m], ranks, context_parallel) for m in modes)
     where = f" per GPU of {ranks} ranks" if ranks > 1 else ""
+    batch = f" in micro batches of {B} sequences" if B > 1 else ""
     raise ValueError(
-        f"no plan trains S={seq_length:,} in {limit / 2**30:.2f} GiB{where}: the most frugal one "
+        f"no plan trains S={seq_length:,}{batch} in {limit / 2**30:.2f} GiB{where}: the most frugal one "
         f"({describe(frugal, off)}) needs {', '.join(short)}; {'; '.join(missing) or 'it does not fit'}. "
         + (f"The longest sequence these budgets train is about {longest:,} tokens" if longest else
            "No length fits these budgets")
@@ -392,7 +401,7 @@ def _longest_fitting(
     memory_kw = memory_kw or {}
 
     def fits(s: int) -> bool:
-        frugal = _frugal(config, s)
+        frugal = _frugal(config, s, context_parallel)
         offload = bool(memory_kw.get("offload_params"))
         if host_limit is not None and host_need(frugal, offload, ranks, B, s) > host_limit:
             return False  # the host side is known without a trace
@@ -417,7 +426,8 @@ def format_plan(p: Plan) -> str:
     ranks = p.data_parallel * p.context_parallel
     layout = ""
     if ranks > 1:
-        layout = (f", per rank of data parallel {p.data_parallel} x context parallel {p.context_parallel} "
+        cp = f" ({p.cp_method})" if p.context_parallel > 1 else ""
+        layout = (f", per rank of data parallel {p.data_parallel} x context parallel {p.context_parallel}{cp} "
                   f"({m.seq_length:,} tokens a rank)")  # fmt: skip
     host = "unbounded" if p.host_budget is None else f"{p.host_budget / 2**30:.2f} GiB"
     lines = [
@@ -482,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="data-parallel ranks (offloaded states are sharded over every rank)")  # fmt: skip
     ap.add_argument("--context-parallel", type=count_arg("--context-parallel", 1), default=1,
                     help="context-parallel ranks: each holds seq-length / context-parallel tokens")  # fmt: skip
+    ap.add_argument("--cp-method", choices=("ring", "allgather", "ulysses", "ulysses_ring", "p2p"), default="ring",
+                    help="the context-parallel method whose buffers the plan counts (p2p and ulysses_ring are "
+                    "planned as the ring; default ring)")  # fmt: skip
     ap.add_argument("--offload-params", choices=("auto", "on", "off"), default="auto",
                     help="parameters, gradients and AdamW states in host memory: auto lets the plan choose "
                     "(default auto)")  # fmt: skip
@@ -496,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         p = plan(GPTConfig.preset(args.preset), seq_length=args.seq_length, budget=args.budget,
                  micro_batch_size=args.micro_batch_size, host_budget=args.host_budget,
                  data_parallel=args.data_parallel, context_parallel=args.context_parallel,
-                 offload_params=offload, lora_rank=args.lora_rank,
+                 offload_params=offload, lora_rank=args.lora_rank, cp_method=args.cp_method,
                  lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))  # fmt: skip
     except (ValueError, TypeError) as e:
         print(f"longctx plan: {e}", file=sys.stderr)

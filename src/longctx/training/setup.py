@@ -81,6 +81,12 @@ def model_error(cfg: TrainConfig) -> str | None:
             f"context parallelism needs attention_dropout == 0, got {mcfg.attention_dropout}: the dropout path is a "
             "dense local attention that cannot see the keys of the other ranks; pass --attention-dropout 0"
         )
+    if mcfg.recompute_skip_core_attention and cfg.memory_budget is None:  # a budget's plan replaces it
+        return (
+            "recompute_skip_core_attention does not apply under context parallelism: the context-parallel attention "
+            "is recomputed with its layer; pass --recompute-skip-core-attention false (or --memory-budget, whose "
+            "plan chooses the recomputation)"
+        )
     return None
 
 

@@ -249,6 +249,7 @@ class Trainer:
             chosen = plan(mcfg, seq_length=mcfg.seq_length, budget=cfg.memory_budget,
                           micro_batch_size=cfg.micro_batch_size, host_budget=host,
                           data_parallel=cfg.data_parallel, context_parallel=cfg.context_parallel,
+                          cp_method=cfg.context_parallel_method(),
                           offload_params=True if cfg.offload_params else None)  # fmt: skip
             mcfg, self.offload = chosen.config, chosen.offload_params
             if not cfg.quiet:
