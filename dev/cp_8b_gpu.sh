@@ -3,7 +3,8 @@
 # NPROC GPUs: one whole training step (forward, backward, the CPU AdamW step) at S tokens with the plan `longctx train`
 # picks for BUDGET per GPU and HOST_BUDGET for the host. Beside the trainer's output (the plan and its predicted GPU
 # and host peaks, the step's time, rank 0's torch peak), the host's used memory and every GPU's used memory are
-# sampled each second; $OUT/cp_8b_peaks.txt gives their peaks (the host's above its use before the run).
+# sampled each second; $OUT/cp_8b_peaks.txt gives their peaks (the host's above its use before the run). The whole
+# output of the run: $OUT/cp_8b_train.log.
 #
 #   OUT=out S=655360 bash dev/cp_8b_gpu.sh      # NPROC=4 METHOD=ring BUDGET=135GiB HOST_BUDGET=480GiB
 set -uo pipefail
@@ -22,8 +23,11 @@ t=$SECONDS
 timeout -k 10 "${LIMIT:-540}" python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m longctx train \
     --preset llama-8b --seq-length "$S" --micro-batch-size 1 --context-parallel "$NPROC" --cp-method "$METHOD" --offload-params true \
     --memory-budget "${BUDGET:-135GiB}" --host-memory-budget "${HOST_BUDGET:-480GiB}" --steps 1 --eval-iters 0 \
-    --log-interval 1 --save none 2>&1 | grep -v "Warning\|warn" | tail -n 40 | tee -a "$OUT/cp_8b.log"
-echo "exit ${PIPESTATUS[0]} after $((SECONDS - t)) s" | tee -a "$OUT/cp_8b.log"
+    --log-interval 1 --save none >"$OUT/cp_8b_train.log" 2>&1
+echo "exit $? after $((SECONDS - t)) s" | tee -a "$OUT/cp_8b.log"
+# the trainer's own lines and any error, without torchrun's failure report
+grep -v "Warning\|warn\|^\s*\(time\|host\|rank\|exitcode\|error_file\|traceback\)\s*:" "$OUT/cp_8b_train.log" \
+    | grep -E "memory plan|longctx train|tok/s|summary|steps|peak|Error|error" | head -n 30 | tee -a "$OUT/cp_8b.log"
 kill "$sampler"
 python3 - "$OUT/cp_8b_samples.txt" "$before" <<'PY' | tee "$OUT/cp_8b_peaks.txt"
 import sys
