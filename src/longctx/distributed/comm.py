@@ -204,7 +204,7 @@ def exchange(
 
 
 class Done:
-    """The request of an exchange that moved nothing (a group of one)."""
+    """The request of an exchange that moves nothing (a group of one, or a plan whose ranks exchange no rows)."""
 
     def wait(self) -> None:
         pass
