@@ -103,6 +103,39 @@ def _whole_docs(cu: list[int], layout) -> tuple[int, int]:
     return sum(len({owner[i] for i in range(a, b)}) == 1 for a, b in docs), len(docs)
 
 
+@pytest.mark.parametrize("cu", CUS)
+@pytest.mark.parametrize("mask", ["full", "causal", "win2"])
+@pytest.mark.parametrize("world,chunk_size", [(2, 4), (4, 3)])
+def test_p2p_remote_step_takes_only_the_rows_that_see_received_keys(cu, mask, world, chunk_size) -> None:
+    """The p2p remote step runs the local query rows of every piece (a run cut at document boundaries) in which some
+    row sees a received key, and no other row (brute force over the dense document mask), laid out in local order
+    with their global positions."""
+    from longctx.distributed.dispatch import plan_needs
+    from longctx.distributed.p2p import routes
+
+    kw = {"full": {}, "causal": dict(causal=True), "win2": dict(window=(3, 4))}[mask]
+    band = Band.from_args(1, 1, causal=kw.get("causal", False), window=kw.get("window"))
+    dense = _dense_doc_mask(cu, band)
+    layout, _, _ = plan_layout(cu, world, chunk_size=chunk_size, **kw)
+    needs = plan_needs(cu, layout, **kw)
+    docs = Documents(tuple(cu), doc_band(kw.get("causal", False), kw.get("window")))
+    for r in range(world):
+        rt = routes(layout, needs, docs, r)
+        received = [g + i for s_ in range(world) for g, n in needs[r][s_] for i in range(n)]
+        local = [(ls + i, g + i) for ls, n, g in layout.chunks[r] for i in range(n)]
+        expect = []
+        for ls, n, g, _ in docs.pieces(list(layout.chunks[r])):
+            if received and bool(dense[g : g + n][:, received].any()):
+                expect += range(ls, ls + n)
+        expect.sort()
+        got = [a + i for a, n in rt.remote_rows for i in range(n)]
+        assert got == expect, (r, rt.remote_rows)
+        if rt.remote is not None:
+            pos = [g + i for _, n, g in rt.remote.q_chunks for i in range(n)]
+            assert pos == [dict(local)[li] for li in got]
+        assert (rt.remote is None) == (not got)
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("mask", ["causal", "causal_window", "full"])
 def test_balance_on_a_realistic_mix(world: int, mask: str) -> None:
