@@ -29,15 +29,12 @@ def case_names(world: int) -> list[str]:
 
 
 def _run_case(name: str, rank: int, world: int) -> None:
-    from unittest import mock
-
-    import longctx.layers.attention as attention_layer
     from longctx.distributed.attention import run_method
     from longctx.distributed.comm import group_info
     from longctx.masks import Band
     from longctx.memory import model as memory_model
-    from longctx.memory.measure import peak_live_bytes
     from longctx.models.gpt import GPT, GPTConfig
+    from tests.memory_steps import real_step_peak
 
     method, recompute = name.split("-")
     cfg = GPTConfig(**BASE, **(FULL if recompute == "full" else {}))
@@ -52,15 +49,7 @@ def _run_case(name: str, rank: int, world: int) -> None:
                           scale=q.shape[-1] ** -0.5, launchers=memory_model._CPTwinLaunchers)  # fmt: skip
 
     model.set_core_attention(core)
-    x = torch.zeros(1, S, dtype=torch.long)
-
-    def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(x, labels=x)
-        loss.backward()
-
-    with mock.patch.object(attention_layer, "resolve_launchers", lambda *a, **k: memory_model._TwinLaunchers):
-        real = peak_live_bytes(step)
+    real = real_step_peak(model, torch.zeros(1, S, dtype=torch.long))
     if rank == 0:  # the trace is rank 0's (the zigzag ranks' pieces of work differ a little in size)
         assert est.traced == real, (est.traced, real)
     if method != "ulysses":  # the ring's and all-gather's buffers come on top of one process's attention (Ulysses

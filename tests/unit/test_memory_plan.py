@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
 
 import longctx
-import longctx.layers.attention as attention_layer
 from longctx.memory import model as memory_model
-from longctx.memory.measure import peak_live_bytes
 from longctx.memory.plan import describe, format_plan, parse_bytes, plan
 from longctx.models.gpt import GPT, GPTConfig
+from tests.memory_steps import real_step_peak
 
 FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 BASE = dict(
@@ -39,16 +36,8 @@ def test_trace_counts_what_the_real_step_holds(kw):
     model.set_core_attention(memory_model._twin_attention)
     for layer in model.layers:
         layer.self_attention.keep_core_attention = cfg.recompute_skip_core_attention
-    x = torch.zeros(2, 256, dtype=torch.long)
-
-    def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(x, labels=x)
-        loss.backward()
-
     # real CPU tensors are not offloaded (there is no other memory): the trace moves them; count them back in
-    with mock.patch.object(attention_layer, "resolve_launchers", lambda *a, **k: memory_model._TwinLaunchers):
-        real = peak_live_bytes(step)
+    real = real_step_peak(model, torch.zeros(2, 256, dtype=torch.long))
     if cfg.cpu_offloading:
         assert est.traced <= real <= est.traced + est.host_offloaded
     else:
