@@ -128,10 +128,10 @@ def test_p2p_remote_step_takes_only_the_rows_that_see_received_keys(cu, mask, wo
             if received and bool(dense[g : g + n][:, received].any()):
                 expect += range(ls, ls + n)
         expect.sort()
-        got = [a + i for a, n in rt.remote_rows for i in range(n)]
-        assert got == expect, (r, rt.remote_rows)
+        got = [a + i for a, n in (rt.remote.rows if rt.remote else ()) for i in range(n)]
+        assert got == expect, (r, rt.remote)
         if rt.remote is not None:
-            pos = [g + i for _, n, g in rt.remote.q_chunks for i in range(n)]
+            pos = [g + i for _, n, g in rt.remote.step.q_chunks for i in range(n)]
             assert pos == [dict(local)[li] for li in got]
         assert (rt.remote is None) == (not got)
 

@@ -28,12 +28,15 @@ from longctx.distributed.blocks import (
     Chunk,
     Documents,
     Mask,
+    RowsStep,
     SparseStep,
     doc_step,
     export_rows,
     gather_calls,
-    merge_two,
+    rows_backward,
+    rows_forward,
     rows_index,
+    seeing_step,
     step_backward,
     step_forward,
 )
@@ -111,7 +114,7 @@ class _GatherPlan:
     most: int
     order: tuple[int, ...]
     local: SparseStep | None
-    remote: SparseStep | None
+    remote: RowsStep | None
 
 
 @functools.lru_cache(maxsize=256)
@@ -134,7 +137,7 @@ def _gather_plan(docs: Documents, chunks: tuple[tuple[Chunk, ...], ...], rank: i
             runs[-1][1] += 1
         else:
             runs.append([pos, 1, g])
-    remote = doc_step(docs, chunks[rank], tuple(tuple(r) for r in runs)) if runs else None
+    remote = seeing_step(docs, chunks[rank], tuple(tuple(r) for r in runs)) if runs else None
     local = doc_step(docs, chunks[rank], chunks[rank])
     return _GatherPlan(rank, exports, sizes, most, tuple(p for _, p in rows), local, remote)
 
@@ -166,8 +169,7 @@ class DocAllGatherAttention(torch.autograd.Function):
         if plan.most:
             k_r, v_r = _gather_remote(k, v, plan, info)
             if plan.remote is not None:
-                partial = step_forward(plan.remote, q, k_r, v_r, scale=scale, launchers=launchers)
-                out, lse = merge_two(out, lse, *partial)
+                lse = rows_forward(plan.remote, q, k_r, v_r, out, lse, scale=scale, launchers=launchers)
         lse = lse if q.dtype == torch.float64 else lse.float()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.info, ctx.plan, ctx.scale, ctx.launchers = info, plan, scale, launchers
@@ -190,10 +192,9 @@ class DocAllGatherAttention(torch.autograd.Function):
             B, H, _, D = k.shape
             back = torch.zeros(2, B, H, info.world * plan.most, D, dtype=dq.dtype, device=q.device)
             if plan.remote is not None:
-                dq_r, dk_r, dv_r = step_backward(plan.remote, do, q, k_r, v_r, out, lse, scale=scale,
-                                                 launchers=launchers)  # fmt: skip
-                dq += dq_r
-                rs = order[plan.remote.k0 : plan.remote.k1]
+                dk_r, dv_r = rows_backward(plan.remote, do, q, k_r, v_r, out, lse, dq, scale=scale,
+                                           launchers=launchers)  # fmt: skip
+                rs = order[plan.remote.step.k0 : plan.remote.step.k1]
                 back[0].index_copy_(2, rs, dk_r)
                 back[1].index_copy_(2, rs, dv_r)
             back = back.view(2, B, H, info.world, plan.most, D).permute(3, 0, 1, 2, 4, 5).reshape(info.world, -1)

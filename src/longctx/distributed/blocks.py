@@ -34,12 +34,17 @@ __all__ = [
     "Documents",
     "SparseStep",
     "doc_step",
+    "RowsStep",
+    "seeing_step",
+    "take_rows",
+    "put_rows",
+    "rows_forward",
+    "rows_backward",
     "step_block_mask",
     "export_rows",
     "needed_ranges",
     "step_forward",
     "step_backward",
-    "merge_two",
     "rounded_like",
     "rows_index",
     "pack_kv",
@@ -214,21 +219,87 @@ def rounded_like(acc: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(like).copy_(acc)
 
 
-def merge_two(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
-    """Two partial results of the same rows merged by their lse: (out in out's dtype, lse in the accumulation dtype:
-    float32, float64 for float64 inputs)."""
-    adt = torch.float64 if out.dtype == torch.float64 else torch.float32
-    out_acc, lse_acc = out.to(adt), lse.to(adt)
-    merge_into(out_acc, lse_acc, out_b, lse_b)
-    return out_acc.to(out.dtype), lse_acc
-
-
 def step_backward(step: SparseStep, do, q, k, v, out, lse, *, scale: float, launchers):
     """(dq, dk, dv) of one step, in the launchers' accumulation dtype: dq (B, Hq, S_loc, D) for every local row, dk
     and dv for the keys ``[step.k0, step.k1)`` only."""
     bm = step_block_mask(step, str(q.device))
     ks = slice(step.k0, step.k1)
     return launchers.sparse_backward(do, q, k[:, :, ks], v[:, :, ks], out, lse, scale=scale, block_mask=bm)
+
+
+@dataclass(frozen=True)
+class RowsStep:
+    """A step over the local query rows that see its keys, not every local row: the rows of every piece (a run cut
+    at document boundaries) of which some row sees a key of the step (the pieces of split documents, for a step over
+    other ranks' rows). ``step``: its queries laid out as ``rows`` (local runs ``(start, length)``) taken in order;
+    every other row has no part in it (output 0, lse -inf)."""
+
+    step: SparseStep
+    rows: tuple[tuple[int, int], ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def seeing_step(docs: Documents, q_chunks: tuple[Chunk, ...], k_chunks: tuple[Chunk, ...]) -> RowsStep | None:
+    """The `RowsStep` of the local queries (runs ``q_chunks``) against keys laid out as ``k_chunks``; None when no
+    query sees any of them."""
+    pieces = sorted({(c.q0, c.q1) for c in _doc_calls(docs, q_chunks, k_chunks)})
+    runs: list[list[int]] = []  # [local start, local end, global start]
+    for q0, q1 in pieces:
+        ls, _, g = next(ch for ch in q_chunks if ch[0] <= q0 < ch[0] + ch[1])
+        g0 = g + q0 - ls
+        if runs and q0 <= runs[-1][1] and runs[-1][2] - runs[-1][0] == g0 - q0:  # contiguous in both orders
+            runs[-1][1] = max(runs[-1][1], q1)
+        else:
+            runs.append([q0, q1, g0])
+    if not runs:
+        return None
+    compact, off = [], 0
+    for q0, q1, g0 in runs:
+        compact.append((off, q1 - q0, g0))
+        off += q1 - q0
+    step = doc_step(docs, tuple(compact), k_chunks)
+    return RowsStep(step, tuple((q0, q1 - q0) for q0, q1, _ in runs))
+
+
+def take_rows(t: torch.Tensor, rows: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """Rows ``rows`` (local runs) of ``t`` along dim 2, in order, contiguous (``t`` itself where one run is all)."""
+    if len(rows) == 1:
+        return t[:, :, rows[0][0] : rows[0][0] + rows[0][1]].contiguous()
+    return t.index_select(2, rows_index(rows, str(t.device)))
+
+
+def put_rows(t: torch.Tensor, rows: tuple[tuple[int, int], ...], val: torch.Tensor, add: bool = False) -> None:
+    """``t[rows] = val`` (``+= val`` with ``add``) along dim 2, in place."""
+    if len(rows) == 1:
+        part = t[:, :, rows[0][0] : rows[0][0] + rows[0][1]]
+        part.add_(val) if add else part.copy_(val)
+        return
+    idx = rows_index(rows, str(t.device))
+    t.index_add_(2, idx, val) if add else t.index_copy_(2, idx, val)
+
+
+def rows_forward(rs: RowsStep, q, k, v, out: torch.Tensor, lse: torch.Tensor, *, scale: float, launchers):
+    """Run ``rs`` (one launch) and merge its partial result into the rows it covers of ``out`` (in place) and
+    ``lse`` by their lse, in the accumulation dtype (float32, float64 for float64 inputs); returns the lse (``lse``
+    itself, or a copy in the accumulation dtype)."""
+    out_b, lse_b = step_forward(rs.step, take_rows(q, rs.rows), k, v, scale=scale, launchers=launchers)
+    adt = torch.float64 if out.dtype == torch.float64 else torch.float32
+    out_m, lse_m = take_rows(out, rs.rows).to(adt), take_rows(lse, rs.rows).to(adt, copy=True)
+    merge_into(out_m, lse_m, out_b, lse_b)
+    put_rows(out, rs.rows, out_m.to(out.dtype))
+    lse = lse.to(adt)
+    put_rows(lse, rs.rows, lse_m)
+    return lse
+
+
+def rows_backward(rs: RowsStep, do, q, k, v, out, lse, dq: torch.Tensor, *, scale: float, launchers):
+    """The backward of ``rs``: its dQ added into the rows it covers of ``dq`` (in place); returns its (dk, dv) for
+    the keys ``[rs.step.k0, rs.step.k1)``, in the launchers' accumulation dtype."""
+    dq_b, dk_b, dv_b = step_backward(rs.step, *(take_rows(t, rs.rows) for t in (do, q)), k, v,
+                                     *(take_rows(t, rs.rows) for t in (out, lse)), scale=scale,
+                                     launchers=launchers)  # fmt: skip
+    put_rows(dq, rs.rows, dq_b, add=True)
+    return dk_b, dv_b
 
 
 @functools.lru_cache(maxsize=1024)

@@ -8,7 +8,7 @@ receives from each rank, and two block-sparse steps, its queries against its own
 (``(tokens, B, 2 Hkv, D)``), so every peer's share is one contiguous slice of one buffer.
 
 forward: start the exchange, compute the local step while it runs, then the remote step over the local query rows
-that see some received key (``remote_rows``: the pieces of split documents; every other row has its whole result
+that see some received key (`blocks.RowsStep`: the pieces of split documents; every other row has its whole result
 from the local step); the two partial results of those rows merge by their lse in the accumulation dtype (float32,
 float64 for float64 inputs). backward: the rows are exchanged again (saving them would keep every layer's received
 K/V alive), dQ stays local, the dK/dV of received rows go back to their owners in the accumulation dtype and are
@@ -25,11 +25,13 @@ import torch
 
 from longctx.distributed.blocks import (
     Documents,
+    RowsStep,
     SparseStep,
     doc_step,
-    merge_into,
-    plan_calls,
+    rows_backward,
+    rows_forward,
     rows_index,
+    seeing_step,
     step_backward,
     step_forward,
 )
@@ -47,9 +49,9 @@ class Routes:
     ``send_counts`` / ``recv_counts``: tokens sent to / received from each rank of the group (0 for itself and
     for ranks it exchanges nothing with), the received rows in peer order, each peer's ranges ascending.
     ``local``: the step of every local query against the local K/V; ``remote``: the step of the local query rows
-    ``remote_rows`` (runs ``(local start, length)``, taken in order into one tensor) against the received rows
-    (None: nothing to compute there). ``moves``: whether any rank of the group exchanges rows (when none does, as
-    when every document is whole on one rank, no rank calls the collective).
+    that see received keys against the received rows (`blocks.RowsStep`; None: nothing to compute there).
+    ``moves``: whether any rank of the group exchanges rows (when none does, as when every document is whole on
+    one rank, no rank calls the collective).
     """
 
     rank: int
@@ -58,8 +60,7 @@ class Routes:
     send_counts: tuple[int, ...]
     recv_counts: tuple[int, ...]
     local: SparseStep | None
-    remote: SparseStep | None
-    remote_rows: tuple[tuple[int, int], ...] = ()
+    remote: RowsStep | None
 
     @property
     def n_send(self) -> int:
@@ -95,49 +96,10 @@ def routes(layout: ChunkLayout, needs, docs: Documents, rank: int) -> Routes:
             recv_counts[peer] += n
             off += n
     q_chunks = layout.chunks[rank]
-    remote, remote_rows = None, ()
-    if k_chunks:
-        compact, remote_rows = _seeing_rows(docs, q_chunks, tuple(k_chunks))
-        remote = doc_step(docs, compact, tuple(k_chunks)) if compact else None
+    remote = seeing_step(docs, q_chunks, tuple(k_chunks)) if k_chunks else None
     moves = any(ranges for row in needs for ranges in row)
     local = doc_step(docs, q_chunks, q_chunks)
-    return Routes(rank, moves, tuple(send_rows), tuple(send_counts), tuple(recv_counts), local, remote, remote_rows)
-
-
-def _seeing_rows(docs: Documents, q_chunks, k_chunks) -> tuple[tuple, tuple[tuple[int, int], ...]]:
-    """The local query rows that see some key of ``k_chunks``: as chunks of the tensor that takes them in local
-    order ``(start in it, length, global start)``, and as local runs ``(start, length)``."""
-    pieces = sorted({(c.q0, c.q1) for c in plan_calls(docs, list(q_chunks), list(k_chunks))})
-    runs: list[list[int]] = []  # [local start, local end, global start]
-    for q0, q1 in pieces:
-        ls, _, g = next(ch for ch in q_chunks if ch[0] <= q0 < ch[0] + ch[1])
-        g0 = g + q0 - ls
-        if runs and q0 <= runs[-1][1] and runs[-1][2] - runs[-1][0] == g0 - q0:  # contiguous in both orders
-            runs[-1][1] = max(runs[-1][1], q1)
-        else:
-            runs.append([q0, q1, g0])
-    compact, off = [], 0
-    for q0, q1, g0 in runs:
-        compact.append((off, q1 - q0, g0))
-        off += q1 - q0
-    return tuple(compact), tuple((q0, q1 - q0) for q0, q1, _ in runs)
-
-
-def _take(t: torch.Tensor, runs: tuple[tuple[int, int], ...]) -> torch.Tensor:
-    """Rows ``runs`` of ``t`` along dim 2, in order, contiguous (``t`` itself where the run is all of it)."""
-    if len(runs) == 1:
-        return t[:, :, runs[0][0] : runs[0][0] + runs[0][1]].contiguous()
-    return t.index_select(2, rows_index(runs, str(t.device)))
-
-
-def _put(t: torch.Tensor, runs: tuple[tuple[int, int], ...], val: torch.Tensor, add: bool = False) -> None:
-    """``t[rows] = val`` (``+= val`` with ``add``) for the rows ``runs`` of ``t`` along dim 2, in place."""
-    if len(runs) == 1:
-        part = t[:, :, runs[0][0] : runs[0][0] + runs[0][1]]
-        part.add_(val) if add else part.copy_(val)
-        return
-    idx = rows_index(runs, str(t.device))
-    t.index_add_(2, idx, val) if add else t.index_copy_(2, idx, val)
+    return Routes(rank, moves, tuple(send_rows), tuple(send_counts), tuple(recv_counts), local, remote)
 
 
 def _rows_message(rows: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,14 +131,7 @@ class P2PAttention(torch.autograd.Function):
         req.wait()
         if r.remote is not None:
             k_r, v_r = _rows_message(recv, k)  # (B, Hkv, n_recv, D)
-            rows = r.remote_rows
-            out_b, lse_b = step_forward(r.remote, _take(q, rows), k_r, v_r, scale=scale, launchers=launchers)
-            adt = torch.float64 if out.dtype == torch.float64 else torch.float32
-            out_m, lse_m = _take(out, rows).to(adt), _take(lse, rows).to(adt, copy=True)
-            merge_into(out_m, lse_m, out_b, lse_b)
-            _put(out, rows, out_m.to(out.dtype))
-            lse = lse.to(adt)
-            _put(lse, rows, lse_m)
+            lse = rows_forward(r.remote, q, k_r, v_r, out, lse, scale=scale, launchers=launchers)
         del recv
         lse = lse if q.dtype == torch.float64 else lse.float()
         ctx.save_for_backward(q, k, v, out, lse)
@@ -200,13 +155,10 @@ class P2PAttention(torch.autograd.Function):
         back = torch.zeros((r.n_recv, k.shape[0], 2 * H, k.shape[3]), device=q.device, dtype=adt)
         if r.remote is not None:
             k_r, v_r = _rows_message(recv, k)
-            rows = r.remote_rows
-            dq_b, dk_b, dv_b = step_backward(r.remote, *(_take(t, rows) for t in (do, q)), k_r, v_r,
-                                             *(_take(t, rows) for t in (out, lse)), scale=scale,
-                                             launchers=launchers)  # fmt: skip
-            _put(dq, rows, dq_b, add=True)
-            back[r.remote.k0 : r.remote.k1, :, :H] = dk_b.permute(2, 0, 1, 3)
-            back[r.remote.k0 : r.remote.k1, :, H:] = dv_b.permute(2, 0, 1, 3)
+            dk_b, dv_b = rows_backward(r.remote, do, q, k_r, v_r, out, lse, dq, scale=scale, launchers=launchers)
+            keys = slice(r.remote.step.k0, r.remote.step.k1)
+            back[keys, :, :H] = dk_b.permute(2, 0, 1, 3)
+            back[keys, :, H:] = dv_b.permute(2, 0, 1, 3)
         del recv
         grads = torch.empty((r.n_send, k.shape[0], 2 * H, k.shape[3]), device=q.device, dtype=adt)
         _exchange(info, r, back, r.recv_counts, grads, r.send_counts).wait()
