@@ -38,6 +38,7 @@ CASES = (
     "qwen2-packed-collator-ulysses-recompute",
     "llama-lora-ring-zigzag-recompute",
     "llama-lora-packed-collator-ulysses",
+    "llama-packed-collator-auto",
     "bad-padding",
     "bad-packed-window",
 )
@@ -80,7 +81,7 @@ def _run_case(name: str, rank: int, world: int) -> None:
     import longctx.integrations.transformers as lt
 
     family = name.split("-")[0] if not name.startswith("bad") else "mistral" if "window" in name else "llama"
-    method = next((m for m in ("ring", "allgather", "ulysses") if m in name), "ring")
+    method = next((m for m in ("ring", "allgather", "ulysses", "auto") if m in name), "ring")
     layout = "contiguous" if "contiguous" in name else "zigzag"
     x = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(1))  # the same on every rank
     labels = x.clone()
@@ -102,6 +103,8 @@ def _run_case(name: str, rank: int, world: int) -> None:
             assert "padding" in str(e), e
             return
         raise AssertionError("padding under context parallelism did not raise")
+    if method == "auto":  # 4 query / 2 kv heads split over 2 ranks: Ulysses
+        assert model._longctx_context_parallel.method == "ulysses", model._longctx_context_parallel.method
     if "packed" in name:
         _packed_case(name, model, family, kw, lora)
         return

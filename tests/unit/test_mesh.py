@@ -164,6 +164,13 @@ def test_train_config_auto_cp_method(tmp_path):
     assert TrainConfig(context_parallel=2, cp_method="allgather", **docs).context_parallel_method() == "allgather"
 
 
+def test_splits_heads():
+    from longctx.distributed.ulysses import splits_heads
+
+    assert splits_heads(16, 4, 4) and splits_heads(16, 4, 8)  # kv heads repeated for 8 ranks
+    assert not splits_heads(16, 4, 3) and not splits_heads(6, 4, 3) and not splits_heads(12, 8, 6)
+
+
 def test_model_error_refuses_kept_attention_under_context_parallelism():
     """Kept attention outputs do not apply to a context-parallel core attention: the run is refused (on every rank:
     `setup.model_error` is checked collectively) unless a memory budget's plan chooses the recomputation."""

@@ -101,6 +101,15 @@ def kv_replication(hq: int, hkv: int, world: int, method: str = "ulysses", what:
     )
 
 
+def splits_heads(hq: int, hkv: int, world: int) -> bool:
+    """Whether Ulysses can split these heads over ``world`` ranks (`kv_replication` does not raise)."""
+    try:
+        kv_replication(hq, hkv, world)
+    except ValueError:
+        return False
+    return True
+
+
 class UlyssesAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, info: GroupInfo, layout, band: Mask, scale: float, launchers: Launchers, rep: int = 1):

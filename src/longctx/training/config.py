@@ -191,14 +191,10 @@ class TrainConfig:
             return self.cp_method
         if self.doc_separator is None:
             return "ring"
-        from longctx.distributed.ulysses import kv_replication
+        from longctx.distributed.ulysses import splits_heads
 
         mcfg = self.model_config()
-        try:
-            kv_replication(mcfg.num_attention_heads, mcfg.kv_heads, self.context_parallel)
-        except ValueError:
-            return "p2p"
-        return "ulysses"
+        return "ulysses" if splits_heads(mcfg.num_attention_heads, mcfg.kv_heads, self.context_parallel) else "p2p"
 
     def model_config(self, vocab_size: int | None = None) -> GPTConfig:
         """The GPTConfig of this run: the preset, the ``model`` overrides, then ``vocab_size`` if given.
