@@ -312,8 +312,10 @@ def _twin_forward(q, k, v, **_):
     return torch.empty_like(q), q.new_empty((B, Hq, S), dtype=torch.float32)
 
 
-def _twin_backward(dout, q, k, v, out, lse, **_):
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _twin_backward(dout, q, k, v, out, lse, grad_dtype=None, **_):
+    """dq, dk, dv in the inputs' dtypes (or ``grad_dtype``), with the kernels' workspace while they run: a float32
+    dQ accumulator and two float32 rows per query."""
+    dq, dk, dv = (t.new_empty(t.shape, dtype=grad_dtype or t.dtype) for t in (q, k, v))
     work = [q.new_empty(q.shape, dtype=torch.float32), lse.new_empty(lse.shape), lse.new_empty(lse.shape)]
     del work
     return dq, dk, dv
@@ -336,13 +338,10 @@ CP_TRACED = ("ring", "allgather", "ulysses")
 
 
 def _cp_twin_backward(dout, q, k, v, out, lse, **_):
-    """The context-parallel launchers' backward (`launchers.select`): dq, dk, dv in the accumulation dtype (partial
-    sums that the method adds up across ranks), with `_twin_backward`'s workspace."""
+    """The context-parallel launchers' backward (`launchers.select`): `_twin_backward` with dq, dk, dv in the
+    accumulation dtype (partial sums that the method adds up across ranks)."""
     adt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    grads = tuple(t.new_empty(t.shape, dtype=adt) for t in (q, k, v))
-    work = [q.new_empty(q.shape, dtype=torch.float32), lse.new_empty(lse.shape), lse.new_empty(lse.shape)]
-    del work
-    return grads
+    return _twin_backward(dout, q, k, v, out, lse, grad_dtype=adt)
 
 
 def check_context_parallel(config: GPTConfig, context_parallel: int, cp_method: str) -> None:
