@@ -248,3 +248,46 @@ def test_an_offload_run_the_host_cannot_hold_is_refused_before_it_starts(tmp_pat
     with mock.patch("longctx.layers.offload.host_memory_available", return_value=need + (1 << 30)):
         off, _ = _run(tmp_path, "enough", offload_params=True)
     assert off.dp_strategy == "fsdp2-offload"
+
+
+def test_offload_over_ranks_needs_a_cpu_backend():
+    """Offloaded gradients are CPU DTensors: a group of NCCL alone cannot take their norm. apply_fsdp says so
+    before the first step; one rank needs no collective; a group with gloo beside NCCL passes."""
+    from longctx.distributed import mesh as mesh_mod
+
+    class Mesh:
+        def __init__(self, n):
+            self.n = n
+
+        def size(self):
+            return self.n
+
+        def get_group(self):
+            return "group"
+
+    with mock.patch.object(mesh_mod.dist, "get_backend_config", return_value="cuda:nccl"):
+        with pytest.raises(ValueError, match=r"offload_params over 4 ranks.*'cuda:nccl'.*cpu:gloo,cuda:nccl"):
+            mesh_mod._check_cpu_backend(Mesh(4))
+        mesh_mod._check_cpu_backend(Mesh(1))
+    with mock.patch.object(mesh_mod.dist, "get_backend_config", return_value="cpu:gloo,cuda:nccl"):
+        mesh_mod._check_cpu_backend(Mesh(4))
+
+
+def test_torchrun_on_gpus_gets_gloo_beside_nccl(monkeypatch):
+    """init_distributed under torchrun on GPUs: NCCL for CUDA tensors and gloo for CPU ones (offloaded states)."""
+    from longctx.distributed import model as dist_model
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with (
+        mock.patch.object(dist_model.dist, "is_initialized", return_value=False),
+        mock.patch.object(dist_model.torch.cuda, "is_available", return_value=True),
+        mock.patch.object(dist_model.torch.cuda, "set_device") as set_device,
+        mock.patch.object(dist_model.dist, "init_process_group") as init,
+        mock.patch.object(dist_model.dist, "get_rank", return_value=1),
+        mock.patch.object(dist_model.dist, "get_world_size", return_value=2),
+    ):
+        assert dist_model.init_distributed() == (1, 2, torch.device("cuda", 1))
+    set_device.assert_called_once_with(1)
+    init.assert_called_once_with("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", 1))

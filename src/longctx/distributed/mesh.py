@@ -233,6 +233,21 @@ def decoder_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
+def _check_cpu_backend(mesh: Any) -> None:
+    """Offloaded gradients are CPU DTensors: their norm (``clip_grad_norm_``) is a collective on CPU tensors, which
+    a process group of NCCL alone cannot run. Say so before the first step rather than after its backward."""
+    if mesh.size() == 1:
+        return
+    config = dist.get_backend_config(mesh.get_group())
+    if "cpu:" not in config:
+        raise ValueError(
+            f"offload_params over {mesh.size()} ranks keeps gradients in host memory, and their collectives (the "
+            f"gradient norm) need a CPU backend, but the process group has only {config!r}: initialise it with "
+            'torch.distributed.init_process_group("cpu:gloo,cuda:nccl", device_id=...) (longctx.distributed.'
+            "init_distributed and init_mesh do)"
+        )
+
+
 def apply_fsdp(
     model: torch.nn.Module,
     mesh: Any,
@@ -278,6 +293,8 @@ def apply_fsdp(
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     dp_mesh = mesh["dp", "cp"]._flatten("dp_cp") if offload_params else mesh["dp"]
+    if offload_params:
+        _check_cpu_backend(dp_mesh)
     if units is None:
         try:
             units = decoder_units(model)

@@ -48,7 +48,8 @@ __all__ = [
 def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device]:
     """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK).
 
-    NCCL with one GPU per process (cuda:LOCAL_RANK) when CUDA is available, else gloo on the CPU. Returns
+    NCCL with one GPU per process (cuda:LOCAL_RANK) when CUDA is available, with gloo beside it for CPU tensors
+    (the collectives over host-offloaded parameters and gradients, e.g. their norm), else gloo on the CPU. Returns
     ``(rank, world_size, device)``. Without torchrun's variables: ``(0, 1, cuda or cpu)``, nothing initialised.
     """
     if dist.is_initialized():
@@ -63,7 +64,7 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=dev)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=dev)
     else:
         dev = torch.device("cpu")
         dist.init_process_group(backend)

@@ -704,7 +704,10 @@ class Trainer:
                 f"(chance {result.chance_accuracy:.1%}; "
                 f"guessing among the {cfg.num_pairs} values present {1 / cfg.num_pairs:.1%})"
             )
-        how = " (torch.cuda.max_memory_allocated)" if self.device.type == "cuda" else " (peak RSS of the process)"
+        how = " (peak RSS of the process)"
+        if self.device.type == "cuda":
+            reserved = format_bytes(torch.cuda.max_memory_reserved(self.device))
+            how = f" (torch.cuda.max_memory_allocated; {reserved} reserved)"
         lines += [
             f"  peak memory       {format_bytes(result.peak_memory_bytes)}{how}",
             f"  attention         {self.backend}",
@@ -779,6 +782,9 @@ def main(argv: list[str] | None = None) -> int:
     was non-finite; 128 + the signal (130 for SIGINT, 143 for SIGTERM) when a signal stopped the run, after
     its checkpoint was written.
     """
+    # The plan counts allocated bytes; with expandable segments the memory the allocator reserves follows them
+    # instead of keeping split blocks between one layer's temporaries and the next. A user's own setting wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     trainer: Trainer | None = None
     previous = _abandon_on_sigterm()  # until the loop installs its own handlers: nothing to save yet
     try:
