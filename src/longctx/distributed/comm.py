@@ -16,6 +16,7 @@ __all__ = [
     "cp_group_info",
     "sub_group",
     "comm_device",
+    "cuda_backend",
     "cpu_group",
     "RingComm",
     "exchange",
@@ -43,7 +44,7 @@ class GroupInfo:
 
     @property
     def is_nccl(self) -> bool:
-        return "nccl" in self.backend
+        return cuda_backend(self.backend) == "nccl"
 
 
 def group_info(group=None) -> GroupInfo:
@@ -79,9 +80,19 @@ def sub_group(info: GroupInfo, members: tuple[int, ...]) -> GroupInfo:
     return GroupInfo(info.group, members.index(info.rank), len(members), info.backend, tuple(members))
 
 
+def cuda_backend(backend: str) -> str:
+    """The backend that carries a group's CUDA tensors: ``backend`` itself, or its ``cuda:`` part where the group
+    has one backend per device ("cpu:gloo,cuda:nccl" gives "nccl"; "cpu:gloo" alone gives "")."""
+    if ":" not in backend:
+        return backend
+    parts = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+    return parts.get("cuda", "")
+
+
 def comm_device(info: GroupInfo, hint: object = None) -> torch.device:
-    """The device a small collective of this group must use (CUDA for NCCL, CPU for gloo)."""
-    if "gloo" in info.backend or info.backend == "none":
+    """The device a small collective of this group must use: CUDA where NCCL carries the group's CUDA tensors
+    (NCCL alone, or with gloo beside it for CPU tensors), CPU for gloo alone."""
+    if info.backend == "none" or cuda_backend(info.backend) in ("gloo", ""):
         return torch.device("cpu")
     if isinstance(hint, torch.Tensor) and hint.is_cuda:
         return hint.device
@@ -97,12 +108,13 @@ def cpu_group(info: GroupInfo, *, reuse_gloo: bool = True):
 
     On NCCL every collective is a GPU operation: reading its result back (``.tolist()``) waits for the GPU
     to finish everything queued before it. A CPU tensor through a gloo group never touches the GPU. The
-    group itself when it is already gloo (``reuse_gloo``); otherwise a gloo twin created on first use and
-    cached for the life of the process. Only the members of the group take part in creating the twin
-    (``use_local_synchronization``), so disjoint context-parallel groups may each create theirs at the same
-    time. None when torch.distributed is not initialised, or the twin cannot be made (gloo missing, or a
-    group of the same ranks was already created with local synchronisation and took the name): callers
-    then use the group's own device. The outcome is the same on every member, so all take the same path.
+    group itself when gloo already carries its CPU tensors (gloo alone, or beside NCCL; ``reuse_gloo``);
+    otherwise a gloo twin created on first use and cached for the life of the process. Only the members of the
+    group take part in creating the twin (``use_local_synchronization``), so disjoint context-parallel groups
+    may each create theirs at the same time. None when torch.distributed is not initialised, or the twin cannot be
+    made (gloo missing, or a group of the same ranks was already created with local synchronisation and took the
+    name): callers then use the group's own device. The outcome is the same on every member, so all take the same
+    path.
     """
     if info.backend == "none":
         return None
