@@ -291,3 +291,32 @@ def test_torchrun_on_gpus_gets_gloo_beside_nccl(monkeypatch):
         assert dist_model.init_distributed() == (1, 2, torch.device("cuda", 1))
     set_device.assert_called_once_with(1)
     init.assert_called_once_with("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", 1))
+
+
+def test_the_host_step_runs_on_the_ranks_share_of_the_cores(monkeypatch):
+    """torchrun starts ranks with one intra-op thread; the host AdamW step takes this rank's share of the cores
+    (those it may run on over LOCAL_WORLD_SIZE) and gives the count back after the step."""
+    from longctx.distributed import offload
+
+    monkeypatch.setattr(offload.os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert offload.host_thread_share() == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "24")
+    assert offload.host_thread_share() == 1  # never 0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = nn.Linear(4, 4)
+        opt = offload.host_adamw(model, lr=1e-3)
+        seen = []
+        opt.register_step_pre_hook(lambda *_: seen.append(torch.get_num_threads()))  # after longctx's own
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        assert seen == [6] and torch.get_num_threads() == 1
+        with offload.host_threads() as n:
+            assert n == 6 and torch.get_num_threads() == 6
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

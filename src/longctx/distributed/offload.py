@@ -16,18 +16,33 @@ flight.
 
 `longctx train --offload-params` and `integrations.transformers.apply(model, offload_params=True)` call these; the
 planner (`longctx.memory.plan`, ``host_budget``) predicts both memories. `HostPeak` measures the host side.
+
+The host's work of a step (the AdamW step, the gradient norm over host shards) runs on this process's share of the
+host's cores (`host_threads`): torchrun starts every rank with one intra-op thread (``OMP_NUM_THREADS=1``), which
+would leave an 8B model's CPU step on one core a rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["offload_model", "host_adamw", "build_device", "HostPeak", "host_rss"]
+__all__ = [
+    "offload_model",
+    "host_adamw",
+    "host_threads",
+    "host_thread_share",
+    "step_on_host_threads",
+    "build_device",
+    "HostPeak",
+    "host_rss",
+]
 
 
 def offload_model(
@@ -84,7 +99,53 @@ def host_adamw(
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, fused=True)
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, fused=True)
+    return step_on_host_threads(optimizer)
+
+
+def host_thread_share() -> int:
+    """This process's share of the host's cores: the cores it may run on, divided by the processes torchrun
+    started on this host (``LOCAL_WORLD_SIZE``; 1 without torchrun), at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, cores // local)
+
+
+@contextlib.contextmanager
+def host_threads(threads: int | None = None) -> Iterator[int]:
+    """Run the block with ``threads`` intra-op threads (default: `host_thread_share`), the count before restored
+    after it. For the host's share of an offloaded step: every rank does it at the same moment, while its GPU
+    waits, so the shares do not oversubscribe the host."""
+    n = host_thread_share() if threads is None else threads
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(before)
+
+
+def step_on_host_threads(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Make every ``optimizer.step()`` run on `host_thread_share` threads (step hooks; the count before is
+    restored after each step); returns the optimizer."""
+    saved: list[int] = []
+
+    def pre(*_: object) -> None:
+        saved.append(torch.get_num_threads())
+        torch.set_num_threads(host_thread_share())
+
+    def post(*_: object) -> None:
+        torch.set_num_threads(saved.pop())
+
+    optimizer.register_step_pre_hook(pre)
+    optimizer.register_step_post_hook(post)
+    return optimizer
 
 
 def build_device(parameter_bytes: int, device: torch.device) -> torch.device:

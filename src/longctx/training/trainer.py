@@ -314,6 +314,10 @@ class Trainer:
         # on the host: torch's fused CPU AdamW; FSDP2's sharded GPU parameters: the foreach implementation
         fused = True if self.offload else False if self.distributed else None
         self.optimizer = build_optimizer(self.model, cfg, self.device, fused=fused)
+        if self.offload:  # the CPU step on this rank's share of the host's cores, not torchrun's one thread
+            from longctx.distributed.offload import step_on_host_threads
+
+            step_on_host_threads(self.optimizer)
 
         self.is_writer = self.rank == 0  # the rank that writes metrics (and the single-process checkpoint)
         self.checkpoint_path: Path | None = None
@@ -368,7 +372,13 @@ class Trainer:
         # max_norm=inf measures the norm without clipping; under a mesh the gradients are already reduced (and
         # the norm of sharded ones is reduced over the shards), so every rank takes the same decision
         max_norm = cfg.clip_grad if cfg.clip_grad > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        scope = contextlib.nullcontext()
+        if self.offload:  # a norm over host shards: on this rank's share of the host's cores
+            from longctx.distributed.offload import host_threads
+
+            scope = host_threads()
+        with scope:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         loss_value = loss.item()
         self.last_step_skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
