@@ -251,12 +251,14 @@ def _run_ulysses_bf16_case(rank: int, world: int) -> None:
 def _run_twin_case(rank: int, world: int) -> None:
     """The shape check through a gloo twin of the group (what an NCCL group uses): created once, cached, and
     still run on every call (a bad input on one rank raises on all)."""
+    import torch.distributed as dist
+
     import longctx
     import longctx.distributed.attention as cp_attn
     from longctx.distributed import comm, cp_attention, shard
 
     info = comm.group_info(None)
-    assert comm.cpu_group(info) is None or comm.cpu_group(info) is info.group  # gloo: the group itself
+    assert comm.cpu_group(info) is dist.group.WORLD  # gloo (alone or beside NCCL): the world group itself
     twin = comm.cpu_group(info, reuse_gloo=False)
     assert twin is not None and twin is not info.group and comm.cpu_group(info, reuse_gloo=False) is twin
     saved = cp_attn.cpu_group

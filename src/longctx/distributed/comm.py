@@ -118,9 +118,9 @@ def cpu_group(info: GroupInfo, *, reuse_gloo: bool = True):
     """
     if info.backend == "none":
         return None
-    if reuse_gloo and "gloo" in info.backend:
-        return info.group
     group = dist.group.WORLD if info.group is None else info.group
+    if reuse_gloo and "gloo" in info.backend:
+        return group
     hit = _CPU_GROUPS.get(id(group))
     if hit is not None:
         return hit[1]
