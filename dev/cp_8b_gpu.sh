@@ -6,7 +6,7 @@
 # sampled each second; $OUT/cp_8b_peaks.txt gives their peaks (the host's above its use before the run). The whole
 # output of the run: $OUT/cp_8b_train.log.
 #
-#   OUT=out S=655360 bash dev/cp_8b_gpu.sh      # NPROC=4 METHOD=ring BUDGET=135GiB HOST_BUDGET=480GiB
+#   OUT=out S=655360 bash dev/cp_8b_gpu.sh      # NPROC=4 METHOD=ring BUDGET=135GiB HOST_BUDGET=480GiB SNAPSHOT=0
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" cp_8b_out
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -20,11 +20,14 @@ before=$(free -b | awk '/Mem:/{print $3}')
 done) >"$OUT/cp_8b_samples.txt" &
 sampler=$!
 t=$SECONDS
-timeout -k 10 "${LIMIT:-540}" python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m longctx train \
+entry=(-m longctx train)  # SNAPSHOT=1: rank 0 records the allocator's history (dev/memory_snapshot.py) into $OUT/snap.tgz
+[[ "${SNAPSHOT:-0}" == 1 ]] && entry=(dev/memory_snapshot.py --snapshot-dir "$OUT/snap" --max-entries 100000 --)
+timeout -k 10 "${LIMIT:-540}" python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${entry[@]}" \
     --preset llama-8b --seq-length "$S" --micro-batch-size 1 --context-parallel "$NPROC" --cp-method "$METHOD" --offload-params true \
     --memory-budget "${BUDGET:-135GiB}" --host-memory-budget "${HOST_BUDGET:-480GiB}" --steps 1 --eval-iters 0 \
     --log-interval 1 --save none >"$OUT/cp_8b_train.log" 2>&1
 echo "exit $? after $((SECONDS - t)) s" | tee -a "$OUT/cp_8b.log"
+[[ -d "$OUT/snap" ]] && tar czf "$OUT/snap.tgz" -C "$OUT" snap && rm -rf "$OUT/snap"
 # the trainer's own lines and any error, without torchrun's failure report
 grep -v "Warning\|warn\|^\s*\(time\|host\|rank\|exitcode\|error_file\|traceback\)\s*:" "$OUT/cp_8b_train.log" \
     | grep -E "memory plan|longctx train|tok/s|summary|steps|peak|Error|error" | head -n 30 | tee -a "$OUT/cp_8b.log"
