@@ -38,7 +38,8 @@ __all__ = ["StepMemory", "step_memory", "step_segments", "check_context_parallel
 CUDA_OVERHEAD_BYTES = 256 << 20
 
 # The host memory of a training process besides the states and checkpoints it offloads: the CUDA context, torch's
-# libraries, the interpreter (calibrated against the resident memory of `longctx bench memory`, docs/memory.md).
+# libraries, the interpreter (calibrated against the measured 8B runs, one process and four under torchrun:
+# docs/memory.md).
 HOST_OVERHEAD_BYTES = 5 << 29  # 2.5 GiB
 
 GiB = 1 << 30

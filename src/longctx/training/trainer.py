@@ -792,8 +792,8 @@ def main(argv: list[str] | None = None) -> int:
     was non-finite; 128 + the signal (130 for SIGINT, 143 for SIGTERM) when a signal stopped the run, after
     its checkpoint was written.
     """
-    # The plan counts allocated bytes; with expandable segments the memory the allocator reserves follows them
-    # instead of keeping split blocks between one layer's temporaries and the next. A user's own setting wins.
+    # The plan counts allocated bytes; expandable segments keep the memory the allocator reserves closer to them
+    # (docs/memory.md: the 8B's context-parallel step). A user's own setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     trainer: Trainer | None = None
     previous = _abandon_on_sigterm()  # until the loop installs its own handlers: nothing to save yet
