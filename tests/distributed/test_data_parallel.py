@@ -1,13 +1,14 @@
 """Data parallelism x context parallelism (`longctx.distributed.mesh`, `longctx train --data-parallel`) on gloo.
 
-Worlds of 2 and 4 processes each run every case once (spawned, a FileStore in a temporary directory). A valid
-case builds the `Trainer` of a float64 tiny GPT on a ("dp", "cp") mesh and checks on every rank, against a plain
-single-process model on the same global batch: the loss of a step (token-weighted over the global batch) and the
-full gradient of every parameter (FSDP2's shards gathered). Its training losses over a few steps are compared in
-the test process with a single-process `Trainer` reading the same global batches. A sharded checkpoint written
-at dp=2 (world 2) is resumed in one process and at dp2 x cp2 and dp4 (world 4), each continuing to the losses of
-the uninterrupted run. Bad inputs (ranks with different num_layers or seeds, a world size other than dp * cp, a
-length or head count the cp size cannot split, a rank that never arrives) must raise on every rank within a
+Worlds of 2 and 4 processes each run every case once (spawned, a FileStore in a temporary directory). A valid case
+builds the `Trainer` of a float64 tiny GPT on a ("dp", "cp") mesh and checks on every rank, against a plain single-
+process model on the same global batch: the loss of a step (token-weighted over the global batch) and the full
+gradient of every parameter (FSDP2's shards gathered). Its training losses over a few steps are compared in the test
+process with a single-process `Trainer` reading the same global batches (at dp=1 the parameters stay whole: no
+FSDP2, gradients all-reduced over the cp ranks). A sharded checkpoint written at dp=2 (world 2) is resumed in one
+process and at dp2 x cp2, dp4 and dp1 x cp4 (world 4), one written at cp=2 in one process, each continuing to the
+losses of the uninterrupted run. Bad inputs (ranks with different num_layers or seeds, a world size other than dp *
+cp, a length or head count the cp size cannot split, a rank that never arrives) must raise on every rank within a
 deadline.
 """
 
@@ -54,7 +55,8 @@ BAD = {
     2: ["bad-num-layers", "bad-seed", "bad-world-size", "bad-seq-length", "bad-rank-absent"],
     4: ["bad-ulysses-heads"],
 }
-RESUMES = {4: [("resume-dp2cp2", 2, 2), ("resume-dp4cp1", 4, 1)]}
+# the dp=2 checkpoint resumed on 4 ranks (dp1cp4: whole parameters on every rank, loaded from FSDP2's shards)
+RESUMES = {4: [("resume-dp2cp2", 2, 2), ("resume-dp4cp1", 4, 1), ("resume-dp1cp4", 1, 4)]}
 
 
 def _cfg(**kw):
@@ -97,12 +99,16 @@ def _oracle_case(dp: int, cp: int, **kw) -> dict:
     }
 
 
-def _save_case(shared: str) -> dict:
-    """dp=2 stops after 2 of STEPS steps with a sharded checkpoint in <shared>/run."""
+def _save_case(shared: str, dp: int = 2, cp: int = 1, folder: str = "run") -> dict:
+    """dp x cp stops after 2 of STEPS steps with a sharded checkpoint in <shared>/<folder> (dp=2: FSDP2's shards;
+    dp=1: whole parameters, as context parallelism alone runs)."""
     from longctx.training.trainer import Trainer
 
-    trainer = Trainer(_cfg(data_parallel=2, halt_after=2, save=os.path.join(shared, "run")))
-    return {"losses": trainer.train().losses}
+    trainer = Trainer(
+        _cfg(data_parallel=dp, context_parallel=cp, micro_batch_size=2 * MBS // dp, halt_after=2,
+             save=os.path.join(shared, folder))
+    )  # fmt: skip
+    return {"losses": trainer.train().losses, "strategy": trainer.dp_strategy}
 
 
 def _resume_case(shared: str, dp: int, cp: int) -> dict:
@@ -147,7 +153,7 @@ def _bad_case(name: str, rank: int, world: int) -> dict:
 def _cases(world: int) -> list[str]:
     names = [name for name, _, _ in MESHES[world]]
     if world == 2:
-        names.append("save-dp2")
+        names += ["save-dp2", "save-cp2"]
     names += [name for name, _, _ in RESUMES.get(world, [])]
     return names + BAD[world]  # bad-rank-absent last: it leaves the world unusable
 
@@ -169,6 +175,8 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, shared: str = 
                 results[name] = _oracle_case(*meshes[name], **MESH_KW.get(name, {}))
             elif name == "save-dp2":
                 results[name] = _save_case(shared)
+            elif name == "save-cp2":
+                results[name] = _save_case(shared, dp=1, cp=2, folder="run_cp2")
             elif name in resumes:
                 results[name] = _resume_case(shared, *resumes[name])
             else:
@@ -231,21 +239,28 @@ def test_mesh_step_matches_a_single_process_on_the_global_batch(world, name, dp)
     single = _single_losses(MBS * dp)
     for rank in range(world):
         res = _result(world, name, rank)
-        assert res["strategy"] == ("fsdp2-offload" if name.endswith("offload") else "fsdp2")
+        # one data-parallel rank shards nothing: whole parameters, gradients all-reduced over the cp ranks
+        expected = "fsdp2-offload" if name.endswith("offload") else "allreduce" if dp == 1 else "fsdp2"
+        assert res["strategy"] == expected
         assert res["loss"] == pytest.approx(res["ref_loss"], rel=1e-12)
         assert res["grad_rel_err"] < 1e-10, res["grad_rel_err"]
         assert res["losses"] == pytest.approx(single, rel=1e-9), (res["losses"], single)
 
 
-def test_sharded_checkpoint_of_dp2_resumes_in_one_process():
+@pytest.mark.parametrize(
+    ("name", "folder", "strategy"), [("save-dp2", "run", "fsdp2"), ("save-cp2", "run_cp2", "allreduce")]
+)
+def test_sharded_checkpoint_resumes_in_one_process(name, folder, strategy):
     from longctx.training.trainer import Trainer
 
     for rank in range(2):
-        assert _result(2, "save-dp2", rank)["losses"] == pytest.approx(_single_losses(2 * MBS)[:2], rel=1e-9)
+        res = _result(2, name, rank)
+        assert res["strategy"] == strategy
+        assert res["losses"] == pytest.approx(_single_losses(2 * MBS)[:2], rel=1e-9)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        ckpt = Path(_shared()) / "run" / "checkpoint"
+        ckpt = Path(_shared()) / folder / "checkpoint"
         assert [p.name for p in ckpt.iterdir()] == ["step-00000002"]
         trainer = Trainer(_cfg(micro_batch_size=2 * MBS, resume=str(ckpt)))
         assert trainer.start_step == 2

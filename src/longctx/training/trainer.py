@@ -201,7 +201,7 @@ class Trainer:
 
     Under a mesh (``data_parallel * context_parallel > 1``, or a torchrun world of several processes) the ranks
     form a 2D DeviceMesh ("dp", "cp") (`longctx.distributed.mesh`): every rank builds the same model, FSDP2
-    shards it over "dp", each dp rank reads its ``micro_batch_size`` sequences of the global batch of the step
+    shards it over "dp" (with one dp rank it stays whole, gradients all-reduced over "cp"), each dp rank reads its ``micro_batch_size`` sequences of the global batch of the step
     and each rank of a cp group computes its shard of them; the loss is the token-weighted mean over the
     global batch. Checkpoints are sharded (``<save>/checkpoint/step-N``, written by every rank); only the first
     rank writes metrics and the progress line.
@@ -307,12 +307,20 @@ class Trainer:
                     f"context-parallel {cp_method}/{cfg.cp_layout} over {cfg.context_parallel} ranks "
                     f"({self.cp.backend})"
                 )
-            # offloaded units compute in bf16 (FSDP2's mixed precision) under bf16, else in the parameters' dtype
-            unit_dtype = torch.bfloat16 if self.offload and self.use_bf16 else None
-            self.dp_strategy = apply_fsdp(self.model, self.mesh, offload_params=self.offload, param_dtype=unit_dtype)
+            if cfg.data_parallel == 1 and not self.offload:
+                # one data-parallel rank has nothing to shard: the parameters stay whole on every context-parallel
+                # rank (no FSDP2 hooks and copies a layer) and `reduce_gradients` sums their gradients over them
+                self.dp_strategy = "allreduce"
+            else:  # offloaded units compute in bf16 under bf16 (FSDP2's mixed precision), else in their own dtype
+                unit_dtype = torch.bfloat16 if self.offload and self.use_bf16 else None
+                self.dp_strategy = apply_fsdp(
+                    self.model, self.mesh, offload_params=self.offload, param_dtype=unit_dtype
+                )
             self.backend += f" | data-parallel {cfg.data_parallel} ({self.dp_strategy})"
-        # on the host: torch's fused CPU AdamW; FSDP2's sharded GPU parameters: the foreach implementation
-        fused = True if self.offload else False if self.distributed else None
+        # on the host: torch's fused CPU AdamW; FSDP2's sharded GPU parameters: the foreach implementation; whole
+        # parameters: fused on a GPU
+        sharded = self.distributed and self.dp_strategy != "allreduce"
+        fused = True if self.offload else False if sharded else None
         self.optimizer = build_optimizer(self.model, cfg, self.device, fused=fused)
         if self.offload:  # the CPU step on this rank's share of the host's cores, not torchrun's one thread
             from longctx.distributed.offload import step_on_host_threads
