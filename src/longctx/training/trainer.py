@@ -199,12 +199,12 @@ def build_optimizer(
 class Trainer:
     """A training run: everything built from a `TrainConfig`, then `train`.
 
-    Under a mesh (``data_parallel * context_parallel > 1``, or a torchrun world of several processes) the ranks
-    form a 2D DeviceMesh ("dp", "cp") (`longctx.distributed.mesh`): every rank builds the same model, FSDP2
-    shards it over "dp" (with one dp rank it stays whole, gradients all-reduced over "cp"), each dp rank reads its ``micro_batch_size`` sequences of the global batch of the step
-    and each rank of a cp group computes its shard of them; the loss is the token-weighted mean over the
-    global batch. Checkpoints are sharded (``<save>/checkpoint/step-N``, written by every rank); only the first
-    rank writes metrics and the progress line.
+    Under a mesh (``data_parallel * context_parallel > 1``, or a torchrun world of several processes) the ranks form
+    a 2D DeviceMesh ("dp", "cp") (`longctx.distributed.mesh`): every rank builds the same model, FSDP2 shards it
+    over "dp" (with one dp rank it stays whole, gradients all-reduced over "cp"), each dp rank reads its
+    ``micro_batch_size`` sequences of the global batch of the step and each rank of a cp group computes its shard of
+    them; the loss is the token-weighted mean over the global batch. Checkpoints are sharded
+    (``<save>/checkpoint/step-N``, written by every rank); only the first rank writes metrics and the progress line.
 
     Args:
         cfg: the run's settings.
