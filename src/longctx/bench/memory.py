@@ -10,9 +10,10 @@ bf16 autocast, fp32 parameters, fused AdamW; a step is forward, backward and the
   the logits: what a user has without longctx (`longctx.bench.transformers`). transformers is optional: without
   it the column is left out.
 
-Every row: tokens/s (S / the median step), peak ``torch.cuda.max_memory_allocated``, and for longctx the predicted
-peak. ``--longest S1,S2`` also tries single steps at those lengths (the first step of a length includes its
-kernels' compilation). Writes ``memory_<gpu>[tag].json``, ``.md`` and ``.png`` (tokens/s and peak GiB against S).
+Every row: tokens/s (S / the median step), peak ``torch.cuda.max_memory_allocated`` (the JSON also gives
+``torch.cuda.max_memory_reserved``, what the allocator held), and for longctx the predicted peak. ``--longest
+S1,S2`` also tries single steps at those lengths (the first step of a length includes its kernels' compilation).
+Writes ``memory_<gpu>[tag].json``, ``.md`` and ``.png`` (tokens/s and peak GiB against S).
 
     longctx bench memory --plans benchmarks/plans_llama-350m.json --seq-lengths 8192,32768,65536 --longest 524288
 """
@@ -120,7 +121,8 @@ def _measure(make, config, S: int, steps: int, warmup: int, device: torch.device
                    probe=probe)  # fmt: skip
     if r.ok:
         return {"s": S, "status": "ok", "step_s": r.step_s, "tokens_per_s": r.tokens_per_s,
-                "peak_bytes": r.peak_bytes, "host_peak_bytes": r.host_peak_bytes, "phases": r.phases,
+                "peak_bytes": r.peak_bytes, "reserved_bytes": r.reserved_bytes, "host_peak_bytes": r.host_peak_bytes,
+                "phases": r.phases,
                 "copies": r.probe, "secs": r.secs}  # fmt: skip
     return {"s": S, "status": r.code, "error": r.error, "secs": r.secs}
 

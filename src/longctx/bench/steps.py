@@ -37,6 +37,7 @@ class StepResult:
     host_peak_bytes: int | None = None  # peak resident host memory during the timed steps
     phases: dict[str, float] | None = None  # median seconds of the step's phases, where the step reports them
     probe: dict | None = None  # what time_steps' probe measured after the timed steps
+    reserved_bytes: int | None = None  # peak torch.cuda.max_memory_reserved (the allocator's cache), on CUDA
 
     @property
     def ok(self) -> bool:
@@ -137,8 +138,10 @@ def time_steps(
                 times.append(time.perf_counter() - t)
                 for k, v in getattr(step, "phases", {}).items():
                     phases.setdefault(k, []).append(v)
+        reserved = None
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
+            reserved = torch.cuda.max_memory_reserved(device)
         else:
             from longctx.memory.measure import peak_live_bytes
 
@@ -147,7 +150,7 @@ def time_steps(
         probed = probe(step) if probe is not None else None
         return StepResult(tokens, OK, med, tokens / med, peak, secs=time.perf_counter() - t0, host_peak_bytes=host.peak,
                           phases={k: statistics.median(v) for k, v in phases.items()} or None,
-                          probe=probed)  # fmt: skip
+                          probe=probed, reserved_bytes=reserved)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - an out-of-memory error is a result; anything else is reported
         code = OOM if is_oom(e) else ERROR
         return StepResult(tokens, code, error=f"{type(e).__name__}: {str(e)[:300]}", secs=time.perf_counter() - t0)

@@ -25,10 +25,11 @@ adapters (rank ``--lora-rank``, alpha twice that, on q, k, v, o, gate, up and do
 that train (AdamW over them); the longctx providers get `apply` on the PEFT model. Every longctx row also gives the
 predicted peak (`longctx.integrations.transformers.memory.step_memory`: the step traced on the model itself).
 
-For every provider: tokens/s (S / the median step time) and peak memory (``torch.cuda.max_memory_allocated``;
-on the CPU the peak of live tensors) at each S of ``--seq-lengths``, then (``--longest``) the longest S that
-trains one whole step, searched by doubling and bisection (`longctx.bench.search.search_longest`; a try that
-runs out of memory, or exceeds ``--memory-cap-gib``, does not fit).
+For every provider: tokens/s (S / the median step time) and peak memory (``torch.cuda.max_memory_allocated``, and in
+the JSON ``max_memory_reserved``; on the CPU the peak of live tensors) at each S of ``--seq-lengths``, then
+(``--longest``) the longest S that trains one whole step, searched by doubling and bisection
+(`longctx.bench.search.search_longest`; a try that runs out of memory, or exceeds ``--memory-cap-gib``, does not
+fit).
 
     longctx bench transformers                               # the GPU run
     longctx bench transformers --seq-lengths 8192,32768 --longest
@@ -199,7 +200,8 @@ class Runner:
                     "peak": float("inf")}  # fmt: skip
         over = cap_bytes is not None and r.peak_bytes > cap_bytes
         return {"s": s, "step_ms": 1e3 * r.step_s, "tokens_per_s": r.tokens_per_s, "peak_bytes": r.peak_bytes,
-                "status": "over" if over else "ok", "secs": secs, "peak": r.peak_bytes}  # fmt: skip
+                "reserved_bytes": r.reserved_bytes, "status": "over" if over else "ok", "secs": secs,
+                "peak": r.peak_bytes}  # fmt: skip
 
 
 def predicted_peak(provider: str, shape: dict[str, Any], s: int, model: str, lora_rank: int | None) -> int:
