@@ -257,8 +257,9 @@ def apply_fsdp(
     units: list[torch.nn.Module] | None = None,
 ) -> str:
     """Shard ``model`` over the "dp" dim: FSDP2 on each decoder layer, the embedding and the root; returns
-    ``"fsdp2"``, ``"fsdp2-offload"``, or ``"allreduce"`` where FSDP2 is not importable (parameters replicated,
-    gradients summed by `reduce_gradients` over every rank).
+    ``"fsdp2"``, ``"fsdp2-offload"``, or ``"allreduce"`` (parameters whole on every rank, gradients summed by
+    `reduce_gradients` over every rank) where there is nothing to shard (one "dp" rank, no offload, no
+    ``param_dtype``: FSDP2 would only add its hooks and copies around every unit) or FSDP2 is not importable.
 
     Each rank must hold the same initial parameters (the same seed, or `broadcast_parameters` first). A tied
     embedding (``share_embeddings_and_output_weights``) stays in the root unit, because the output projection
@@ -283,6 +284,8 @@ def apply_fsdp(
         ValueError: ``offload_params`` where FSDP2 is not importable (there is no offload without it).
     """
     _check_mesh(mesh)
+    if not offload_params and param_dtype is None and mesh["dp"].size() == 1:
+        return "allreduce"
     if not fsdp_available():
         if offload_params:
             raise ValueError(

@@ -307,15 +307,10 @@ class Trainer:
                     f"context-parallel {cp_method}/{cfg.cp_layout} over {cfg.context_parallel} ranks "
                     f"({self.cp.backend})"
                 )
-            if cfg.data_parallel == 1 and not self.offload:
-                # one data-parallel rank has nothing to shard: the parameters stay whole on every context-parallel
-                # rank (no FSDP2 hooks and copies a layer) and `reduce_gradients` sums their gradients over them
-                self.dp_strategy = "allreduce"
-            else:  # offloaded units compute in bf16 under bf16 (FSDP2's mixed precision), else in their own dtype
-                unit_dtype = torch.bfloat16 if self.offload and self.use_bf16 else None
-                self.dp_strategy = apply_fsdp(
-                    self.model, self.mesh, offload_params=self.offload, param_dtype=unit_dtype
-                )
+            # offloaded units compute in bf16 (FSDP2's mixed precision) under bf16, else in the parameters' dtype;
+            # one data-parallel rank without offload keeps the parameters whole ("allreduce": nothing to shard)
+            unit_dtype = torch.bfloat16 if self.offload and self.use_bf16 else None
+            self.dp_strategy = apply_fsdp(self.model, self.mesh, offload_params=self.offload, param_dtype=unit_dtype)
             self.backend += f" | data-parallel {cfg.data_parallel} ({self.dp_strategy})"
         # on the host: torch's fused CPU AdamW; FSDP2's sharded GPU parameters: the foreach implementation; whole
         # parameters: fused on a GPU
