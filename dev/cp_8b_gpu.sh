@@ -6,7 +6,7 @@
 # sampled each second; $OUT/cp_8b_peaks.txt gives their peaks (the host's above its use before the run). The whole
 # output of the run: $OUT/cp_8b_train.log.
 #
-#   OUT=out S=655360 bash dev/cp_8b_gpu.sh      # NPROC=4 METHOD=ring BUDGET=135GiB HOST_BUDGET=480GiB SNAPSHOT=0
+#   OUT=out S=655360 bash dev/cp_8b_gpu.sh  # NPROC=4 METHOD=ring BUDGET=135GiB HOST_BUDGET=480GiB SNAPSHOT=0 PROGRESS=0
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" cp_8b_out
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -22,6 +22,9 @@ sampler=$!
 t=$SECONDS
 entry=(-m longctx train)  # SNAPSHOT=1: rank 0 records the allocator's history (dev/memory_snapshot.py) into $OUT/snap.tgz
 [[ "${SNAPSHOT:-0}" == 1 ]] && entry=(dev/memory_snapshot.py --snapshot-dir "$OUT/snap" --max-entries 100000 --)
+# PROGRESS=1: rank 0 logs every layer call with the allocator's counters (dev/train_progress.py) into
+# $OUT/progress.txt: how far a step longer than the time limit got, and its peak so far
+[[ "${PROGRESS:-0}" == 1 ]] && entry=(dev/train_progress.py --progress-log "$OUT/progress.txt" --)
 timeout -k 10 "${LIMIT:-540}" python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${entry[@]}" \
     --preset llama-8b --seq-length "$S" --micro-batch-size 1 --context-parallel "$NPROC" --cp-method "$METHOD" --offload-params true \
     --memory-budget "${BUDGET:-135GiB}" --host-memory-budget "${HOST_BUDGET:-480GiB}" --steps 1 --eval-iters 0 \

@@ -4,7 +4,7 @@
 # a shard) and a long mix (documents up to the whole sequence), 16K tokens per GPU, against one GPU on the whole
 # sequence (--cp-whole), for 16 / 4 and 64 / 8 heads. Each stage under its own time limit.
 #
-#   OUT=cp_docs_out bash dev/cp_docs_gpu.sh            # HEADS="16/4" MIXES=short to run one setting
+#   OUT=cp_docs_out bash dev/cp_docs_gpu.sh  # HEADS="16/4" MIXES=short to run one setting; CHECK=0: no check stage
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" cp_docs_out
 # what comes back is at most 8 files: the stages write under WORK, packed into $OUT/cp_docs.tgz after each stage
@@ -25,7 +25,7 @@ stage() {  # stage NAME LIMIT_S ARGS...
     tar czf "$OUT/cp_docs.tgz" -C "$WORK" .
 }
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee -a "$LOG"
-stage check "${CHECK_LIMIT:-150}" "${RUN[@]}" dev/cp_docs_check.py --out "$WORK"
+[ "${CHECK:-1}" = 1 ] && stage check "${CHECK_LIMIT:-150}" "${RUN[@]}" dev/cp_docs_check.py --out "$WORK"
 for heads in ${HEADS:-16/4 64/8}; do
     for mix in ${MIXES:-short long}; do
         if [ "$mix" = short ]; then cap=$TOKENS median=1024; else cap=$((TOKENS * NPROC)) median=$TOKENS; fi

@@ -720,7 +720,11 @@ class Trainer:
         how = " (peak RSS of the process)"
         if self.device.type == "cuda":
             reserved = format_bytes(torch.cuda.max_memory_reserved(self.device))
-            how = f" (torch.cuda.max_memory_allocated; {reserved} reserved)"
+            retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+            # A retry: the allocator found no free block, released its cached ones and allocated again (a device
+            # synchronisation each); with expandable segments this is how a fragmented cache gives memory back.
+            again = f"; {retries} allocations retried after releasing the cache" if retries else ""
+            how = f" (torch.cuda.max_memory_allocated; {reserved} reserved{again})"
         lines += [
             f"  peak memory       {format_bytes(result.peak_memory_bytes)}{how}",
             f"  attention         {self.backend}",
