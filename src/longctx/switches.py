@@ -4,6 +4,8 @@
 - ``LONGCTX_FLASH_ATTN=0`` / ``NVTE_FLASH_ATTN=0``: switch off longctx's own flash kernels (triton, triton_sparse,
   tiled).
 - ``LONGCTX_FUSED_ATTN=0`` / ``NVTE_FUSED_ATTN=0``: switch off cuDNN fused attention (``sdpa_cudnn``).
+- ``LONGCTX_FUSED_POINTWISE=0``: RMSNorm, rotary embeddings and SwiGLU in torch's unfused ops instead of one kernel
+  each way (`longctx.ops.pointwise`).
 - ``LONGCTX_DETERMINISTIC=1``: every backward of longctx's kernels without atomics (bitwise repeatable).
 - ``LONGCTX_TRITON_TF32=1``: float32 inputs accepted by the Triton kernels, their products in tf32.
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["pinned_backend", "flash_disabled", "fused_disabled", "deterministic", "tf32"]
+__all__ = ["pinned_backend", "flash_disabled", "fused_disabled", "fused_pointwise_disabled", "deterministic", "tf32"]
 
 _ON = ("1", "true", "on", "yes")
 _OFF = ("0", "false", "off", "no")
@@ -44,6 +46,11 @@ def flash_disabled() -> str | None:
 def fused_disabled() -> str | None:
     """``"LONGCTX_FUSED_ATTN=0"`` (or the NVTE name) when cuDNN fused attention is switched off, else None."""
     return _off("LONGCTX_FUSED_ATTN", "NVTE_FUSED_ATTN")
+
+
+def fused_pointwise_disabled() -> str | None:
+    """``"LONGCTX_FUSED_POINTWISE=0"`` when the fused RMSNorm / rotary / SwiGLU kernels are switched off, else None."""
+    return _off("LONGCTX_FUSED_POINTWISE")
 
 
 def deterministic() -> bool:

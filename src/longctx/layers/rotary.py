@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from longctx.ops.pointwise import rotary
+
 
 class RotaryEmbedding(nn.Module):
     """cos and sin tables for positions ``position_ids``.
@@ -35,14 +37,7 @@ class RotaryEmbedding(nn.Module):
         return emb.cos(), emb.sin()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, H, S, D) by cos/sin of shape (S, D) or (B, S, D); computed in float32, returned in x's dtype."""
-    if cos.dim() == 3:  # (B, S, D) -> (B, 1, S, D): per-sequence positions
-        cos, sin = cos[:, None], sin[:, None]
-    x32 = x.float()
-    return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
+    """Rotate x (B, H, S, D) by cos/sin of shape (S, D) or (B, S, D); computed in float32, returned in x's dtype
+    (one kernel each way on a GPU: `longctx.ops.pointwise.rotary`)."""
+    return rotary(x, cos, sin)

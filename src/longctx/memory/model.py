@@ -6,14 +6,15 @@ length under bf16 autocast, exactly as `longctx train` does, while `LiveBytesTra
 tensor alive at each moment. So the recomputation, sequence chunking, offloading, the logits-free loss and the
 float32 residual stream are modelled by the code that runs them, at any S, in a second or two on the CPU.
 
-What the trace cannot run is replaced by a twin with the same memory: the attention kernels (their forward keeps
-q, k, v, out and the float32 log-sum-exp; their backward holds dq, dk, dv, a float32 dQ accumulator and two float32
-rows per query while it runs). Under context parallelism (``context_parallel`` > 1) the trace runs on one rank's
-tokens and its core attention is the method's own code (`distributed.attention.run_method`: the ring's accumulators
-and rotating receive buffers, Ulysses' head-split copies, the all-gather's gathered K/V) with the kernels' twins and
-transfers that move nothing (the receive buffers are allocated by the method itself). To the traced peak it adds
-the parameters, AdamW's two states, and a fixed allowance for what the CUDA libraries allocate on their own (cuBLAS /
-cuDNN workspaces, allocator rounding), calibrated on the H100 (docs/memory.md).
+What the trace cannot run is replaced by a twin with the same memory: the attention kernels (their forward keeps q,
+k, v, out and the float32 log-sum-exp; their backward holds dq, dk, dv, a float32 dQ accumulator and two float32
+rows per query while it runs) and the fused RMSNorm, rotary and SwiGLU kernels (`longctx.ops.pointwise.twins`).
+Under context parallelism (``context_parallel`` > 1) the trace runs on one rank's tokens and its core attention is
+the method's own code (`distributed.attention.run_method`: the ring's accumulators and rotating receive buffers,
+Ulysses' head-split copies, the all-gather's gathered K/V) with the kernels' twins and transfers that move nothing
+(the receive buffers are allocated by the method itself). To the traced peak it adds the parameters, AdamW's two
+states, and a fixed allowance for what the CUDA libraries allocate on their own (cuBLAS / cuDNN workspaces,
+allocator rounding), calibrated on the H100 (docs/memory.md).
 """
 
 from __future__ import annotations
@@ -651,11 +652,13 @@ def _trace(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import longctx.layers.attention as attention_layer
+    from longctx.ops import pointwise
 
     tracker = LiveBytesTracker()
     cp = context_parallel > 1
     with (
         FakeTensorMode(),
+        pointwise.twins(),
         mock.patch.object(attention_layer, "resolve_launchers", lambda *a, **k: _TwinLaunchers),
         _no_transfers() if cp else contextlib.nullcontext(),
     ):
