@@ -7,6 +7,8 @@ float32 result at most twice SDPA's, plus a floor).
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -217,12 +219,35 @@ def test_generate_with_kv_cache_matches_sdpa():
 def test_apply_recompute_keeps_gradients_bitwise(recompute):
     x = _tokens(2, 21, seed=7)
     batch = dict(input_ids=x, labels=x)
-    plain = _run(_model("llama"), "longctx", batch)
+    plain = _run(lt.apply(_model("llama"), fused_loss=False), "longctx", batch)  # the same fused norms and gates
     model = lt.apply(_model("llama"), fused_loss=False, **recompute)
     got = _run(model, "longctx", batch)
     assert torch.equal(got[1], plain[1])
     for n in plain[2]:
         assert torch.equal(got[2][n], plain[2][n]), n
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_apply_fuses_llama_form_norms_and_gates_and_equals_transformers(family):
+    """Llama-form RMSNorms and SiLU gates go through longctx.ops.pointwise; Gemma's (1 + weight) norms and GELU gates
+    keep transformers' forward. Either way logits and gradients equal transformers' own (float32: the fused norm's
+    forward is transformers' to the bit, its backward a closed form instead of autograd's steps)."""
+    apply_module = sys.modules["longctx.integrations.transformers.apply"]
+    x = _tokens(2, 19, seed=3)
+    batch = dict(input_ids=x, labels=x)
+    ref = _run(_model(family), "longctx", batch)
+    model = lt.apply(_model(family), fused_loss=False)
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    mlps = [m for m in model.modules() if type(m).__name__.endswith("MLP")]
+    fused = family not in ("gemma", "gemma2")
+    layer_norms = [m for layer in model.model.layers for m in layer.modules() if m in norms]
+    assert layer_norms and all(
+        (getattr(m.forward, "__func__", None) is apply_module._norm_forward) == fused for m in layer_norms
+    )
+    assert mlps and all((getattr(m.forward, "__func__", None) is apply_module._mlp_forward) == fused for m in mlps)
+    got = _run(model, "longctx", batch)
+    assert torch.equal(got[0], ref[0])
+    _assert_close(got[2], ref[2], rtol=1e-4, atol=1e-6)
 
 
 def test_apply_recompute_runs_each_layer_once_more():

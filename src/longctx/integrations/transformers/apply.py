@@ -17,8 +17,9 @@ from longctx.integrations.transformers.attention import ATTN_IMPLEMENTATION, _co
 from longctx.layers.loss import linear_cross_entropy
 from longctx.layers.offload import ActivationOffloader, offloaded_checkpoint
 from longctx.layers.recompute import checkpoint_call, plan_layers, recompute_active
+from longctx.ops.pointwise import rms_norm, swiglu
 
-__all__ = ["FUSED_LOSS_MODELS", "apply", "allreduce_gradients"]
+__all__ = ["FUSED_LOSS_MODELS", "LLAMA_MLPS", "LLAMA_NORMS", "apply", "allreduce_gradients"]
 
 # Causal LMs whose forward is `logits = lm_head(model(...).last_hidden_state)` then ForCausalLMLoss, so the loss
 # can be computed from the hidden states (Gemma2/3 only without final_logit_softcapping).
@@ -50,6 +51,49 @@ def _check_output(h: object, layer: nn.Module) -> torch.Tensor:
             "the hidden states tensor"
         )
     return h
+
+
+# transformers' classes whose forward is Llama's: RMSNorm ``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)``
+# and the MLP ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``; others (Gemma's ``1 + weight`` norm, GELU gates) keep
+# their own forward
+LLAMA_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+LLAMA_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
+
+
+def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    if hidden_states.dtype == torch.float64:  # transformers' norm computes in float32 even here: keep it exactly
+        return type(self).forward(self, hidden_states)
+    y = rms_norm(hidden_states, self.weight, self.variance_epsilon)  # one kernel each way on a GPU
+    return y.to(torch.promote_types(self.weight.dtype, hidden_states.dtype))  # transformers' output dtype
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        return self.down_proj(self.act_fn(gate) * up)
+    return self.down_proj(swiglu(gate, up))  # silu(gate) * up in one kernel each way on a GPU
+
+
+def _patch_pointwise(layers: nn.ModuleList) -> None:
+    """Every Llama-form RMSNorm (`LLAMA_NORMS`) and SiLU-gated MLP (`LLAMA_MLPS`) of the decoder layers through
+    `longctx.ops.pointwise`: one kernel each way on a GPU, and less kept for the backward (the norm keeps its input and
+    one float32 scale a row, where transformers' keeps a float32 copy of the rows; the gate keeps its two inputs,
+    not its activation). The same values (computed in float32, rounded once)."""
+    for layer in layers:
+        for m in layer.modules():
+            name = type(m).__name__
+            if (
+                name in LLAMA_NORMS
+                and isinstance(getattr(m, "weight", None), torch.Tensor)
+                and hasattr(m, "variance_epsilon")
+            ):
+                m.forward = types.MethodType(_norm_forward, m)
+            elif (
+                name in LLAMA_MLPS
+                and type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+                and all(isinstance(getattr(m, a, None), nn.Module) for a in ("gate_proj", "up_proj", "down_proj"))
+            ):
+                m.forward = types.MethodType(_mlp_forward, m)
 
 
 def _patch_mlp_chunks(layers: nn.ModuleList, chunk: int) -> None:
@@ -297,6 +341,8 @@ def apply(
     gradients).
 
     - attention: switched to ``attn_implementation="longctx"``;
+    - the Llama-form RMSNorms and SiLU-gated MLPs (`LLAMA_NORMS`, `LLAMA_MLPS`) through `longctx.ops.pointwise`'s
+      fused kernels (``LONGCTX_FUSED_POINTWISE=0``: torch's ops);
     - recomputation with Megatron's semantics (`longctx.layers.recompute`) over the decoder layers: "full" with
       "uniform" (chunks of ``recompute_num_layers`` layers, each keeping only its input) or "block" (the first
       ``recompute_num_layers`` layers); "selective" places nothing (longctx's attention already recomputes its
@@ -477,8 +523,9 @@ def apply(
         if c.checkpointed:
             for layer in layers[c.start : c.end]:
                 layer.self_attn._longctx_keep_attention = True
+    _patch_pointwise(layers)
     if sequence_chunk_size is not None:
-        _patch_mlp_chunks(layers, sequence_chunk_size)
+        _patch_mlp_chunks(layers, sequence_chunk_size)  # over the fused MLP
     _patch_layers(layers, chunks, offloader, n_off if cpu_offloading else 0)
     if fused_loss or cp is not None:
         _patch_forward(model, fused_loss=fused_loss, cp=cp)

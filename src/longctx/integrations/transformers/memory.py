@@ -97,15 +97,16 @@ def build(config: Any, dtype: torch.dtype, lora: Any = None, apply_kwargs: dict[
 @contextlib.contextmanager
 def shape_only_step():
     """The replacements a traced step needs: the attention kernels' twin (for the kept attention of
-    ``recompute_skip_core_attention`` too: its launchers), and no data-dependent search for packed documents
-    (transformers' and longctx's: every row is one sequence)."""
+    ``recompute_skip_core_attention`` too: its launchers), the fused norm and gate kernels' twins, and no
+    data-dependent search for packed documents (transformers' and longctx's: every row is one sequence)."""
     import transformers.masking_utils as masking
 
     import longctx.integrations.transformers.attention as attention
     import longctx.layers.attention as attention_layer
     from longctx.memory.model import _TwinLaunchers
+    from longctx.ops import pointwise
 
-    with mock.patch.object(attention, "attention", _twin_attention), \
+    with mock.patch.object(attention, "attention", _twin_attention), pointwise.twins(), \
             mock.patch.object(attention_layer, "resolve_launchers", lambda *a, **k: _TwinLaunchers), \
             mock.patch.object(masking, "find_packed_sequence_indices", lambda *a, **k: None), \
             mock.patch.object(attention, "_varlen_from_positions", lambda *a, **k: None):  # fmt: skip
