@@ -183,3 +183,33 @@ def test_cpu_tensors_take_torch_even_under_the_interpreter(monkeypatch, interpre
 def test_bad_shapes_say_what_to_fix(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_kernels_compile_for_sm90(dtype):
+    """Each kernel (and each constexpr branch) compiles for sm_90 offline, as the launchers call it: what the
+    interpreter cannot show (types, int64 loops, broadcasting) before a GPU runs it."""
+    triton = pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as exc:  # another Triton version: the internals this test uses moved
+        pytest.skip(f"Triton internals for offline compilation not found: {exc}")
+    from longctx.kernels.triton import pointwise as K
+
+    def compile_(fn, pointers: dict, consts: dict, warps: int = 4):
+        sig = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in fn.arg_names}
+        sig.update({"eps": "fp32"} if "eps" in sig else {})
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+    t, f32 = f"*{dtype}", "*fp32"
+    compile_(K.rmsnorm_fwd_kernel, {"X": t, "W": f32, "Y": t, "RSTD": f32}, {"BLOCK": 4096}, 8)
+    for need in (True, False):
+        compile_(K.rmsnorm_bwd_kernel, {"DY": t, "X": t, "W": f32, "RSTD": f32, "DX": t, "DW_PART": f32},
+                 {"BLOCK": 4096, "NEED_DW": need}, 8)  # fmt: skip
+    for backward in (False, True):
+        compile_(K.rope_kernel, {"X": t, "COS": f32, "SIN": f32, "Y": t},
+                 {"BLOCK_H": 16, "BLOCK_D": 64, "BACKWARD": backward})  # fmt: skip
+    compile_(K.swiglu_fwd_kernel, {"G": t, "U": t, "OUT": t}, {"BLOCK": 1024})
+    compile_(K.swiglu_bwd_kernel, {"DOUT": t, "G": t, "U": t, "DG": t, "DU": t}, {"BLOCK": 1024})
