@@ -66,6 +66,23 @@ def test_chunking_lowers_the_peak_of_a_recomputed_step():
     assert whole - chunked > 0.5 * mlp_working_set, (whole, chunked)
 
 
+def test_training_mode_without_autograd_runs_chunked_and_equal():
+    """The first forward of a layer under an offloaded checkpoint runs without autograd in training mode: its MLP
+    goes chunk by chunk into one output (nothing kept, no checkpoint), with the whole MLP's result and a working set
+    of one chunk."""
+    from longctx.layers.recompute import run_in_chunks
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(32, 1024), torch.nn.SiLU(), torch.nn.Linear(1024, 32)).train()
+    x = torch.randn(2, 512, 32)
+    with torch.no_grad():
+        whole = peak_live_bytes(lambda: mlp(x))
+        chunked = peak_live_bytes(lambda: run_in_chunks(mlp, x, 64, mlp))
+        torch.testing.assert_close(run_in_chunks(mlp, x, 64, mlp), mlp(x), rtol=1e-6, atol=1e-6)
+    assert chunked < whole / 4, (whole, chunked)
+    assert run_in_chunks(mlp, x, 1000, mlp).shape == x.shape  # one chunk: whole
+
+
 def test_bad_chunk_size():
     with pytest.raises(ValueError, match="sequence_chunk_size"):
         _cfg(sequence_chunk_size=0)

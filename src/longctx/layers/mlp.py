@@ -26,5 +26,5 @@ class SwiGLUMLP(nn.Module):
         self.linear_fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.linear_fc1(x)  # (B, S, 2F): [gate, up]
-        return self.linear_fc2(swiglu(gate_up))  # (B, S, h); silu(gate) * up in one kernel on a GPU
+        # linear_fc1: (B, S, 2F) = [gate, up], not held by a local: without autograd it is freed before linear_fc2
+        return self.linear_fc2(swiglu(self.linear_fc1(x)))  # (B, S, h); silu(gate) * up in one kernel on a GPU

@@ -48,6 +48,7 @@ __all__ = [
     "plan_layers",
     "checkpoint_call",
     "recompute_active",
+    "run_in_chunks",
     "run_layers",
 ]
 
@@ -133,6 +134,26 @@ def recompute_active(module: nn.Module) -> bool:
 def checkpoint_call(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` keeping only its inputs for backward; recomputed (same RNG state) in backward."""
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+def run_in_chunks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk: int | None,
+                  module: nn.Module) -> torch.Tensor:  # fmt: skip
+    """``fn(x)`` for a position-wise ``fn`` over chunks of ``chunk`` tokens along dim 1, in training (``module``'s
+    mode): with autograd, each chunk checkpointed (its intermediates exist for one chunk at a time, in the forward and
+    in its recomputation); without (the first forward of a layer under an offloaded checkpoint), each chunk's result
+    written into one output as it comes, nothing kept. Whole in eval mode or when x is one chunk or less."""
+    if chunk is None or x.dim() != 3 or x.shape[1] <= chunk or not module.training:
+        return fn(x)
+    if torch.is_grad_enabled():
+        return torch.cat([checkpoint_call(fn, xc) for xc in x.split(chunk, dim=1)], dim=1)
+    out, start = None, 0
+    for xc in x.split(chunk, dim=1):
+        y = fn(xc)
+        if out is None:
+            out = y.new_empty((y.shape[0], x.shape[1], *y.shape[2:]))
+        out[:, start : start + y.shape[1]] = y
+        start += y.shape[1]
+    return out
 
 
 def run_layers(

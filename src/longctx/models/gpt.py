@@ -33,9 +33,9 @@ from longctx.layers.mlp import SwiGLUMLP
 from longctx.layers.norms import RMSNorm
 from longctx.layers.offload import ActivationOffloader
 from longctx.layers.recompute import (
-    checkpoint_call,
     plan_layers,
     recompute_active,
+    run_in_chunks,
     run_layers,
     validate_recompute,
 )
@@ -276,12 +276,9 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.hidden_dropout(self.self_attention(self.input_layernorm(x), cos, sin))  # (B, S, h)
-        chunk = self.sequence_chunk_size
-        if chunk is None or x.shape[1] <= chunk or not recompute_active(self):
-            return self._mlp_block(x)  # (B, S, h)
-        # Sequence-chunked: each chunk keeps only its input for backward and is recomputed there, so the MLP's
-        # (chunk, ffn) intermediates exist for one chunk at a time, in the forward and in the backward.
-        return torch.cat([checkpoint_call(self._mlp_block, xc) for xc in x.split(chunk, dim=1)], dim=1)
+        # Sequence-chunked in training: each chunk keeps only its input for backward and is recomputed there, so the
+        # MLP's (chunk, ffn) intermediates exist for one chunk at a time, in the forward and in the backward.
+        return run_in_chunks(self._mlp_block, x, self.sequence_chunk_size, self)  # (B, S, h)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from longctx.distributed.comm import comm_device, group_info
 from longctx.integrations.transformers.attention import ATTN_IMPLEMENTATION, _collecting, _varlen_kwargs
 from longctx.layers.loss import linear_cross_entropy
 from longctx.layers.offload import ActivationOffloader, offloaded_checkpoint
-from longctx.layers.recompute import checkpoint_call, plan_layers, recompute_active
+from longctx.layers.recompute import checkpoint_call, plan_layers, recompute_active, run_in_chunks
 from longctx.ops.pointwise import rms_norm, swiglu
 
 __all__ = ["FUSED_LOSS_MODELS", "LLAMA_MLPS", "LLAMA_NORMS", "apply", "allreduce_gradients"]
@@ -67,11 +67,15 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return y.to(torch.promote_types(self.weight.dtype, hidden_states.dtype))  # transformers' output dtype
 
 
-def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    gate, up = self.gate_proj(x), self.up_proj(x)
+def _gated(act_fn: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape or gate.dtype != up.dtype:
-        return self.down_proj(self.act_fn(gate) * up)
-    return self.down_proj(swiglu(gate, up))  # silu(gate) * up in one kernel each way on a GPU
+        return act_fn(gate) * up
+    return swiglu(gate, up)  # silu(gate) * up in one kernel each way on a GPU
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    # no local holds gate or up: without autograd (a recomputed layer's first forward) they are freed before down_proj
+    return self.down_proj(_gated(self.act_fn, self.gate_proj(x), self.up_proj(x)))
 
 
 def _patch_pointwise(layers: nn.ModuleList) -> None:
@@ -105,9 +109,9 @@ def _patch_mlp_chunks(layers: nn.ModuleList, chunk: int) -> None:
         whole = mlp.forward
 
         def forward(x: torch.Tensor, *args: Any, _whole=whole, _mlp=mlp, **kwargs: Any) -> torch.Tensor:
-            if args or kwargs or x.dim() != 3 or x.shape[1] <= chunk or not recompute_active(_mlp):
+            if args or kwargs:
                 return _whole(x, *args, **kwargs)
-            return torch.cat([checkpoint_call(_whole, xc) for xc in x.split(chunk, dim=1)], dim=1)  # (B, S, h)
+            return run_in_chunks(_whole, x, chunk, _mlp)  # (B, S, h)
 
         mlp.forward = forward
 
