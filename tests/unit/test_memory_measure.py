@@ -52,3 +52,12 @@ def test_peak_tracker_counts_a_known_allocation():
 
     assert peak_live_bytes(f) == 2 * 2**20
     _ = x
+
+
+def test_expandable_segments_is_the_default_and_a_users_setting_wins(monkeypatch):
+    from longctx.memory.measure import expandable_segments
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert expandable_segments() == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert expandable_segments() == "max_split_size_mb:512"

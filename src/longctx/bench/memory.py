@@ -243,6 +243,9 @@ def _plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from longctx.memory.measure import expandable_segments
+
+    allocator = expandable_segments()  # as `longctx train` runs: every row under the same allocator
     ap = argparse.ArgumentParser(prog="longctx bench memory", description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-350m", help="a GPTConfig preset")
     ap.add_argument("--seq-lengths", default="8192,32768,65536", help="S of the side-by-side rows")
@@ -277,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     plans = json.loads(Path(args.plans).read_text()) if args.plans else {}
     seqs = [int(x) for x in args.seq_lengths.split(",") if x]
     longest = [int(x) for x in args.longest.split(",") if x]
-    env = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    env = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "allocator": allocator}
     try:
         import triton
 

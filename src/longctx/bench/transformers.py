@@ -305,6 +305,9 @@ _ints = counts_arg("--seq-lengths")
 
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison; returns the exit status."""
+    from longctx.memory.measure import expandable_segments
+
+    allocator = expandable_segments()  # as `longctx train` runs: every provider under the same allocator
     ap = argparse.ArgumentParser(prog="longctx bench transformers", description=__doc__.splitlines()[0])
     ap.add_argument("--seq-lengths", type=_ints, default=[8192, 32768, 65536], help="the ladder of S")
     ap.add_argument("--model", choices=list(MODELS), default="llama", help="the model family (module docstring)")
@@ -347,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     lora_rank = args.lora_rank if args.lora else None
     if lora_rank is not None and lora_rank < 1:
         ap.error(f"--lora-rank must be a positive int, got {lora_rank}")
-    env = _env(device)
+    env = {**_env(device), "allocator": allocator}
     h, L, V, f = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"], shape["intermediate_size"]
     hd = shape.get("head_dim", h // shape["num_attention_heads"])
     qo, kv = hd * shape["num_attention_heads"], hd * shape["num_key_value_heads"]

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Callable
 
@@ -20,7 +21,16 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["saved_bytes", "peak_live_bytes", "LiveBytesTracker"]
+__all__ = ["saved_bytes", "peak_live_bytes", "LiveBytesTracker", "expandable_segments"]
+
+
+def expandable_segments() -> str:
+    """Set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the user set the variable, and return the
+    setting in force. Call it before the process's first CUDA call (the allocator reads it once). The plans count
+    allocated bytes; with expandable segments what the allocator reserves stays closer to them, and a fragmented
+    cache gives memory back before an allocation fails (docs/memory.md)."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    return os.environ["PYTORCH_CUDA_ALLOC_CONF"]
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:

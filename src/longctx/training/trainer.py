@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from longctx.layers.attention import DocumentAttention
+from longctx.memory.measure import expandable_segments
 from longctx.models.gpt import GPT, GPTConfig, lm_loss
 from longctx.training.checkpoint import (
     CheckpointError,
@@ -799,9 +800,7 @@ def main(argv: list[str] | None = None) -> int:
     was non-finite; 128 + the signal (130 for SIGINT, 143 for SIGTERM) when a signal stopped the run, after
     its checkpoint was written.
     """
-    # The plan counts allocated bytes; expandable segments keep the memory the allocator reserves closer to them
-    # (docs/memory.md: the 8B's context-parallel step). A user's own setting wins.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    expandable_segments()  # the plan counts allocated bytes (a user's own PYTORCH_CUDA_ALLOC_CONF wins)
     trainer: Trainer | None = None
     previous = _abandon_on_sigterm()  # until the loop installs its own handlers: nothing to save yet
     try:
