@@ -24,8 +24,11 @@ def main() -> int:
     ap.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: the arguments of longctx train")
     args = ap.parse_args()
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as longctx train sets it
     import torch
+
+    from longctx.memory.measure import expandable_segments
+
+    expandable_segments()  # before the first CUDA call, as longctx train sets it
 
     from longctx.training import trainer
 

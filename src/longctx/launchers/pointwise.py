@@ -23,6 +23,7 @@ __all__ = ["supports", "rmsnorm_forward", "rmsnorm_backward", "rope", "swiglu_fo
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SWIGLU_BLOCK = 1024
+PROGRAMS_PER_SM = 8  # the RMSNorm backward's programs a multiprocessor, each summing its rows' weight gradient
 
 
 def supports(*tensors: torch.Tensor) -> bool:
@@ -73,9 +74,10 @@ def _sm_count(index: int) -> int:
 
 
 def _bwd_programs(n: int, device: torch.device) -> int:
-    """Programs of the RMSNorm backward: 8 a multiprocessor (each sums its rows' weight gradient), at most n."""
+    """Programs of the RMSNorm backward: `PROGRAMS_PER_SM` a multiprocessor, at most n."""
     if device.type == "cuda":
-        return max(1, min(n, 8 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return max(1, min(n, PROGRAMS_PER_SM * _sm_count(index)))
     return max(1, min(n, 4))
 
 

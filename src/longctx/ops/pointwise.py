@@ -98,7 +98,7 @@ def _twin_norm_fwd(x, weight, eps):
     return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(n, dtype=torch.float32)
 
 
-_TWIN_PROGRAMS = 8 * 132  # the RMSNorm backward's programs on an H100 / H200 (8 a multiprocessor)
+_TWIN_PROGRAMS = kernels.PROGRAMS_PER_SM * 132  # the RMSNorm backward's programs on an H100 / H200
 
 
 def _twin_norm_bwd(dy, x, weight, rstd, need_dw):
