@@ -8,7 +8,9 @@ time. It is what faster short-sequence attention could at most give this step. P
 Under torchrun, ``--layout`` passes the data- and context-parallel flags to the trainer; rank 0 reports. Where the
 step's time goes on the host: ``gpu_busy_share`` (the union of the kernels' intervals over the step's wall time: well
 under 1 means the GPU waits for the host), the kernel count, the top kernels, and with ``--python-profile N`` the
-top N functions of a Python profile of one step (written next to ``--out``).
+top N functions of a Python profile of one step (written next to ``--out``); with ``--sync-debug`` the host
+synchronisations of one step (torch.cuda's sync debug mode: each synchronising call and the longctx frames that made
+it, counted, written next to ``--out``).
 
     PYTHONPATH=src python dev/packed_step_share.py [--data text.txt] [--preset llama-350m --seq-length 32768]
     PYTHONPATH=src torchrun --nproc-per-node 4 dev/packed_step_share.py --layout "--context-parallel 4" [--dense]
@@ -60,6 +62,36 @@ def _compiled_kernels() -> int:
     return n
 
 
+def _count_syncs(fn, sync) -> dict[str, int]:
+    """Run ``fn`` under torch.cuda's sync debug mode; count each synchronising call by the frames that made it."""
+    import traceback
+    import warnings
+
+    import torch
+
+    counts: dict[str, int] = {}
+    with warnings.catch_warnings():  # restores warnings.showwarning
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            # each warning is raised inside the synchronising call: record where it came from there
+            def show(message, category, filename, lineno, file=None, line=None):  # warnings.showwarning's signature
+                frames = [
+                    f"{f.filename.split('src/')[-1]}:{f.lineno}({f.name})"
+                    for f in traceback.extract_stack()[:-1]
+                    if "longctx" in f.filename or "torch/distributed" in f.filename
+                ]
+                key = f"{str(message)[:60]} <- " + " <- ".join(reversed(frames[-4:]))
+                counts[key] = counts.get(key, 0) + 1
+
+            warnings.showwarning = show
+            fn()
+            sync()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return counts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -76,6 +108,7 @@ def main() -> None:
     ap.add_argument("--layout", default="", help="trainer flags of the layout, e.g. '--context-parallel 4'")
     ap.add_argument("--dense", action="store_true", help="one causal sequence: no document separator")
     ap.add_argument("--python-profile", type=int, default=0, help="top functions of a Python profile of one step")
+    ap.add_argument("--sync-debug", action="store_true", help="count the host synchronisations of one step")
     args = ap.parse_args()
 
     import torch
@@ -152,6 +185,9 @@ def main() -> None:
         for key in ("tottime", "cumulative"):
             pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(args.python_profile)
         python_top = buf.getvalue()
+    syncs = None
+    if args.sync_debug and gpu:
+        syncs = _count_syncs(lambda: trainer.train_step(args.warmup + args.steps + 2), sync)
     out = {
         "gpu": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__, "preset": args.preset,
         "seq_length": args.seq_length, "backend": trainer.backend, "step_s": round(step_s, 4),
@@ -165,6 +201,7 @@ def main() -> None:
         "step_s_each": each, "kernels_compiled_in_timed_steps": compiled,
         "layout": args.layout, "dense": args.dense, "profiled_step_s": round(t_prof, 4),
         "gpu_busy_share": round(busy / 1e6 / max(t_prof, 1e-9), 4), "kernels": len(spans),
+        "host_syncs": None if syncs is None else sum(syncs.values()),
         "top_kernels_ms": {k[:80]: round(v / 1e3, 2) for k, v in sorted(every.items(), key=lambda kv: -kv[1])[:15]},
     }  # fmt: skip
     if not writer:
@@ -174,6 +211,10 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             f.write(line + "\n")
+        if syncs:
+            with open(args.out.rsplit(".", 1)[0] + "_syncs.txt", "w") as f:
+                for where, n in sorted(syncs.items(), key=lambda kv: -kv[1]):
+                    f.write(f"{n:5d}  {where}\n")
         if python_top:
             with open(args.out.rsplit(".", 1)[0] + "_python.txt", "w") as f:
                 f.write(python_top)

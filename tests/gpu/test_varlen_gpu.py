@@ -85,3 +85,21 @@ def test_document_attention_hands_every_layer_one_boundaries_tensor(monkeypatch)
     fn.set_documents(torch.tensor([0, 640]))
     fn(q, k, k)
     assert seen[-1] is not seen[0]
+
+
+def test_document_attention_layers_after_the_first_do_not_synchronise():
+    """Boundaries already on the GPU (as the trainer sets them): after a batch's first layer, which builds the mask,
+    the other layers' calls make no host synchronisation (a sync per layer stalls the launch queue 24 times a step)."""
+    from longctx.layers.attention import DocumentAttention
+
+    fn = DocumentAttention("auto")
+    fn.set_documents(torch.tensor([0, 100, 320, 640], device="cuda"))
+    q = torch.randn(2, 4, 320, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 320, 64, device="cuda", dtype=torch.bfloat16)
+    first = fn(q, k, k)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = fn(q, k, k)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.testing.assert_close(again, first)

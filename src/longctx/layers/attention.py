@@ -111,6 +111,7 @@ class DocumentAttention:
         self.varlen_backend = backend if backend in _VARLEN_BACKENDS else "auto"
         self.cu_seqlens: torch.Tensor | None = None
         self.max_seqlen = 0
+        self._total = 0  # tokens the documents cover, read once per batch (a host int: no sync per layer)
         # the boundaries on the tensors' device, one tensor for every layer of the batch: flash_attn_varlen_func
         # reads a cu_seqlens tensor's values once (a device-to-host sync), not once per layer
         self._on_device: torch.Tensor | None = None
@@ -133,6 +134,7 @@ class DocumentAttention:
             )
         self.cu_seqlens = cu_seqlens.to(torch.int32)
         self.max_seqlen = int(lengths.max())
+        self._total = int(cu_seqlens[-1])
         self._on_device = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -140,8 +142,8 @@ class DocumentAttention:
         B, Hq, S, D = q.shape
         Hkv = k.shape[1]
         cu = self.cu_seqlens
-        if cu is None or int(cu[-1]) != B * S:
-            have = "no documents were set" if cu is None else f"the documents cover {int(cu[-1])} tokens"
+        if cu is None or self._total != B * S:
+            have = "no documents were set" if cu is None else f"the documents cover {self._total} tokens"
             raise ValueError(
                 f"DocumentAttention got {B} rows of {S} tokens ({B * S} packed) but {have}; call "
                 "set_documents(packed cu_seqlens of this batch) before the forward"
