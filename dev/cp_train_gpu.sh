@@ -9,7 +9,8 @@
 # dense, METHOD_DENSE (ring), and "@S" for a sequence length other than SEQ (past 32K with --memory-budget BUDGET).
 # With PROFILE="one cp4 ..." each named layout ("one": one GPU) first runs dev/packed_step_share.py (the step's
 # tokens/s after WARMUP steps, the GPU's busy share, top kernels; a Python profile of one step for the layouts in
-# PYPROF, the host synchronisations of one step for those in SYNCS) into $WORK/profile_<layout>.json, packed into $OUT/profiles.tgz after each run.
+# PYPROF, the host synchronisations of one step for those in SYNCS, which rank the collectives of one step wait for
+# in those in TIMELINE) into $WORK/profile_<layout>.json, packed into $OUT/profiles.tgz after each run.
 #
 #   OUT=cp_train_out bash dev/cp_train_gpu.sh   # LAYOUTS="dp4 dp2cp2 cp4 cp4-dense cp4@131072" STEPS=20 METHOD=p2p
 set -uo pipefail
@@ -51,6 +52,7 @@ for layout in ${PROFILE:-}; do
     extra=(); [ $dense = 1 ] && extra+=(--dense)
     [[ " ${PYPROF:-} " == *" $layout "* ]] && extra+=(--python-profile 40)
     [[ " ${SYNCS:-} " == *" $layout "* ]] && extra+=(--sync-debug)
+    [[ " ${TIMELINE:-} " == *" $layout "* ]] && extra+=(--rank-timeline)
     t=$SECONDS
     echo "=== profile $layout: $par, seq $seq, dense $dense" | tee -a "$LOG"
     "${RUN[@]}" --nproc-per-node $nproc dev/packed_step_share.py --data "$WORK/text.txt" --seq-length "$seq" \

@@ -10,7 +10,10 @@ step's time goes on the host: ``gpu_busy_share`` (the union of the kernels' inte
 under 1 means the GPU waits for the host), the kernel count, the top kernels, and with ``--python-profile N`` the
 top N functions of a Python profile of one step (written next to ``--out``); with ``--sync-debug`` the host
 synchronisations of one step (torch.cuda's sync debug mode: each synchronising call and the longctx frames that made
-it, counted, written next to ``--out``).
+it, counted, written next to ``--out``); with ``--rank-timeline`` one more profiled step on every rank, to see
+what the collectives wait for: each rank's NCCL kernels aligned across ranks by their ends (a collective ends on
+every rank together), how long each rank's kernels waited for the last rank to arrive, which rank arrived last how
+often, and whether that rank's stream was busy just before (GPU-bound) or idle (its host launched late).
 
     PYTHONPATH=src python dev/packed_step_share.py [--data text.txt] [--preset llama-350m --seq-length 32768]
     PYTHONPATH=src torchrun --nproc-per-node 4 dev/packed_step_share.py --layout "--context-parallel 4" [--dense]
@@ -92,6 +95,69 @@ def _count_syncs(fn, sync) -> dict[str, int]:
     return counts
 
 
+def _rank_timeline(fn, sync) -> dict | None:
+    """Profile ``fn`` (one training step) on every rank and say, from the NCCL kernels of all ranks (gathered; every
+    rank issues the same collectives in the same order), which rank the collectives wait for. None on ranks other
+    than 0, and where the ranks' kernel counts differ."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type.name == "CUDA"
+    )
+    nccl = [(a, b) for a, b, name in kernels if name.startswith("ncclDevKernel")]
+    # the idle time of this rank's stream just before each NCCL kernel: from the end of the kernels before it
+    idle_before, end = [], float("-inf")
+    for a, b, name in kernels:
+        if name.startswith("ncclDevKernel"):
+            idle_before.append(max(0.0, a - end) if end > float("-inf") else 0.0)
+        end = max(end, b)
+    span = (kernels[-1][1] - kernels[0][0]) if kernels else 0.0
+    mine = {"nccl": nccl, "idle_before": idle_before, "span_us": span,
+            "nccl_us": sum(b - a for a, b in nccl)}  # fmt: skip
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if dist.get_rank() != 0:
+        return None
+    return _arrivals(every)
+
+
+def _arrivals(every: list[dict]) -> dict:
+    """`_rank_timeline`'s analysis of the ranks' NCCL kernels (each rank: "nccl" [(start, end)], "idle_before",
+    "span_us", "nccl_us", on its own clock)."""
+    counts = {len(r["nccl"]) for r in every}
+    if len(counts) != 1 or not counts.pop():
+        return {"error": f"NCCL kernels per rank differ: {[len(r['nccl']) for r in every]}"}
+    P, n = len(every), len(every[0]["nccl"])
+    # align each rank's clock to rank 0's by the median difference of the collectives' ends
+    offsets = [statistics.median(r["nccl"][i][1] - every[0]["nccl"][i][1] for i in range(n)) for r in every]
+    wait = [0.0] * P
+    last = [0] * P
+    late_idle = [0.0] * P  # the last arriver's own stream idle before it: its host launched it late
+    for i in range(n):
+        starts = [every[r]["nccl"][i][0] - offsets[r] for r in range(P)]
+        t_last = max(starts)
+        r_last = starts.index(t_last)
+        last[r_last] += 1
+        late_idle[r_last] += every[r_last]["idle_before"][i]
+        for r in range(P):
+            wait[r] += t_last - starts[r]
+    return {
+        "collectives": n,
+        "per_rank": [
+            {"rank": r, "nccl_kernel_ms": round(every[r]["nccl_us"] / 1e3, 2),
+             "waited_for_last_ms": round(wait[r] / 1e3, 2),
+             "arrived_last": last[r], "stream_idle_before_when_last_ms": round(late_idle[r] / 1e3, 2),
+             "stream_span_ms": round(every[r]["span_us"] / 1e3, 2)}
+            for r in range(P)
+        ],
+    }  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -109,6 +175,7 @@ def main() -> None:
     ap.add_argument("--dense", action="store_true", help="one causal sequence: no document separator")
     ap.add_argument("--python-profile", type=int, default=0, help="top functions of a Python profile of one step")
     ap.add_argument("--sync-debug", action="store_true", help="count the host synchronisations of one step")
+    ap.add_argument("--rank-timeline", action="store_true", help="which rank the collectives of one step wait for")
     args = ap.parse_args()
 
     import torch
@@ -185,6 +252,9 @@ def main() -> None:
         for key in ("tottime", "cumulative"):
             pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(args.python_profile)
         python_top = buf.getvalue()
+    timeline = None
+    if args.rank_timeline and gpu and trainer.distributed:
+        timeline = _rank_timeline(lambda: trainer.train_step(args.warmup + args.steps + 3), sync)
     syncs = None
     if args.sync_debug and gpu:
         syncs = _count_syncs(lambda: trainer.train_step(args.warmup + args.steps + 2), sync)
@@ -202,6 +272,7 @@ def main() -> None:
         "layout": args.layout, "dense": args.dense, "profiled_step_s": round(t_prof, 4),
         "gpu_busy_share": round(busy / 1e6 / max(t_prof, 1e-9), 4), "kernels": len(spans),
         "host_syncs": None if syncs is None else sum(syncs.values()),
+        "rank_timeline": timeline,
         "top_kernels_ms": {k[:80]: round(v / 1e3, 2) for k, v in sorted(every.items(), key=lambda kv: -kv[1])[:15]},
     }  # fmt: skip
     if not writer:
