@@ -21,6 +21,7 @@ _KERNEL_MODULES = (
     "longctx.kernels.gluon.flash_fwd_ws",
     "longctx.kernels.gluon.flash_bwd_ws",
     "longctx.kernels.gluon.flash_sparse_ws",
+    "longctx.kernels.triton.pointwise",
 )
 
 
@@ -78,3 +79,41 @@ def test_results_after_warmup_match_the_reference():
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
     for got, want in zip(grads, (qd.grad, kd.grad, vd.grad)):
         torch.testing.assert_close(got.double(), want, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_trainer_compile_ahead_leaves_the_first_step_nothing_to_compile(tmp_path, documents):
+    """`longctx train`'s compile-ahead (attention through `warmup`, the position-wise kernels from one layer on a
+    stand-in sequence): with the kernel caches emptied first, the first training step misses no position-wise
+    kernel in Triton's cache."""
+    triton = pytest.importorskip("triton")
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None or not hasattr(knobs.runtime, "jit_cache_hook"):
+        pytest.skip("this Triton has no jit_cache_hook")
+    from longctx.training.config import parse_config
+    from longctx.training.metrics import Progress
+    from longctx.training.trainer import Trainer
+
+    flags = ["--preset", "tiny", "--hidden-size", "256", "--ffn-hidden-size", "512", "--seq-length", "512",
+             "--micro-batch-size", "2", "--quiet", "--save", "none", "--eval-iters", "0"]  # fmt: skip
+    if documents:
+        text = tmp_path / "docs.txt"
+        text.write_bytes(b"\x00".join(b"document %d " % i * (i % 7 + 3) for i in range(400)))
+        flags += ["--data", str(text), "--doc-separator", "\\x00"]
+    trainer = Trainer(parse_config(flags))
+    _forget_compiled_kernels()
+    pointwise = ("rmsnorm", "rope", "swiglu")
+    misses: dict[str, list[str]] = {"ahead": [], "step": []}
+    phase = "ahead"
+    old = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = lambda *a, **k: misses[phase].append(str(k.get("repr") or k.get("fn", a)))
+    try:
+        trainer._compile_ahead(Progress(1, True, 1))
+        phase = "step"
+        trainer.train_step(0)
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_cache_hook = old
+    # the hook sees these kernels compile ahead (so it would see a miss), and the step misses none of them
+    assert {p for p in pointwise for m in misses["ahead"] if p in m} == set(pointwise)
+    assert [m for m in misses["step"] if any(p in m for p in pointwise)] == []

@@ -144,3 +144,41 @@ def test_launchers_run_every_kernel_through_runtime_launch():
             if call and not isinstance(node.func.slice, ast.Lambda) and ast.unparse(node.func.value) not in tables:
                 direct.append(f"{path.name}:{node.lineno}")
     assert direct == [], f"kernels launched around runtime.launch: {direct}"
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_trainer_records_the_position_wise_kernels_of_a_layer_and_leaves_the_model_alone(monkeypatch, documents):
+    """`Trainer._compile_pointwise_ahead`: with the launchers' path taken (as on a GPU), one layer's forward and
+    backward on a stand-in sequence records RMSNorm, rotary and SwiGLU both ways, and nothing else (its core
+    attention is a stand-in); the layer's attention comes back, and no parameter gets a gradient."""
+    from longctx.launchers import pointwise as kernels
+    from longctx.training.config import parse_config
+    from longctx.training.trainer import Trainer
+
+    cfg = parse_config(["--preset", "tiny", "--quiet", "--device", "cpu", "--save", "none", "--eval-iters", "0"])
+    trainer = Trainer(cfg)
+    layer = trainer.model.layers[0]
+    core = layer.self_attention.core_attention
+    recorded = []
+
+    def compile_launches(launches, device, workers=None):
+        recorded.extend(launches)
+        return [(k.__name__, 0.0, "") for k, *_ in launches]
+
+    monkeypatch.setattr(kernels, "supports", lambda *tensors: True)
+    monkeypatch.setattr(runtime, "compile_launches", compile_launches)
+    report = trainer._compile_pointwise_ahead(4096, documents)
+    names = {k.__name__ for k, *_ in recorded}
+    assert names == {
+        "rmsnorm_fwd_kernel", "rmsnorm_bwd_kernel", "rope_kernel", "swiglu_fwd_kernel", "swiglu_bwd_kernel",
+    }  # fmt: skip
+    assert len(report) == len(recorded)
+    # rotary both ways, on q and on k: the stand-in's length keeps the real one's divisibility by 16 (256)
+    ropes = [(args, kw) for k, _, args, kw in recorded if k.__name__ == "rope_kernel"]
+    assert {kw["BACKWARD"] for _, kw in ropes} == {False, True} and all(args[4] == 256 for args, _ in ropes)
+    cos = next(args[1] for args, _ in ropes)
+    assert cos.dim() == (3 if documents else 2)  # positions shaped as training's: per row under documents
+    assert layer.self_attention.core_attention is core
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert trainer._compile_pointwise_ahead(4097, documents) is not None
+    assert all(args[4] == 257 for k, _, args, _ in recorded[len(report) :] if k.__name__ == "rope_kernel")

@@ -658,12 +658,51 @@ class Trainer:
             backend=mcfg.attention_backend,
             device=self.device,
         )
+        t0 = time.perf_counter()
+        pointwise = self._compile_pointwise_ahead(length, documents)
+        pointwise_s = time.perf_counter() - t0
         torch.cuda.empty_cache()  # the warm-up's tensors, not kept from training
-        failed = f"; did not compile: {', '.join(n for n, _ in report.failed)}" if report.failed else ""
+        failed = [n for n, _ in report.failed] + [n for n, _, err in pointwise if err]
+        failed_note = f"; did not compile: {', '.join(failed)}" if failed else ""
         progress.message(
-            f"attention kernels: {len(report.kernels)} compiled ahead in {report.seconds:.1f} s "
-            f"(--compile-ahead false skips this){failed}"
+            f"kernels compiled ahead: {len(report.kernels)} of attention in {report.seconds:.1f} s, "
+            f"{len(pointwise)} position-wise in {pointwise_s:.1f} s (--compile-ahead false skips this){failed_note}"
         )
+
+    def _compile_pointwise_ahead(self, length: int, documents: bool) -> list[tuple[str, float, str]]:
+        """Compile the position-wise kernels (RMSNorm, rotary, SwiGLU: `longctx.ops.pointwise`) of the model's first
+        layer and final norm, concurrently: their launches are recorded (`launchers.runtime.compile_ahead`) from
+        one forward and backward of that layer on a short stand-in sequence whose length has the same divisibility
+        by 16 as ``length`` (what Triton specialises a length on), the core attention a stand-in that launches
+        nothing, the positions shaped as training's. Only where the layer's parameters are plain tensors on this
+        device (not FSDP2's shards: their forward would gather). Returns `compile_launches`' report."""
+        from longctx.launchers.runtime import compile_ahead, compile_launches
+
+        model = self.model
+        layers = getattr(model, "layers", None)
+        if not layers or not hasattr(model, "rotary") or not hasattr(model, "embedding"):
+            return []
+        layer = layers[0]
+        params = [*layer.parameters(), *model.final_layernorm.parameters()]
+        if any(hasattr(p, "to_local") or p.device != self.device for p in params):
+            return []
+        S = 256 if length % 16 == 0 else 257
+        attn = layer.self_attention
+        kept = attn.core_attention
+        attn.core_attention = lambda q, k, v: q * 1.0  # (B, Hq, S, D): no attention kernel, a gradient for q
+        try:
+            with compile_ahead() as launches:
+                with self.autocast():
+                    tokens = torch.zeros(1, S, dtype=torch.long, device=self.device)
+                    positions = torch.arange(S, device=self.device)
+                    cos, sin = model.rotary(positions.unsqueeze(0) if documents else positions)
+                    x = model.embedding(tokens).detach().requires_grad_()
+                    y = model.final_layernorm(layer(x, cos, sin))
+                trainable = [p for p in params if p.requires_grad]
+                torch.autograd.grad(y.float().sum(), [x, *trainable])  # returned, not accumulated into .grad
+        finally:
+            attn.core_attention = kept
+        return compile_launches(launches, self.device)
 
     def _agreed_signal(self, signum: int | None) -> int | None:
         """The stop signal, agreed over every rank of the mesh (each may have seen it at another step)."""
