@@ -151,3 +151,25 @@ def test_bench_transformers_keep_providers_keep_attention():
     assert [s["cpu_offloading"] for s in keep.values()] == [False, True]
     others = [p for p in bench_tf.PROVIDERS if p.startswith("longctx") and p not in keep]
     assert not any(bench_tf.apply_settings(p)["recompute_skip_core_attention"] for p in others)
+
+
+def test_bench_transformers_offload_params_runner_keeps_the_states_on_the_host():
+    """`longctx-apply-offload-params`: `apply(offload_params=True)` with offloaded checkpoints and MLP chunks, AdamW
+    over host parameters; its rows carry the host's peak, its prediction the host's too; LoRA is refused."""
+    pytest.importorskip("transformers")
+    p = bench_tf.OFFLOAD_PARAMS
+    settings = bench_tf.apply_settings(p)
+    assert settings["offload_params"] and settings["cpu_offloading"] and settings["sequence_chunk_size"] == 4096
+    assert all("offload_params" not in bench_tf.apply_settings(q) for q in bench_tf.PROVIDERS if q != p)
+    runner = bench_tf.Runner(p, bench_tf.SHAPE_QUICK, 128, CPU, "llama-8b")
+    r = runner.run(64, 1, 0, None)
+    assert r["status"] == "ok" and r["host_peak_bytes"] > 0, r
+    trained = [q for g in runner.opt.param_groups for q in g["params"]]
+    assert trained and all(q.device.type == "cpu" for q in trained)
+    assert len(trained) == len(list(runner.model.parameters()))  # every weight trains
+    pred = bench_tf.predicted_step(p, bench_tf.SHAPE_QUICK, 64, "llama-8b", None)
+    assert pred.total > 0 and pred.host > pred.total  # the fp32 states live on the host
+    r = bench_tf.Runner(p, bench_tf.SHAPE_QUICK, 128, CPU, "llama-8b", lora_rank=4).run(64, 1, 0, None)
+    assert r["status"] == "error" and "longctx-apply-offload-chunks" in r["error"]
+    with pytest.raises(SystemExit):
+        bench_tf.main(["--quick", "--model", "llama-8b", "--lora", "--providers", p])

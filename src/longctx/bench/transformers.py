@@ -19,6 +19,9 @@ bf16 autocast, fp32 parameters, AdamW; one training step is forward, backward an
     longctx-apply-keep    longctx-apply keeping each layer's attention output and lse for the recomputation
                           (recompute_skip_core_attention: attention's forward runs once a step, not twice)
     longctx-apply-offload-keep    longctx-apply-offload with the attention kept the same way
+    longctx-apply-offload-params  longctx-apply-offload-chunks with the parameters, gradients and AdamW states in
+                          host memory (`apply(offload_params=True)`: FSDP2's CPU offload, the AdamW step on the CPU;
+                          its rows also give the host's peak, measured and predicted)
 
 ``--lora``: long-context LoRA fine-tuning, every provider the same way: the base in bf16 and frozen, PEFT's LoRA
 adapters (rank ``--lora-rank``, alpha twice that, on q, k, v, o, gate, up and down; float32) the only parameters
@@ -58,16 +61,21 @@ from longctx.memory.model import LORA_TARGETS
 from longctx.units import counts_arg
 
 PROVIDERS = ("hf-sdpa-ckpt", "hf-eager-ckpt", "longctx-apply", "longctx-apply-offload", "longctx-apply-offload-chunks",
-             "longctx-apply-keep", "longctx-apply-offload-keep")  # fmt: skip
+             "longctx-apply-keep", "longctx-apply-offload-keep", "longctx-apply-offload-params")  # fmt: skip
+OFFLOAD_PARAMS = "longctx-apply-offload-params"
 
 
 def apply_settings(provider: str) -> dict[str, Any]:
     """The `apply` settings of a longctx provider: full recomputation (uniform, 1 layer), the logits-free loss, and
-    offloading / MLP chunks / kept attention where its name says."""
-    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
-                cpu_offloading="offload" in provider, fused_loss=True,
-                recompute_skip_core_attention=provider.endswith("keep"),
-                sequence_chunk_size=4096 if provider.endswith("chunks") else None)  # fmt: skip
+    offloading / MLP chunks / kept attention / the states in host memory where its name says."""
+    params = provider == OFFLOAD_PARAMS
+    settings = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                    cpu_offloading="offload" in provider, fused_loss=True,
+                    recompute_skip_core_attention=provider.endswith("keep"),
+                    sequence_chunk_size=4096 if provider.endswith("chunks") or params else None)  # fmt: skip
+    if params:
+        settings["offload_params"] = True
+    return settings
 
 
 SHAPE_336M = dict(
@@ -135,7 +143,20 @@ def build(
     cfg = _config(shape, max_len, model)
     torch.manual_seed(0)
     impl = {"hf-sdpa-ckpt": "sdpa", "hf-eager-ckpt": "eager"}.get(provider, "longctx")
-    with torch.device(device):
+    where = device
+    if provider == OFFLOAD_PARAMS:
+        from longctx.distributed.offload import build_device
+
+        if lora_rank:
+            raise ValueError(
+                f"{OFFLOAD_PARAMS} trains every weight with its states in host memory; with LoRA only the adapters "
+                "have states: use longctx-apply-offload-chunks"
+            )
+        with torch.device("meta"):
+            probe = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=torch.float32)
+        where = build_device(4 * sum(p.numel() for p in probe.parameters()), device)  # fp32 weights: on the host
+        del probe  # when they would take half the GPU; FSDP2 moves each unit into its pinned host shard either way
+    with torch.device(where):
         net = AutoModelForCausalLM.from_config(
             cfg, attn_implementation=impl, dtype=torch.bfloat16 if lora_rank else torch.float32
         )
@@ -178,7 +199,12 @@ class Runner:
     def _ensure(self) -> None:
         if self.model is None:
             self.model = build(self.provider, self.shape, self.max_len, self.device, self.arch, self.lora_rank)
-            self.opt = adamw(self.model, self.device)  # the adapters only, under LoRA
+            if self.provider == OFFLOAD_PARAMS:  # AdamW on the host's fp32 master weights
+                from longctx.distributed.offload import host_adamw
+
+                self.opt = host_adamw(self.model, lr=1e-5)
+            else:
+                self.opt = adamw(self.model, self.device)  # the adapters only, under LoRA
 
     def release(self) -> None:
         self.model = self.opt = None
@@ -192,28 +218,40 @@ class Runner:
         except Exception as e:  # noqa: BLE001 - building can run out of memory too
             r = StepResult(s, OOM if is_oom(e) else ERROR, error=f"{type(e).__name__}: {str(e)[:300]}")
         else:
-            r = measure(self.model, self.opt, s, steps, warmup, self.device)
+            from longctx.distributed.offload import HostPeak
+
+            with HostPeak() as host:  # the process's resident host memory: offloaded checkpoints and states
+                r = measure(self.model, self.opt, s, steps, warmup, self.device)
         secs = time.perf_counter() - t0
         if not r.ok:
             self.release()
             return {"s": s, "status": "over" if r.oom else "error", "error": r.error, "secs": secs,
                     "peak": float("inf")}  # fmt: skip
         over = cap_bytes is not None and r.peak_bytes > cap_bytes
-        return {"s": s, "step_ms": 1e3 * r.step_s, "tokens_per_s": r.tokens_per_s, "peak_bytes": r.peak_bytes,
-                "reserved_bytes": r.reserved_bytes, "status": "over" if over else "ok", "secs": secs,
-                "peak": r.peak_bytes}  # fmt: skip
+        row = {"s": s, "step_ms": 1e3 * r.step_s, "tokens_per_s": r.tokens_per_s, "peak_bytes": r.peak_bytes,
+               "reserved_bytes": r.reserved_bytes, "status": "over" if over else "ok", "secs": secs,
+               "peak": r.peak_bytes}  # fmt: skip
+        if "offload" in self.provider:
+            row["host_peak_bytes"] = host.peak
+        return row
 
 
-def predicted_peak(provider: str, shape: dict[str, Any], s: int, model: str, lora_rank: int | None) -> int:
-    """The predicted peak of a longctx provider's step: `longctx.integrations.transformers.memory.step_memory` on
-    the transformers model itself, with the provider's `apply` settings and the same adapters."""
+def predicted_step(provider: str, shape: dict[str, Any], s: int, model: str, lora_rank: int | None):
+    """The predicted peaks of a longctx provider's step (`longctx.integrations.transformers.memory.step_memory` on
+    the transformers model itself, with the provider's `apply` settings and the same adapters): a ``StepPeak``,
+    ``.total`` the GPU's, ``.host`` the host's."""
     from longctx.integrations.transformers.memory import step_memory
 
     settings = apply_settings(provider)
     return step_memory(
         _config(shape, s, model), seq_length=s, dtype=torch.bfloat16 if lora_rank else torch.float32,
         lora=lora_config(lora_rank) if lora_rank else None, apply_kwargs=settings,
-    ).total  # fmt: skip
+    )  # fmt: skip
+
+
+def predicted_peak(provider: str, shape: dict[str, Any], s: int, model: str, lora_rank: int | None) -> int:
+    """The predicted GPU peak of a longctx provider's step (`predicted_step`)."""
+    return predicted_step(provider, shape, s, model, lora_rank).total
 
 
 def _env(device: torch.device) -> dict[str, Any]:
@@ -252,7 +290,9 @@ def report(meta: dict[str, Any], ladder: dict[str, list[dict]], longest: dict[st
         "optimizer step; median of the timed steps. hf-sdpa-ckpt / hf-eager-ckpt: SDPA / eager attention + "
         "transformers' gradient checkpointing + the loss through the logits; longctx-apply: "
         "attn_implementation='longctx' + apply(full uniform 1, fused_loss); -offload: with cpu_offloading; -keep: "
-        "with recompute_skip_core_attention; -chunks: with sequence_chunk_size=4096."
+        "with recompute_skip_core_attention; -chunks: with sequence_chunk_size=4096; -offload-params: -offload-chunks "
+        "with the parameters, gradients and AdamW states in host memory (FSDP2's CPU offload, AdamW on the CPU), the "
+        "host's peak resident memory beside the GPU's."
         + (
             f" LoRA: a frozen bf16 base, PEFT adapters of rank {meta['lora_rank']} on q, k, v, o, gate, up, down "
             "(float32) train, AdamW over them."
@@ -280,6 +320,8 @@ def report(meta: dict[str, Any], ladder: dict[str, list[dict]], longest: dict[st
                 cells += [r["status"].upper() if r["status"] == "over" else "error", "-"]
             else:
                 pred = f" (predicted {_gib(r['predicted_bytes'])})" if r.get("predicted_bytes") else ""
+                if r.get("predicted_host_bytes"):  # the states in host memory: both memories
+                    pred += f"; host {_gib(r.get('host_peak_bytes'))} (predicted {_gib(r['predicted_host_bytes'])})"
                 cells += [f"{r['tokens_per_s']:.0f}", _gib(r["peak_bytes"]) + pred]
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     if longest:
@@ -350,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     lora_rank = args.lora_rank if args.lora else None
     if lora_rank is not None and lora_rank < 1:
         ap.error(f"--lora-rank must be a positive int, got {lora_rank}")
+    if lora_rank is not None and OFFLOAD_PARAMS in providers:
+        ap.error(f"{OFFLOAD_PARAMS} trains every weight; with --lora use longctx-apply-offload-chunks")
     env = {**_env(device), "allocator": allocator}
     h, L, V, f = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"], shape["intermediate_size"]
     hd = shape.get("head_dim", h // shape["num_attention_heads"])
@@ -369,7 +413,10 @@ def main(argv: list[str] | None = None) -> int:
         for s in seqs:
             r = runner.run(s, steps, warmup, cap)
             if p.startswith("longctx"):
-                r["predicted_bytes"] = predicted_peak(p, shape, s, args.model, lora_rank)
+                pred = predicted_step(p, shape, s, args.model, lora_rank)
+                r["predicted_bytes"] = pred.total
+                if p == OFFLOAD_PARAMS:
+                    r["predicted_host_bytes"] = pred.host
             ladder[p].append(r)
             print(f"{p:>22} S={s:>8}: {r['status']:>5} " + (
                 f"{r['tokens_per_s']:9.0f} tokens/s {_gib(r['peak_bytes'])} GiB" if r["status"] == "ok"
