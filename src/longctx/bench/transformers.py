@@ -407,6 +407,21 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     ladder: dict[str, list[dict]] = {}
     longest: dict[str, dict] = {}
+    tag = args.tag + ("" if args.model == "llama" else f"_{args.model}") + ("_lora" if lora_rank else "")
+    tag += "_quick" if args.quick else ""
+    stem = result_stem(args.out_dir, "transformers", env["gpu"], tag)
+    Path(stem).parent.mkdir(parents=True, exist_ok=True)
+
+    def write() -> str:
+        """The report of the rows so far, written after every row: a run stopped by a time limit keeps them."""
+        text = report(meta, ladder, longest)
+        clean = {p: {k: v for k, v in res.items() if k != "tries"} | {"tries": res["tries"]}
+                 for p, res in longest.items()}  # fmt: skip
+        Path(stem + ".json").write_text(json.dumps({"meta": meta, "ladder": ladder, "longest": clean}, indent=1,
+                                                   default=str))  # fmt: skip
+        Path(stem + ".md").write_text(text)
+        return text
+
     for p in providers:
         runner = Runner(p, shape, max_len, device, args.model, lora_rank)
         ladder[p] = []
@@ -418,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
                 if p == OFFLOAD_PARAMS:
                     r["predicted_host_bytes"] = pred.host
             ladder[p].append(r)
+            write()
             print(f"{p:>22} S={s:>8}: {r['status']:>5} " + (
                 f"{r['tokens_per_s']:9.0f} tokens/s {_gib(r['peak_bytes'])} GiB" if r["status"] == "ok"
                 else r.get("error", "")), flush=True)  # fmt: skip
@@ -433,17 +449,10 @@ def main(argv: list[str] | None = None) -> int:
                 try_fn, start=start, cap=search_cap, limit=limit, budget_s=budget, quantum=quantum, known=known
             )
             longest[p] = res
+            write()
             print(f"{p:>22} longest S: {res['best']} (does not fit: {res['over']}; {res['stop']})", flush=True)
         runner.release()
-    text = report(meta, ladder, longest)
-    tag = args.tag + ("" if args.model == "llama" else f"_{args.model}") + ("_lora" if lora_rank else "")
-    tag += "_quick" if args.quick else ""
-    stem = result_stem(args.out_dir, "transformers", env["gpu"], tag)
-    Path(stem).parent.mkdir(parents=True, exist_ok=True)
-    clean = {p: {k: v for k, v in res.items() if k != "tries"} | {"tries": res["tries"]} for p, res in longest.items()}
-    Path(stem + ".json").write_text(json.dumps({"meta": meta, "ladder": ladder, "longest": clean}, indent=1,
-                                               default=str))  # fmt: skip
-    Path(stem + ".md").write_text(text)
+    text = write()
     print(text)
     print(f"wrote {stem}.md and .json")
     return 0
