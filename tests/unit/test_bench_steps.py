@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -173,3 +175,23 @@ def test_bench_transformers_offload_params_runner_keeps_the_states_on_the_host()
     assert r["status"] == "error" and "longctx-apply-offload-chunks" in r["error"]
     with pytest.raises(SystemExit):
         bench_tf.main(["--quick", "--model", "llama-8b", "--lora", "--providers", p])
+
+
+def test_bench_transformers_keeps_finished_rows_when_stopped(monkeypatch, tmp_path):
+    """The report is written after every row: a run killed mid-way (a time limit) leaves the rows it finished."""
+    calls = []
+
+    def run(self, s, steps, warmup, cap):
+        calls.append(s)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the second row never finishes
+        return {"s": s, "step_ms": 1.0, "tokens_per_s": 64e3, "peak_bytes": 1 << 20, "reserved_bytes": None,
+                "status": "ok", "secs": 0.0, "peak": 1 << 20}  # fmt: skip
+
+    monkeypatch.setattr(bench_tf.Runner, "run", run)
+    monkeypatch.setattr(bench_tf, "predicted_step", lambda *a, **k: type("P", (), {"total": 1 << 20, "host": 0}))
+    with pytest.raises(KeyboardInterrupt):
+        bench_tf.main(["--quick", "--providers", "hf-sdpa-ckpt", "--out-dir", str(tmp_path)])
+    (json_file,) = tmp_path.glob("*.json")
+    rows = json.loads(json_file.read_text())["ladder"]["hf-sdpa-ckpt"]
+    assert [r["s"] for r in rows] == [64] and "| 64 | 64000 |" in json_file.with_suffix(".md").read_text()
