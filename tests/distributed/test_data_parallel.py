@@ -42,14 +42,23 @@ MODEL = {"attention_backend": "tiled"}
 
 # (name, data_parallel, context_parallel) of the valid cases per world
 MESHES = {
-    2: [("dp2cp1", 2, 1), ("dp1cp2", 1, 2), ("dp1cp2-offload", 1, 2)],
-    4: [("dp2cp2", 2, 2), ("dp4cp1", 4, 1), ("dp1cp4-ulysses_ring", 1, 4), ("dp2cp2-offload", 2, 2)],
+    2: [("dp2cp1", 2, 1), ("dp1cp2", 1, 2), ("dp1cp2-offload", 1, 2), ("dp2cp1-replicate", 2, 1)],
+    4: [
+        ("dp2cp2", 2, 2),
+        ("dp4cp1", 4, 1),
+        ("dp1cp4-ulysses_ring", 1, 4),
+        ("dp2cp2-offload", 2, 2),
+        ("dp2cp2-replicate", 2, 2),
+    ],
 }
-# extra settings of a mesh case, by name (offload: the states in host memory, sharded over dp x cp)
+# extra settings of a mesh case, by name (offload: the states in host memory, sharded over dp x cp; replicate: whole
+# parameters on every rank, the gradients all-reduced over dp x cp)
 MESH_KW = {
     "dp1cp4-ulysses_ring": {"cp_method": "ulysses_ring", "cp_ulysses_size": 2},
     "dp1cp2-offload": {"offload_params": True},
     "dp2cp2-offload": {"offload_params": True},
+    "dp2cp1-replicate": {"dp_shard": "replicate"},
+    "dp2cp2-replicate": {"dp_shard": "replicate"},
 }
 BAD = {
     2: ["bad-num-layers", "bad-seed", "bad-world-size", "bad-seq-length", "bad-rank-absent"],
@@ -240,7 +249,8 @@ def test_mesh_step_matches_a_single_process_on_the_global_batch(world, name, dp)
     for rank in range(world):
         res = _result(world, name, rank)
         # one data-parallel rank shards nothing: whole parameters, gradients all-reduced over the cp ranks
-        expected = "fsdp2-offload" if name.endswith("offload") else "allreduce" if dp == 1 else "fsdp2"
+        whole = dp == 1 or name.endswith("replicate")
+        expected = "fsdp2-offload" if name.endswith("offload") else "allreduce" if whole else "fsdp2"
         assert res["strategy"] == expected
         assert res["loss"] == pytest.approx(res["ref_loss"], rel=1e-12)
         assert res["grad_rel_err"] < 1e-10, res["grad_rel_err"]

@@ -112,7 +112,16 @@ def test_compile_ahead_is_on_by_default_and_can_be_turned_off(capsys):
     assert parse_config(["--compile-ahead", "false"]).compile_ahead is False
     # on the CPU there is nothing to compile: the run prints no compile line
     run(TrainConfig(preset="tiny", train_iters=1, eval_iters=0, save=None, device="cpu"))
-    assert "attention kernels" not in capsys.readouterr().out
+    assert "compiled ahead" not in capsys.readouterr().out
+
+
+def test_dp_shard_is_fsdp2_by_default_and_replicate_excludes_offloaded_parameters():
+    assert parse_config([]).dp_shard == "fsdp2"
+    assert parse_config(["--dp-shard", "replicate"]).dp_shard == "replicate"
+    with pytest.raises(ValueError, match=r"dp_shard must be one of \['fsdp2', 'replicate'\], got 'ddp'"):
+        parse_config(["--dp-shard", "ddp"])
+    with pytest.raises(ValueError, match="drop one of --dp-shard replicate and --offload-params"):
+        parse_config(["--dp-shard", "replicate", "--offload-params", "true"])
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "configs").glob("*.yaml")), ids=lambda p: p.name)

@@ -43,6 +43,7 @@ __all__ = [
 CP_METHODS = ("auto", "ring", "allgather", "ulysses", "ulysses_ring", "p2p")
 CP_LAYOUTS = ("zigzag", "contiguous")
 ON_NONFINITE = ("stop", "skip")
+DP_SHARD = ("fsdp2", "replicate")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -94,6 +95,9 @@ class TrainConfig:
     cp_method: str = "auto"  # auto: `TrainConfig.context_parallel_method`
     cp_layout: str = "zigzag"
     cp_ulysses_size: int | None = None  # ulysses_ring: ranks per all-to-all group
+    # the parameters under data parallelism: "fsdp2" shards them over the data-parallel ranks (gathered layer by
+    # layer), "replicate" keeps them whole on every rank and all-reduces the gradients after the backward
+    dp_shard: str = "fsdp2"
     device: str = "auto"  # auto: cuda if available
     bf16: bool | None = None  # autocast to bfloat16; default: on CUDA only
     compile_ahead: bool = True  # compile the attention kernels before the first step (longctx.warmup)
@@ -173,6 +177,12 @@ class TrainConfig:
                 "and be smaller than it (all-to-all inside groups of that many ranks, a ring across the groups)"
             )
         _choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+        _choice("dp_shard", self.dp_shard, DP_SHARD)
+        if self.dp_shard == "replicate" and self.offload_params:
+            raise ValueError(
+                "dp_shard 'replicate' keeps whole parameters on every GPU, offload_params shards them into host "
+                "memory: drop one of --dp-shard replicate and --offload-params"
+            )
         if not _DEVICE.fullmatch(self.device):
             hint = " (use 'cuda' for an NVIDIA GPU)" if self.device.lower() in ("gpu", "nvidia", "cuda:") else ""
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}{hint}")
@@ -501,10 +511,12 @@ _TRAIN_HELP: dict[str, str] = {
     "the heads split over the ranks, else p2p; ring for one dense sequence)",
     "cp_layout": "context-parallel sequence layout: " + " or ".join(CP_LAYOUTS),
     "cp_ulysses_size": "ulysses_ring: ranks per all-to-all group (a ring across the groups)",
+    "dp_shard": "the parameters under data parallelism: fsdp2 (sharded over the data-parallel ranks, gathered layer "
+    "by layer) or replicate (whole on every GPU, 16 bytes a parameter, the gradients all-reduced after the backward)",
     "device": "auto (cuda if available), cpu, cuda or cuda:N",
     "bf16": "bf16 autocast",
-    "compile_ahead": "on a GPU, compile the attention kernels the run calls before the first step, concurrently "
-    "(longctx.warmup; without context parallelism)",
+    "compile_ahead": "on a GPU, compile the attention and position-wise kernels the run calls before the first "
+    "step, concurrently (longctx.warmup; without context parallelism)",
     "data": "text file for byte-level language modelling instead of the recall task",
     "doc_separator": "bytes that end a document in --data (escapes: '\\n\\n', '\\x00'): rows become packed "
     "documents, attention and RoPE positions restart at each, no label crosses one",

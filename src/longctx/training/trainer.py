@@ -311,7 +311,17 @@ class Trainer:
             # offloaded units compute in bf16 (FSDP2's mixed precision) under bf16, else in the parameters' dtype;
             # one data-parallel rank without offload keeps the parameters whole ("allreduce": nothing to shard)
             unit_dtype = torch.bfloat16 if self.offload and self.use_bf16 else None
-            self.dp_strategy = apply_fsdp(self.model, self.mesh, offload_params=self.offload, param_dtype=unit_dtype)
+            if cfg.dp_shard == "replicate" and self.offload:  # the plan of --memory-budget turned offloading on
+                raise ValueError(
+                    "the plan for --memory-budget offloads the parameters to host memory, which shards them: drop "
+                    "--dp-shard replicate (or raise --memory-budget)"
+                )
+            if cfg.dp_shard == "replicate":  # whole parameters, gradients all-reduced over every rank
+                self.dp_strategy = "allreduce"
+            else:
+                self.dp_strategy = apply_fsdp(
+                    self.model, self.mesh, offload_params=self.offload, param_dtype=unit_dtype
+                )
             self.backend += f" | data-parallel {cfg.data_parallel} ({self.dp_strategy})"
         # on the host: torch's fused CPU AdamW; FSDP2's sharded GPU parameters: the foreach implementation; whole
         # parameters: fused on a GPU
