@@ -6,7 +6,8 @@
 #
 # A layout is dp4, dp2cp2 or cp4, with "-dense" for one causal sequence (no document separator: the dense context
 # parallelism the packed runs are held against), ":METHOD" for a context-parallel method other than METHOD (p2p) or,
-# dense, METHOD_DENSE (ring), and "@S" for a sequence length other than SEQ (past 32K with --memory-budget BUDGET).
+# dense, METHOD_DENSE (ring), "@S" for a sequence length other than SEQ (past 32K with --memory-budget BUDGET), and
+# a final "+r" for whole parameters on every data-parallel rank (--dp-shard replicate) instead of FSDP2's shards.
 # With PROFILE="one cp4 ..." each named layout ("one": one GPU) first runs dev/packed_step_share.py (the step's
 # tokens/s after WARMUP steps, the GPU's busy share, top kernels; a Python profile of one step for the layouts in
 # PYPROF, the host synchronisations of one step for those in SYNCS, which rank the collectives of one step wait for
@@ -28,8 +29,11 @@ METHOD_DENSE=${METHOD_DENSE:-ring}
 BUDGET=${BUDGET:-130GiB}
 SEQ=${SEQ:-32768}
 RUN=(timeout -k 10 "${LIMIT:-150}" python3 -m torch.distributed.run --standalone)
-parallel() {  # parallel LAYOUT: sets par (trainer flags), seq and dense (0/1) from NAME[-dense][:METHOD][@S]
-    local name=${1%%@*} method
+parallel() {  # parallel LAYOUT: sets par (trainer flags), seq and dense (0/1) from NAME[-dense][:METHOD][@S][+r]
+    local layout=${1%+r} name method rep=""
+    [[ $1 == *+r ]] && rep=" --dp-shard replicate"
+    set -- "$layout"
+    name=${1%%@*}
     seq=$SEQ dense=0
     [[ $1 == *@* ]] && seq=${1##*@}
     method=$METHOD
@@ -44,6 +48,7 @@ parallel() {  # parallel LAYOUT: sets par (trainer flags), seq and dense (0/1) f
         *) echo "unknown layout $1" >&2; return 1 ;;
     esac
     [ "$seq" -gt 32768 ] && par="$par --memory-budget $BUDGET"
+    [[ -n "$rep" && $name == dp* ]] && par="$par$rep"
     nproc=4; [ "$name" = one ] && nproc=1
     return 0
 }
@@ -57,7 +62,7 @@ for layout in ${PROFILE:-}; do
     echo "=== profile $layout: $par, seq $seq, dense $dense" | tee -a "$LOG"
     "${RUN[@]}" --nproc-per-node $nproc dev/packed_step_share.py --data "$WORK/text.txt" --seq-length "$seq" \
         --layout "$par" "${extra[@]}" --steps "${PROFILE_STEPS:-4}" --warmup "${WARMUP:-5}" \
-        --out "$WORK/profile_$(echo "$layout" | tr ':@' '__').json" 2>&1 | grep -v "Warning\|warn\|USDT" | tail -n 3 \
+        --out "$WORK/profile_$(echo "$layout" | tr ':@+' '___').json" 2>&1 | grep -v "Warning\|warn\|USDT" | tail -n 3 \
         | cut -c 1-400 | tee -a "$LOG"
     echo "=== profile $layout: exit ${PIPESTATUS[0]}, $((SECONDS - t)) s" | tee -a "$LOG"
     (cd "$WORK" && tar czf "$OUT/profiles.tgz" profile_*)
