@@ -142,16 +142,19 @@ def test_packed_bf16_against_sdpa(flash_kwargs):
     _check(_model("mistral"), {**batch, "use_cache": False})
 
 
+@pytest.mark.parametrize("applied", [False, True], ids=["attention", "apply"])
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
-def test_compile_ahead_leaves_nothing_to_compile(family, packed):
+def test_compile_ahead_leaves_nothing_to_compile(family, packed, applied):
     """After `compile_ahead`, a training step of the model (rows of one length, or packed documents) compiles no
-    attention kernel: Triton's jit_cache_hook sees no miss."""
+    kernel: Triton's jit_cache_hook sees no miss. With `apply`, its fused norms and MLPs too."""
     knobs = getattr(pytest.importorskip("triton"), "knobs", None)
     if knobs is None or not hasattr(knobs.runtime, "jit_cache_hook"):
         pytest.skip("this Triton has no jit_cache_hook")
     model = _model(family)
     model.set_attn_implementation("longctx")
+    if applied:
+        lt.apply(model)
     report = lt.compile_ahead(model, 2048, packed=packed)
     assert report.failed == []
     if packed:

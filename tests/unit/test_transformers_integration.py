@@ -420,3 +420,39 @@ def test_compile_ahead_needs_a_model_on_the_gpu():
         lt.compile_ahead(model, 1024)
     with pytest.raises(TypeError, match="packed"):
         lt.compile_ahead(model, 1024, packed="yes")
+
+
+@pytest.mark.parametrize("trains_norms", [True, False], ids=["full", "frozen-norms"])
+def test_compile_ahead_records_the_fused_norm_and_mlp_kernels(monkeypatch, trains_norms):
+    """`compile_ahead`'s position-wise part: with the launchers' path taken (as on a GPU), the first layer's fused
+    norms and MLP run forward and backward on stand-ins of 256 and 257 tokens (both of Triton's length
+    specialisations), recording RMSNorm and SwiGLU both ways; the norms' weight gradient only where they train."""
+    from longctx.integrations.transformers.warmup import _compile_pointwise
+    from longctx.launchers import pointwise as kernels
+    from longctx.launchers import runtime
+
+    model = _model("llama")
+    lt.apply(model)
+    if not trains_norms:
+        for name, p in model.named_parameters():
+            p.requires_grad_("norm" not in name)
+    recorded = []
+
+    def compile_launches(launches, device, workers=None):
+        recorded.extend(launches)
+        return [(k.__name__, 0.0, "") for k, *_ in launches]
+
+    monkeypatch.setattr(kernels, "supports", lambda *tensors: True)
+    monkeypatch.setattr(runtime, "compile_launches", compile_launches)
+    report = _compile_pointwise(model, 4096, torch.bfloat16, torch.device("cpu"), None)
+    names = {k.__name__ for k, *_ in recorded}
+    assert names == {"rmsnorm_fwd_kernel", "rmsnorm_bwd_kernel", "swiglu_fwd_kernel", "swiglu_bwd_kernel"}
+    assert len(report) == len(recorded)
+    rows = {args[0].shape[0] for k, _, args, _ in recorded if k.__name__ == "rmsnorm_fwd_kernel"}
+    assert rows == {256, 257}
+    need_dw = {kw["NEED_DW"] for k, _, _, kw in recorded if k.__name__ == "rmsnorm_bwd_kernel"}
+    assert need_dw == {trains_norms}
+    assert all(p.grad is None for p in model.parameters())
+    # a model apply did not touch has nothing fused: nothing to record
+    recorded.clear()
+    assert _compile_pointwise(_model("llama"), 4096, torch.bfloat16, torch.device("cpu"), None) == []

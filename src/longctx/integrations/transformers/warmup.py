@@ -1,7 +1,9 @@
-"""`compile_ahead`: the attention kernels a transformers model calls, compiled before training (`longctx.warmup`)."""
+"""`compile_ahead`: the attention kernels a transformers model calls, compiled before training (`longctx.warmup`), and
+the position-wise kernels `apply` put into its layers."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -19,8 +21,9 @@ def compile_ahead(
     workers: int | None = None,
 ):
     """Compile, before training, the attention kernels a transformers model calls with ``attn_implementation=
-    "longctx"``, all at once in threads (`longctx.warmup`), for every length bucket up to ``max_seq_len``; they land
-    in Triton's on-disk cache too, so later runs on the machine only load them.
+    "longctx"``, all at once in threads (`longctx.warmup`), for every length bucket up to ``max_seq_len``, and the
+    position-wise kernels of the RMSNorms and MLPs `apply` fused (recorded from the first layer's on stand-in
+    inputs); they land in Triton's on-disk cache too, so later runs on the machine only load them.
 
     The attention's shape comes from the model's config: heads, key/value heads, head dim, the logit softcap
     (``attn_logit_softcapping``) and which layers use the sliding window (``layer_types``, else every layer when
@@ -52,13 +55,53 @@ def compile_ahead(
         )
     if dtype is None:
         dtype = param.dtype if param.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    return warmup(
+    report = warmup(
         **_attention_shape(model.config, packed),
         dtype=dtype,
         max_seq_len=max_seq_len,
         device=param.device,
         workers=workers,
     )
+    t0 = time.perf_counter()
+    report.kernels += _compile_pointwise(model, max_seq_len, dtype, param.device, workers)
+    report.compile_s += time.perf_counter() - t0
+    return report
+
+
+def _compile_pointwise(
+    model: nn.Module, tokens: int, dtype: torch.dtype, device: torch.device, workers: int | None
+) -> list[tuple[str, float, str]]:
+    """The position-wise kernels (`longctx.ops.pointwise`) of the first decoder layer's fused RMSNorms and MLP
+    (those `apply` patched): their launches recorded from forwards and backwards of them on stand-in sequences of a
+    token count divisible by 16 and one not (what Triton specialises a length on), in the residual stream's dtype
+    under ``dtype`` autocast, with gradients for what trains; then compiled concurrently."""
+    from longctx.integrations.transformers.apply import LLAMA_MLPS, _decoder, _norm_forward
+    from longctx.launchers.runtime import compile_ahead as record
+    from longctx.launchers.runtime import compile_launches
+
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    try:
+        layer = _decoder(inner).layers[0]
+    except (TypeError, IndexError):
+        return []
+    norms = [m for m in layer.modules() if getattr(m.forward, "__func__", None) is _norm_forward]
+    mlps = [m for m in layer.modules() if type(m).__name__ in LLAMA_MLPS and "forward" in vars(m)]
+    if not norms and not mlps:
+        return []
+    hidden = inner.get_input_embeddings()
+    stream = hidden.weight.dtype if hidden is not None else next(inner.parameters()).dtype
+    cfg = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
+    trainable = [p for m in (*norms, *mlps) for p in m.parameters() if p.requires_grad]
+    # batches of any length up to ``tokens``: token counts divisible by 16 and not (Triton's two specialisations)
+    lengths = (256, 257) if tokens > 256 else (tokens,)
+    with record() as launches:
+        for S in lengths:
+            x = torch.zeros(1, S, cfg.hidden_size, dtype=stream, device=device, requires_grad=True)
+            with torch.autocast(device.type, dtype=dtype):
+                outs = [m(x) for m in norms] + [m(norms[-1](x) if norms else x) for m in mlps]
+            loss = sum(o.float().sum() for o in outs)
+            torch.autograd.grad(loss, [x, *trainable])  # returned, not accumulated into .grad
+    return compile_launches(launches, device, workers)
 
 
 def _attention_shape(config: Any, packed: bool) -> dict[str, Any]:

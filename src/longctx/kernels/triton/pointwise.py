@@ -30,7 +30,9 @@ def rmsnorm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, n_cols, eps, BLOCK: tl
     tl.store(RSTD + row, rstd)
 
 
-@triton.jit
+# Row and position counts are not specialised on (their value 1 or divisibility by 16): one binary serves every
+# length, so a short stand-in sequence compiles what a long one runs (the trainer's compile-ahead).
+@triton.jit(do_not_specialize=["n_rows", "rows_per_program"])
 def rmsnorm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PART, stride_dy, stride_x, stride_dx, n_rows, n_cols, rows_per_program,
     BLOCK: tl.constexpr, NEED_DW: tl.constexpr,
@@ -56,7 +58,7 @@ def rmsnorm_bwd_kernel(
         tl.store(DW_PART + pid.to(tl.int64) * n_cols + cols, dw, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len"])
 def rope_kernel(
     X, COS, SIN, Y, seq_len, n_heads, half,
     sxb, sxh, sxs, syb, syh, sys, scb, scs,
