@@ -669,7 +669,7 @@ class Trainer:
             device=self.device,
         )
         t0 = time.perf_counter()
-        pointwise = self._compile_pointwise_ahead(length, documents)
+        pointwise = self._compile_pointwise_ahead(documents)
         pointwise_s = time.perf_counter() - t0
         torch.cuda.empty_cache()  # the warm-up's tensors, not kept from training
         failed = [n for n, _ in report.failed] + [n for n, _, err in pointwise if err]
@@ -679,11 +679,11 @@ class Trainer:
             f"{len(pointwise)} position-wise in {pointwise_s:.1f} s (--compile-ahead false skips this){failed_note}"
         )
 
-    def _compile_pointwise_ahead(self, length: int, documents: bool) -> list[tuple[str, float, str]]:
+    def _compile_pointwise_ahead(self, documents: bool) -> list[tuple[str, float, str]]:
         """Compile the position-wise kernels (RMSNorm, rotary, SwiGLU: `longctx.ops.pointwise`) of the model's first
         layer and final norm, concurrently: their launches are recorded (`launchers.runtime.compile_ahead`) from
-        one forward and backward of that layer on a short stand-in sequence whose length has the same divisibility
-        by 16 as ``length`` (what Triton specialises a length on), the core attention a stand-in that launches
+        one forward and backward of that layer on a stand-in sequence of 256 tokens (the kernels are not
+        specialised on token counts: one binary serves every length), the core attention a stand-in that launches
         nothing, the positions shaped as training's. Only where the layer's parameters are plain tensors on this
         device (not FSDP2's shards: their forward would gather). Returns `compile_launches`' report."""
         from longctx.launchers.runtime import compile_ahead, compile_launches
@@ -696,7 +696,7 @@ class Trainer:
         params = [*layer.parameters(), *model.final_layernorm.parameters()]
         if any(hasattr(p, "to_local") or p.device != self.device for p in params):
             return []
-        S = 256 if length % 16 == 0 else 257
+        S = 256
         attn = layer.self_attention
         kept = attn.core_attention
         attn.core_attention = lambda q, k, v: q * 1.0  # (B, Hq, S, D): no attention kernel, a gradient for q

@@ -72,9 +72,9 @@ def _compile_pointwise(
     model: nn.Module, tokens: int, dtype: torch.dtype, device: torch.device, workers: int | None
 ) -> list[tuple[str, float, str]]:
     """The position-wise kernels (`longctx.ops.pointwise`) of the first decoder layer's fused RMSNorms and MLP
-    (those `apply` patched): their launches recorded from forwards and backwards of them on stand-in sequences of a
-    token count divisible by 16 and one not (what Triton specialises a length on), in the residual stream's dtype
-    under ``dtype`` autocast, with gradients for what trains; then compiled concurrently."""
+    (those `apply` patched): their launches recorded from a forward and backward of them on a stand-in sequence of
+    256 tokens (the kernels are not specialised on token counts: one binary serves every length), in the residual
+    stream's dtype under ``dtype`` autocast, with gradients for what trains; then compiled concurrently."""
     from longctx.integrations.transformers.apply import LLAMA_MLPS, _decoder, _norm_forward
     from longctx.launchers.runtime import compile_ahead as record
     from longctx.launchers.runtime import compile_launches
@@ -92,15 +92,12 @@ def _compile_pointwise(
     stream = hidden.weight.dtype if hidden is not None else next(inner.parameters()).dtype
     cfg = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
     trainable = [p for m in (*norms, *mlps) for p in m.parameters() if p.requires_grad]
-    # batches of any length up to ``tokens``: token counts divisible by 16 and not (Triton's two specialisations)
-    lengths = (256, 257) if tokens > 256 else (tokens,)
+    x = torch.zeros(1, min(256, tokens), cfg.hidden_size, dtype=stream, device=device, requires_grad=True)
     with record() as launches:
-        for S in lengths:
-            x = torch.zeros(1, S, cfg.hidden_size, dtype=stream, device=device, requires_grad=True)
-            with torch.autocast(device.type, dtype=dtype):
-                outs = [m(x) for m in norms] + [m(norms[-1](x) if norms else x) for m in mlps]
-            loss = sum(o.float().sum() for o in outs)
-            torch.autograd.grad(loss, [x, *trainable])  # returned, not accumulated into .grad
+        with torch.autocast(device.type, dtype=dtype):
+            outs = [m(x) for m in norms] + [m(norms[-1](x) if norms else x) for m in mlps]
+        loss = sum(o.float().sum() for o in outs)
+        torch.autograd.grad(loss, [x, *trainable])  # returned, not accumulated into .grad
     return compile_launches(launches, device, workers)
 
 
