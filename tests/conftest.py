@@ -169,3 +169,21 @@ def _drop_stderr_at_exit() -> None:
 def pytest_unconfigure(config):
     if "triton._C.libtriton" in sys.modules:  # this process loaded Triton's compiler: quiet its exit
         atexit.register(_drop_stderr_at_exit)
+
+
+@pytest.fixture
+def recorded_pointwise_launches(monkeypatch):
+    """The position-wise kernels' launches a compile-ahead records, on the CPU: the launchers' path taken as on a
+    GPU (`launchers.pointwise.supports` says yes), and `launchers.runtime.compile_launches` keeping the recorded
+    launches in the list this yields instead of compiling them (it reports each one compiled, in 0 s)."""
+    from longctx.launchers import pointwise, runtime
+
+    recorded: list = []
+
+    def compile_launches(launches, device, workers=None):
+        recorded.extend(launches)
+        return [(k.__name__, 0.0, "") for k, *_ in launches]
+
+    monkeypatch.setattr(pointwise, "supports", lambda *tensors: True)
+    monkeypatch.setattr(runtime, "compile_launches", compile_launches)
+    return recorded

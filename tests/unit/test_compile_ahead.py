@@ -147,11 +147,12 @@ def test_launchers_run_every_kernel_through_runtime_launch():
 
 
 @pytest.mark.parametrize("documents", [False, True])
-def test_trainer_records_the_position_wise_kernels_of_a_layer_and_leaves_the_model_alone(monkeypatch, documents):
+def test_trainer_records_the_position_wise_kernels_of_a_layer_and_leaves_the_model_alone(
+    recorded_pointwise_launches, documents
+):
     """`Trainer._compile_pointwise_ahead`: with the launchers' path taken (as on a GPU), one layer's forward and
     backward on a stand-in sequence records RMSNorm, rotary and SwiGLU both ways, and nothing else (its core
     attention is a stand-in); the layer's attention comes back, and no parameter gets a gradient."""
-    from longctx.launchers import pointwise as kernels
     from longctx.training.config import parse_config
     from longctx.training.trainer import Trainer
 
@@ -159,14 +160,7 @@ def test_trainer_records_the_position_wise_kernels_of_a_layer_and_leaves_the_mod
     trainer = Trainer(cfg)
     layer = trainer.model.layers[0]
     core = layer.self_attention.core_attention
-    recorded = []
-
-    def compile_launches(launches, device, workers=None):
-        recorded.extend(launches)
-        return [(k.__name__, 0.0, "") for k, *_ in launches]
-
-    monkeypatch.setattr(kernels, "supports", lambda *tensors: True)
-    monkeypatch.setattr(runtime, "compile_launches", compile_launches)
+    recorded = recorded_pointwise_launches
     report = trainer._compile_pointwise_ahead(documents)
     names = {k.__name__ for k, *_ in recorded}
     assert names == {

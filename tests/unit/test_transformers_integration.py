@@ -423,27 +423,18 @@ def test_compile_ahead_needs_a_model_on_the_gpu():
 
 
 @pytest.mark.parametrize("trains_norms", [True, False], ids=["full", "frozen-norms"])
-def test_compile_ahead_records_the_fused_norm_and_mlp_kernels(monkeypatch, trains_norms):
+def test_compile_ahead_records_the_fused_norm_and_mlp_kernels(recorded_pointwise_launches, trains_norms):
     """`compile_ahead`'s position-wise part: with the launchers' path taken (as on a GPU), the first layer's fused
     norms and MLP run forward and backward on a stand-in of 256 tokens, recording RMSNorm and SwiGLU both ways; the
     norms' weight gradient only where they train."""
     from longctx.integrations.transformers.warmup import _compile_pointwise
-    from longctx.launchers import pointwise as kernels
-    from longctx.launchers import runtime
 
     model = _model("llama")
     lt.apply(model)
     if not trains_norms:
         for name, p in model.named_parameters():
             p.requires_grad_("norm" not in name)
-    recorded = []
-
-    def compile_launches(launches, device, workers=None):
-        recorded.extend(launches)
-        return [(k.__name__, 0.0, "") for k, *_ in launches]
-
-    monkeypatch.setattr(kernels, "supports", lambda *tensors: True)
-    monkeypatch.setattr(runtime, "compile_launches", compile_launches)
+    recorded = recorded_pointwise_launches
     report = _compile_pointwise(model, 4096, torch.bfloat16, torch.device("cpu"), None)
     names = {k.__name__ for k, *_ in recorded}
     assert names == {"rmsnorm_fwd_kernel", "rmsnorm_bwd_kernel", "swiglu_fwd_kernel", "swiglu_bwd_kernel"}
