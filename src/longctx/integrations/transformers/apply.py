@@ -78,26 +78,38 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(_gated(self.act_fn, self.gate_proj(x), self.up_proj(x)))
 
 
+def _fusable(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The Llama-form RMSNorms (`LLAMA_NORMS`) and SiLU-gated MLPs (`LLAMA_MLPS`) of a decoder layer: what
+    `_patch_pointwise` fuses (and `compile_ahead` compiles the kernels of)."""
+    norms, mlps = [], []
+    for m in layer.modules():
+        name = type(m).__name__
+        if (
+            name in LLAMA_NORMS
+            and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and hasattr(m, "variance_epsilon")
+        ):
+            norms.append(m)
+        elif (
+            name in LLAMA_MLPS
+            and type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+            and all(isinstance(getattr(m, a, None), nn.Module) for a in ("gate_proj", "up_proj", "down_proj"))
+        ):
+            mlps.append(m)
+    return norms, mlps
+
+
 def _patch_pointwise(layers: nn.ModuleList) -> None:
-    """Every Llama-form RMSNorm (`LLAMA_NORMS`) and SiLU-gated MLP (`LLAMA_MLPS`) of the decoder layers through
+    """Every Llama-form RMSNorm and SiLU-gated MLP of the decoder layers (`_fusable`) through
     `longctx.ops.pointwise`: one kernel each way on a GPU, and less kept for the backward (the norm keeps its input and
     one float32 scale a row, where transformers' keeps a float32 copy of the rows; the gate keeps its two inputs,
     not its activation). The same values (computed in float32, rounded once)."""
     for layer in layers:
-        for m in layer.modules():
-            name = type(m).__name__
-            if (
-                name in LLAMA_NORMS
-                and isinstance(getattr(m, "weight", None), torch.Tensor)
-                and hasattr(m, "variance_epsilon")
-            ):
-                m.forward = types.MethodType(_norm_forward, m)
-            elif (
-                name in LLAMA_MLPS
-                and type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
-                and all(isinstance(getattr(m, a, None), nn.Module) for a in ("gate_proj", "up_proj", "down_proj"))
-            ):
-                m.forward = types.MethodType(_mlp_forward, m)
+        norms, mlps = _fusable(layer)
+        for m in norms:
+            m.forward = types.MethodType(_norm_forward, m)
+        for m in mlps:
+            m.forward = types.MethodType(_mlp_forward, m)
 
 
 def _patch_mlp_chunks(layers: nn.ModuleList, chunk: int) -> None:

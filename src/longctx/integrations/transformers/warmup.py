@@ -75,17 +75,18 @@ def _compile_pointwise(
     (those `apply` patched): their launches recorded from a forward and backward of them on a stand-in sequence of
     256 tokens (the kernels are not specialised on token counts: one binary serves every length), in the residual
     stream's dtype under ``dtype`` autocast, with gradients for what trains; then compiled concurrently."""
-    from longctx.integrations.transformers.apply import LLAMA_MLPS, _decoder, _norm_forward
+    from longctx.integrations.transformers.apply import _decoder, _fusable
     from longctx.launchers.runtime import compile_ahead as record
     from longctx.launchers.runtime import compile_launches
 
     inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if not getattr(inner, "_longctx_applied", False):  # nothing fused
+        return []
     try:
         layer = _decoder(inner).layers[0]
     except (TypeError, IndexError):
         return []
-    norms = [m for m in layer.modules() if getattr(m.forward, "__func__", None) is _norm_forward]
-    mlps = [m for m in layer.modules() if type(m).__name__ in LLAMA_MLPS and "forward" in vars(m)]
+    norms, mlps = _fusable(layer)
     if not norms and not mlps:
         return []
     hidden = inner.get_input_embeddings()
