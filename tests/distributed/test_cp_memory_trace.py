@@ -54,13 +54,6 @@ def _transfers_outside_the_tracker():
         "batch_isend_irecv",
     )}  # fmt: skip
 
-    def all_to_all_single(out, inp, out_splits=None, in_splits=None, group=None, async_op=False):
-        with _disable_current_modes():
-            o, i = torch.empty_like(out), inp.clone()
-            real["all_to_all_single"](o, i, out_splits, in_splits, group=group)
-        out.copy_(o)
-        return _Done() if async_op else None
-
     def all_gather(outs, inp, group=None, async_op=False):
         with _disable_current_modes():
             os_, i = [torch.empty_like(o) for o in outs], inp.clone()
@@ -102,7 +95,7 @@ def _transfers_outside_the_tracker():
         return [_Done() for _ in ops]
 
     with contextlib.ExitStack() as stack:
-        for name, fn in (("all_to_all_single", all_to_all_single), ("all_gather", all_gather),
+        for name, fn in (("all_to_all_single", one_to_one("all_to_all_single")), ("all_gather", all_gather),
                          ("all_gather_into_tensor", one_to_one("all_gather_into_tensor")), ("all_reduce", all_reduce),
                          ("reduce_scatter_tensor", one_to_one("reduce_scatter_tensor")),
                          ("batch_isend_irecv", batch_isend_irecv)):  # fmt: skip
