@@ -29,44 +29,39 @@ __all__ = [
 ]  # fmt: skip
 
 
-def seq_to_head(x: torch.Tensor, info: GroupInfo, layout: str) -> torch.Tensor:
-    """(B, H, S/P, D) sequence-sharded -> (B, H/P, S, D) head-sharded, sequence in global order."""
-    B, H, S_loc, D = x.shape
-    P = info.world
-    send = x.reshape(B, P, H // P, S_loc, D).transpose(0, 1)  # (P, B, H/P, S/P, D): block p goes to rank p
-    recv = all_to_all(send, info)  # block p: rank p's positions of our heads
-    return reorder_to_global(list(recv.unbind(0)), 2, layout)
-
-
 def seq_to_head_many(xs: list[torch.Tensor], info: GroupInfo, layout: str) -> list[torch.Tensor]:
-    """`seq_to_head` of several tensors of one dtype and sequence shape in one all-to-all: each (B, H_i, S/P, D) ->
-    (B, H_i/P, S, D) (one exchange and one reorder instead of one per tensor)."""
+    """Each (B, H_i, S/P, D) sequence-sharded -> (B, H_i/P, S, D) head-sharded, sequence in global order: tensors of
+    one dtype and sequence shape in one all-to-all and one reorder (not one per tensor)."""
     B, _, S_loc, D = xs[0].shape
     P = info.world
     heads = [x.shape[1] // P for x in xs]
-    send = torch.cat([x.reshape(B, P, h, S_loc, D).transpose(0, 1) for x, h in zip(xs, heads)], dim=2)
-    recv = all_to_all(send, info)  # (P, B, sum H_i/P, S/P, D): block p holds rank p's positions of our heads
+    blocks = [x.reshape(B, P, h, S_loc, D).transpose(0, 1) for x, h in zip(xs, heads)]  # block p goes to rank p
+    send = torch.cat(blocks, dim=2) if len(blocks) > 1 else blocks[0]  # (P, B, sum H_i/P, S/P, D)
+    recv = all_to_all(send, info)  # block p: rank p's positions of our heads
     whole = reorder_to_global(list(recv.unbind(0)), 2, layout)  # (B, sum H_i/P, S, D)
     return [t.contiguous() for t in whole.split(heads, dim=1)]  # views when B == 1
 
 
 def head_to_seq_many(ys: list[torch.Tensor], info: GroupInfo, layout: str) -> list[torch.Tensor]:
-    """`head_to_seq` of several tensors of one dtype in one all-to-all: each (B, H_i/P, S, D) -> (B, H_i, S/P, D)."""
+    """Each (B, H_i/P, S, D) head-sharded in global order -> (B, H_i, S/P, D) sequence-sharded (the inverse), in one
+    all-to-all."""
     B, _, S, D = ys[0].shape
     P = info.world
     heads = [y.shape[1] for y in ys]
-    send = global_to_rank_major(torch.cat(ys, dim=1), 2, P, layout)  # (P, B, sum H_i/P, S/P, D)
+    whole = torch.cat(ys, dim=1) if len(ys) > 1 else ys[0]
+    send = global_to_rank_major(whole, 2, P, layout)  # (P, B, sum H_i/P, S/P, D): block p holds rank p's positions
     recv = all_to_all(send, info)  # block p: our positions of rank p's heads
     return [t.transpose(0, 1).reshape(B, P * h, S // P, D) for t, h in zip(recv.split(heads, dim=2), heads)]
 
 
+def seq_to_head(x: torch.Tensor, info: GroupInfo, layout: str) -> torch.Tensor:
+    """(B, H, S/P, D) sequence-sharded -> (B, H/P, S, D) head-sharded, sequence in global order."""
+    return seq_to_head_many([x], info, layout)[0]
+
+
 def head_to_seq(y: torch.Tensor, info: GroupInfo, layout: str) -> torch.Tensor:
     """(B, H/P, S, D) head-sharded in global order -> (B, H, S/P, D) sequence-sharded (the inverse)."""
-    B, Hp, S, D = y.shape
-    P = info.world
-    send = global_to_rank_major(y, 2, P, layout)  # (P, B, H/P, S/P, D): block p holds rank p's positions
-    recv = all_to_all(send, info)  # block p: our positions of rank p's heads
-    return recv.transpose(0, 1).reshape(B, P * Hp, S // P, D)
+    return head_to_seq_many([y], info, layout)[0]
 
 
 class SeqToHead(torch.autograd.Function):
