@@ -694,12 +694,15 @@ class Trainer:
             return []
         layer = layers[0]
         params = [*layer.parameters(), *model.final_layernorm.parameters()]
-        if any(hasattr(p, "to_local") or p.device != self.device for p in params):
+        # by type: the run's device may be "cuda" where the parameters say "cuda:0"
+        if any(hasattr(p, "to_local") or p.device.type != self.device.type for p in params):
             return []
         S = 256
         attn = layer.self_attention
         kept = attn.core_attention
-        attn.core_attention = lambda q, k, v: q * 1.0  # (B, Hq, S, D): no attention kernel, a gradient for q
+        # (B, Hq, S, D) and no attention kernel; gradients for q and k both, so that the rotary backward of k's
+        # heads (another BLOCK_H under GQA: another binary) is recorded too
+        attn.core_attention = lambda q, k, v: q * 1.0 + (k.mean() + v.mean()) * 0.0
         try:
             with compile_ahead() as launches:
                 with self.autocast():
