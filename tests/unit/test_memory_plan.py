@@ -46,6 +46,21 @@ def test_trace_counts_what_the_real_step_holds(kw):
     assert sum(b for _, b in est.rows()) == est.total
 
 
+def test_gradients_and_checkpoints_are_not_counted_as_held_at_once():
+    """A deep model under full recompute: its peak comes late in the backward, when most layers' checkpoints are gone
+    and their gradients have come. The prediction is the real step's peak, not the gradients plus every checkpoint
+    (which over-predicted an 8B step at 32K by 5%), and the table says what was freed."""
+    cfg = GPTConfig(**dict(BASE, num_layers=16, hidden_size=128, ffn_hidden_size=256, vocab_size=128), **FULL)
+    est = memory_model.step_memory(cfg, seq_length=128, micro_batch_size=1, exact=True)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    model.set_core_attention(memory_model._twin_attention)
+    assert est.traced == real_step_peak(model, torch.zeros(1, 128, dtype=torch.long))
+    assert 0 < est.freed_before_peak < est.checkpoints and est.traced < est.gradients + est.checkpoints
+    assert est.working_set == 0 and sum(b for _, b in est.rows()) == est.total
+    assert any(b == -est.freed_before_peak for _, b in est.rows())
+
+
 @pytest.mark.parametrize("kw", [FULL, dict(FULL, sequence_chunk_size=256, recompute_skip_core_attention=True), {}])
 def test_long_lengths_read_off_two_shorter_traces(kw, monkeypatch):
     """Beyond the direct-trace length the peak is read off the line through two shorter traces: equal to a trace of

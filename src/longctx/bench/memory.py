@@ -138,7 +138,9 @@ def report(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "",
         f"torch {e['torch']}, triton {e.get('triton')}, transformers {e.get('transformers', '-')}; batch 1, bf16 "
         "autocast, fp32 parameters, fused AdamW; a step is forward, backward and the optimizer step; tokens/s from "
-        f"the median of {meta['steps']} steps after {meta['warmup']} warm-up; peak = torch.cuda.max_memory_allocated.",
+        f"the median of {meta['steps']} steps after {meta['warmup']} warm-up; peak = torch.cuda.max_memory_allocated; "
+        "MFU = model FLOPs (6 x matmul parameters x tokens + causal attention; recomputation not counted) / step "
+        "time / 989 TFLOP/s.",
         f"Command: `{meta['command']}`",
     ]
     star = " \\*"
@@ -147,9 +149,9 @@ def report(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     if rows:  # the states on the GPU, against transformers
         lines += [
             "",
-            "| S | longctx plan | longctx tokens/s | longctx peak GiB | predicted GiB | predicted / measured |"
+            "| S | longctx plan | longctx tokens/s | MFU | longctx peak GiB | predicted GiB | predicted / measured |"
             " HF + SDPA + checkpointing tokens/s | HF peak GiB | speed vs HF | memory vs HF |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
     for r in rows:
         o, h = r.get("longctx", {}), r.get("hf", {})
@@ -159,7 +161,8 @@ def report(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             pred -= r.get("predicted_optimizer_bytes", 0)
         lines.append(
             f"| {r['s']:,}{star if r.get('first_step') else ''} | {r.get('plan', '-')} | "
-            + (f"{o['tokens_per_s']:,.0f} | {_gib(o['peak_bytes'])} | " if ok_o else f"{o.get('status', '-')} | - | ")
+            + (f"{o['tokens_per_s']:,.0f} | {_mfu(r, o)} | {_gib(o['peak_bytes'])} | " if ok_o
+               else f"{o.get('status', '-')} | - | - | ")
             + f"{_gib(pred)} | "
             + (f"{pred / o['peak_bytes']:.3f} | " if ok_o and pred else "- | ")
             + (f"{h['tokens_per_s']:,.0f} | {_gib(h['peak_bytes'])} | " if ok_h else f"{h.get('status', '-')} | - | ")
@@ -177,6 +180,13 @@ def report(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _mfu(row: dict[str, Any], measured: dict[str, Any]) -> str:
+    """Model FLOPs utilisation of a measured step (`model_flops` / step time / the bf16 peak), or "-"."""
+    if not row.get("model_flops") or not measured.get("step_s"):
+        return "-"
+    return f"{row['model_flops'] / measured['step_s'] / PEAK_BF16_FLOPS:.1%}"
+
+
 def _offload_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     """The rows whose parameters, gradients and AdamW states were in host memory: speed (model FLOPs utilisation
     against the bf16 peak), the optimizer step and the host copies beside it, both memories against the plan."""
@@ -184,10 +194,9 @@ def _offload_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str
         "",
         f"## Parameters, gradients and optimizer states in host memory ({meta['preset']})",
         "",
-        f"Host memory of the machine: {meta['env'].get('host_memory_gib', '-')} GiB. MFU: model FLOPs (6 x matmul "
-        "parameters x tokens + causal attention; recomputation not counted) / step time / 989 TFLOP/s. The copies "
-        "and the GPU's compute are from one more step under torch.profiler: copies = host <-> device copy time; "
-        "GPU idle = wall - kernel time (at most what the copies failed to hide).",
+        f"Host memory of the machine: {meta['env'].get('host_memory_gib', '-')} GiB. The copies and the GPU's "
+        "compute are from one more step under torch.profiler: copies = host <-> device copy time; GPU idle = wall "
+        "- kernel time (at most what the copies failed to hide).",
         "",
         "| S | plan | tokens/s | step s | fwd+bwd s | optimizer s | MFU | GPU peak GiB | predicted | pred / meas |"
         " host peak GiB | predicted | pred / meas | copies s | GPU idle s |",
@@ -202,13 +211,12 @@ def _offload_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str
             lines.append(f"| {r['s']:,} | {r.get('plan', '-')} | {o.get('status', '-')} |" + " - |" * 12)
             continue
         ph, cp = o.get("phases") or {}, o.get("copies") or {}
-        mfu = r["model_flops"] / o["step_s"] / PEAK_BF16_FLOPS
         host = o.get("host_peak_bytes")
         star = " \\*" if r.get("first_step") else ""
         lines.append(
             f"| {r['s']:,}{star} | {r.get('plan', '-')} | {o['tokens_per_s']:,.0f} | "
             f"{o['step_s']:.2f} | {ph.get('forward_backward_s', float('nan')):.2f} | "
-            f"{ph.get('optimizer_s', float('nan')):.2f} | {mfu:.1%} | {_gib(o['peak_bytes'])} | {_gib(pred)} | "
+            f"{ph.get('optimizer_s', float('nan')):.2f} | {_mfu(r, o)} | {_gib(o['peak_bytes'])} | {_gib(pred)} | "
             + (f"{pred / o['peak_bytes']:.3f} | " if pred else "- | ")
             + f"{_gib(host)} | {_gib(host_pred)} | "
             + (f"{host_pred / host:.3f} | " if host and host_pred else "- | ")

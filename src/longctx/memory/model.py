@@ -234,7 +234,9 @@ class StepMemory:
     ``total`` = parameters + optimizer_states + traced (every tensor the forward and backward hold at their peak,
     the gradients included) + overhead. The itemised parts of ``traced`` are counted from the plan
     (checkpoints, kept attention outputs, gradients); ``working_set`` is the rest at the peak: one layer's
-    recomputation and backward, the attention kernels' workspace and the loss's chunk.
+    recomputation and backward, the attention kernels' workspace and the loss's chunk; ``freed_before_peak`` the
+    checkpoints no longer held when the peak comes late in the backward (the gradients and the checkpoints of a
+    whole model are never all held at once).
     """
 
     seq_length: int
@@ -254,6 +256,9 @@ class StepMemory:
     host_states: int = 0
     host_overhead: int = 0  # the process's own host memory (libraries, the CUDA context)
     lora: bool = False  # a LoRA run: the parameters are the frozen base and the adapters, only these train
+    # checkpoints already freed when the peak comes (each layer's backward frees its checkpoint as its gradients
+    # arrive, so the two never all coexist): subtracted in `rows`
+    freed_before_peak: int = 0
 
     @property
     def total(self) -> int:
@@ -289,8 +294,10 @@ class StepMemory:
             ("checkpoints (layer inputs kept for recompute)", self.checkpoints),
             ("kept attention outputs and lse", self.kept_attention),
             ("activations at the peak (layers kept whole, the layer in backward, kernel workspace)", self.working_set),
+        ] + ([("less checkpoints freed before the peak (their layers' gradients took their place)",
+               -self.freed_before_peak)] if self.freed_before_peak else []) + [
             ("CUDA libraries and allocator", self.overhead),
-        ]
+        ]  # fmt: skip
 
 
 class _FlashTwin(torch.autograd.Function):
@@ -512,9 +519,7 @@ def step_segments(
     peak = max(segments.values())
     fields = ("gradients", "checkpoints", "kept_attention", "host_offloaded")
     at = {f: round(getattr(a, f) + (getattr(b, f) - getattr(a, f)) * (S - s1) / s1) for f in fields}
-    fixed = at["gradients"] + at["checkpoints"] + at["kept_attention"]
-    mem = dataclasses.replace(b, seq_length=S, working_set=max(0, peak - fixed), traced=max(peak, fixed), **at)
-    return mem, segments
+    return _at_peak(dataclasses.replace(b, seq_length=S, **at), peak), segments
 
 
 step_memory.cache_clear = step_segments.cache_clear  # type: ignore[attr-defined]
@@ -596,8 +601,7 @@ def _traced(
     else:
         grads = param_bytes
         optimizer_states = n_params * optimizer_bytes_per_parameter
-    working = max(0, peak - (0 if lora_rank is not None else grads) - checkpoint_bytes - kept)
-    return StepMemory(
+    mem = StepMemory(
         seq_length=S,
         micro_batch_size=B,
         parameters=param_bytes,
@@ -605,14 +609,25 @@ def _traced(
         optimizer_states=optimizer_states,
         checkpoints=checkpoint_bytes,
         kept_attention=kept,
-        working_set=working,
+        working_set=0,
         overhead=overhead,
         host_offloaded=host,
-        traced=grads + checkpoint_bytes + kept + working,
+        traced=0,
         host_overhead=HOST_OVERHEAD_BYTES,
         lora=lora_rank is not None,
         **on_host,
-    ), segments
+    )
+    return _at_peak(mem, peak), segments
+
+
+def _at_peak(mem: StepMemory, peak: int) -> StepMemory:
+    """``mem`` with ``traced`` from the trace's ``peak`` (the largest segment of the step's timeline; a LoRA trace
+    drops the adapters' gradients, which are added back) and the rest of it itemised: what the peak holds beyond
+    the gradients, checkpoints and kept attention is ``working_set``; where it holds less (the layers already
+    through their backward have freed their checkpoints as their gradients came), ``freed_before_peak``."""
+    traced = peak + (mem.gradients if mem.lora else 0)
+    rest = traced - mem.gradients - mem.checkpoints - mem.kept_attention
+    return dataclasses.replace(mem, traced=traced, working_set=max(0, rest), freed_before_peak=max(0, -rest))
 
 
 def kept_bytes(
