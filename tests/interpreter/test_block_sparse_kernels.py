@@ -183,3 +183,58 @@ VARLEN_SCRIPT = textwrap.dedent(
 
 def test_varlen_zero_length_documents_and_packed_views_in_interpreter():
     assert _run(VARLEN_SCRIPT).count("ok") == 5
+
+
+EAGER_SCRIPT = textwrap.dedent(
+    r"""
+    import contextlib
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    import longctx
+    from longctx.masks import Band
+    from longctx.ops.flash import triton_attention
+    from longctx.ops.sparse import triton_sparse_attention
+
+    class Seen(TorchDispatchMode):  # what a selective-recompute policy or a FLOP counter would see
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 40, 16, generator=g)
+    k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(2))
+    w_out, w_lse = torch.randn(1, 4, 40, 16, generator=g), torch.randn(1, 4, 40, generator=g)
+    bm = longctx.block_mask(longctx.masks.causal_mask, None, None, 40, 40, block_size=16, device="cpu")
+    calls = {
+        "dense": (lambda q, k, v: triton_attention(q, k, v, scale=0.25, band=Band(None, 0)), "triton_attn"),
+        "sparse": (lambda q, k, v: triton_sparse_attention(q, k, v, scale=0.25, block_mask=bm), "triton_sparse"),
+    }
+    for name, (fn, op) in calls.items():
+        for loss in ("out and lse", "lse only"):
+            runs = []
+            for mode in (None, Seen()):
+                qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+                with mode if mode is not None else contextlib.nullcontext():
+                    out, lse = fn(qg, kg, vg)
+                    total = (lse * w_lse).sum() + (0 if loss == "lse only" else (out * w_out).sum())
+                    total.backward()
+                runs.append((out, lse, qg.grad, kg.grad, vg.grad))
+                assert (type(out.grad_fn).__name__ == "_EagerBackward") == (mode is None), type(out.grad_fn)
+                if mode is not None:  # the op, forward and backward, where a dispatch mode looks
+                    assert {f"longctx.{op}_fwd", f"longctx.{op}_bwd"} <= mode.ops, (name, mode.ops)
+            for a, b in zip(*runs):  # the eager twin and the op: the same launchers, bitwise
+                assert torch.equal(a, b), (name, loss)
+            print("ok", name, loss, flush=True)
+    """
+)
+
+
+def test_eager_twin_equals_the_registered_op_in_interpreter():
+    """Plain eager calls run the ops' `torch.autograd.Function` twin (less host time); under a dispatch mode the
+    registered ops run and are seen. Both give bitwise the same outputs and gradients, with a loss on lse alone
+    too (the output's gradient then None in both)."""
+    assert _run(EAGER_SCRIPT, {"LONGCTX_TUNING": "tiles=fwd:16x16x4x1x0"}).count("ok") == 4

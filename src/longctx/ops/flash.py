@@ -9,7 +9,7 @@ import torch
 
 from longctx.launchers.flash import _backward_impl, _forward_impl
 from longctx.masks import Band
-from longctx.ops import LIB, define
+from longctx.ops import LIB, define, through_op
 
 __all__ = ["triton_attention"]
 
@@ -49,14 +49,31 @@ def _setup_context(ctx, inputs, output):
     ctx.scale, ctx.lo, ctx.hi, ctx.deterministic, ctx.softcap = scale, lo, hi, deterministic, softcap
 
 
-def _backward(ctx, dout, dlse):
+def _gradients(bwd, ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.longctx.triton_attn_bwd(
-        dout, q, k, v, out, lse, dlse, ctx.scale, ctx.lo, ctx.hi, ctx.deterministic, ctx.softcap
-    )
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.lo, ctx.hi, ctx.deterministic, ctx.softcap)
     return dq, dk, dv, None, None, None, None, None
+
+
+def _backward(ctx, dout, dlse):
+    return _gradients(torch.ops.longctx.triton_attn_bwd, ctx, dout, dlse)
+
+
+class _Eager(torch.autograd.Function):
+    """The op's eager twin (`longctx.ops.through_op`): the same launchers, context and gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, lo, hi, deterministic, softcap):
+        output = _attn_fwd_op(q, k, v, scale, lo, hi, deterministic, softcap)
+        _setup_context(ctx, (q, k, v, scale, lo, hi, deterministic, softcap), output)
+        ctx.set_materialize_grads(False)  # as the op: None for an output the loss does not use
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _gradients(_attn_bwd_op, ctx, dout, dlse)
 
 
 define("triton_attn_fwd", _FWD_SCHEMA, _attn_fwd_op, _attn_fwd_fake)
@@ -74,11 +91,11 @@ def triton_attention(
     deterministic: bool = False,
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable ``(out, lse)`` through the registered op (traceable by torch.compile).
+    """Differentiable ``(out, lse)`` through the registered op (traceable by torch.compile; in plain eager calls its
+    twin, `_Eager`).
 
     ``deterministic`` selects the backward without atomics (see `triton_backward`); ``softcap > 0`` caps the scaled
     scores to ``softcap * tanh(scores / softcap)``.
     """
-    return torch.ops.longctx.triton_attn_fwd(
-        q, k, v, float(scale), band.lo, band.hi, bool(deterministic), float(softcap)
-    )
+    fwd = torch.ops.longctx.triton_attn_fwd if through_op(q) else _Eager.apply
+    return fwd(q, k, v, float(scale), band.lo, band.hi, bool(deterministic), float(softcap))

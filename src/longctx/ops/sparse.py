@@ -9,7 +9,7 @@ import torch
 
 from longctx.launchers.sparse import _backward_impl, _forward_impl
 from longctx.masks import BlockMask
-from longctx.ops import LIB, define
+from longctx.ops import LIB, define, through_op
 
 __all__ = ["triton_sparse_attention"]
 
@@ -49,14 +49,32 @@ def _setup_context(ctx, inputs, output):
     ctx.scale, ctx.meta, ctx.deterministic, ctx.softcap = scale, meta, deterministic, softcap
 
 
-def _backward(ctx, dout, dlse):
+def _gradients(bwd, ctx, dout, dlse):
     q, k, v, out, lse, *mask = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.longctx.triton_sparse_bwd(
-        dout, q, k, v, out, lse, dlse, ctx.scale, mask, ctx.meta, ctx.deterministic, ctx.softcap
-    )
+    return bwd(dout, q, k, v, out, lse, dlse, ctx.scale, mask, ctx.meta, ctx.deterministic, ctx.softcap), mask
+
+
+def _backward(ctx, dout, dlse):
+    (dq, dk, dv), mask = _gradients(torch.ops.longctx.triton_sparse_bwd, ctx, dout, dlse)
     return dq, dk, dv, None, [None] * len(mask), None, None, None
+
+
+class _Eager(torch.autograd.Function):
+    """The op's eager twin (`longctx.ops.through_op`): the same launchers, context and gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, mask, meta, deterministic, softcap):
+        output = _sparse_fwd_op(q, k, v, scale, mask, meta, deterministic, softcap)
+        _setup_context(ctx, (q, k, v, scale, mask, meta, deterministic, softcap), output)
+        ctx.set_materialize_grads(False)  # as the op: None for an output the loss does not use
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        (dq, dk, dv), _ = _gradients(_sparse_bwd_op, ctx, dout, dlse)
+        return dq, dk, dv, None, None, None, None, None
 
 
 define("triton_sparse_fwd", _FWD_SCHEMA, _sparse_fwd_op, _sparse_fwd_fake)
@@ -75,10 +93,10 @@ def triton_sparse_attention(
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable block-sparse attention on the Triton kernels: ``(out, lse)``, through the registered op
-    ``torch.ops.longctx.triton_sparse_fwd`` (traceable by torch.compile, no graph break); ``softcap > 0`` caps the
+    ``torch.ops.longctx.triton_sparse_fwd`` (traceable by torch.compile, no graph break; in plain eager calls its
+    twin, `_Eager`); ``softcap > 0`` caps the
     scaled scores to ``softcap * tanh(scores / softcap)``."""
     block_mask.check_compatible(q, k)
     mt, meta = block_mask.kernel_tensors(), block_mask.kernel_meta()
-    return torch.ops.longctx.triton_sparse_fwd(
-        q, k, v, float(scale), list(mt), meta, bool(deterministic), float(softcap)
-    )
+    fwd = torch.ops.longctx.triton_sparse_fwd if through_op(q) else _Eager.apply
+    return fwd(q, k, v, float(scale), list(mt), meta, bool(deterministic), float(softcap))
