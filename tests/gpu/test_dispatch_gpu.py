@@ -1,37 +1,18 @@
 """The dispatcher's kernels and the packed-document path at context-parallel size 1, on CUDA in bf16.
 
-A single-rank process group (gloo through a FileStore, so no port; the methods never communicate at size 1) runs
-`dispatch_plan(...).attention` and `cp_attention(cu_seqlens=...)` with the Triton launchers, each per-document
-call a band launch with document offsets; outputs and gradients are compared with the float64 oracle within
-2x (plus a small floor) of the error `flash_attn_varlen_func` reaches in bf16 on the same inputs.
+A context-parallel group of one without torch.distributed (`SINGLE_PROCESS`: no process group to share with the
+other test modules of a worker) runs `dispatch_plan(...).attention` and `cp_attention(cu_seqlens=...)` with the
+Triton launchers, each per-document call a band launch with document offsets; outputs and gradients are compared
+with the float64 oracle within 2x (plus a small floor) of the error `flash_attn_varlen_func` reaches in bf16 on the
+same inputs.
 """
 
 from __future__ import annotations
-
-import datetime
-import os
-import tempfile
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def single_rank_group():
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        yield None
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
-        try:
-            yield None
-        finally:
-            dist.destroy_process_group()
 
 
 def _cu(total: int) -> list[int]:
@@ -50,9 +31,9 @@ def _errs(outs, ref) -> list[float]:
 @pytest.mark.parametrize("method", ["ring", "allgather", "ulysses", "ulysses_ring"])
 @pytest.mark.parametrize("mask", [dict(causal=True), dict(causal=True, window=(255, 0)), dict(causal=False)])
 @pytest.mark.parametrize("hd", [64, 128])
-def test_dispatch_plan_bf16_matches_varlen(single_rank_group, method: str, mask: dict, hd: int) -> None:
+def test_dispatch_plan_bf16_matches_varlen(method: str, mask: dict, hd: int) -> None:
     import longctx
-    from longctx.distributed import dispatch_plan
+    from longctx.distributed import SINGLE_PROCESS, dispatch_plan
 
     dev = torch.device("cuda")
     total, hq, hkv = 4096, 8, 2
@@ -75,7 +56,7 @@ def test_dispatch_plan_bf16_matches_varlen(single_rank_group, method: str, mask:
     o1.backward(do.bfloat16())
     e_one = _errs([o1.detach()] + [t.grad for t in one], oracle)
 
-    plan = dispatch_plan(cut, causal=mask["causal"], window=window)
+    plan = dispatch_plan(cut, causal=mask["causal"], window=window, group=SINGLE_PROCESS)
     assert plan.balance() == 1.0
     loc = [plan.dispatch(t.bfloat16()).requires_grad_() for t in (q, k, v)]
     extra = dict(ulysses_size=1) if method == "ulysses_ring" else {}
@@ -88,11 +69,11 @@ def test_dispatch_plan_bf16_matches_varlen(single_rank_group, method: str, mask:
 
 
 @pytest.mark.parametrize("method", ["ring", "allgather", "ulysses"])
-def test_cp_attention_cu_seqlens_bf16(single_rank_group, method: str) -> None:
+def test_cp_attention_cu_seqlens_bf16(method: str) -> None:
     """cp_attention(cu_seqlens=...) on (1, H, S, D) at CP size 1 against the float64 oracle, next to the varlen
     kernel's own bf16 error."""
     import longctx
-    from longctx.distributed import cp_attention
+    from longctx.distributed import SINGLE_PROCESS, cp_attention
 
     dev = torch.device("cuda")
     total, hq, hkv, hd = 2048, 4, 4, 128
@@ -112,7 +93,9 @@ def test_cp_attention_cu_seqlens_bf16(single_rank_group, method: str) -> None:
     e_one = _errs([o1.detach()] + [t.grad for t in one], oracle)
 
     loc = [t.bfloat16().permute(1, 0, 2).unsqueeze(0).contiguous().requires_grad_() for t in (q, k, v)]
-    out = cp_attention(*loc, method=method, layout="contiguous", causal=True, cu_seqlens=cut, backend="triton")
+    out = cp_attention(
+        *loc, method=method, layout="contiguous", causal=True, cu_seqlens=cut, backend="triton", group=SINGLE_PROCESS
+    )
     out.backward(do.bfloat16().permute(1, 0, 2).unsqueeze(0))
     got = [t[0].permute(1, 0, 2) for t in [out.detach()] + [t.grad for t in loc]]
     for name, a, b in zip(("out", "dq", "dk", "dv"), _errs(got, oracle), e_one):
