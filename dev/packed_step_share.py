@@ -158,6 +158,30 @@ def _arrivals(every: list[dict]) -> dict:
     }  # fmt: skip
 
 
+def _attention_flops(cu, mcfg) -> dict:
+    """The causal attention FLOPs of one step over documents ``cu`` (boundaries), all layers: forward 4 x Hq x D x
+    the kept scores (L (L + 1) / 2 per document), backward 2.5x that (the attention benchmark's convention); with the
+    documents' length quantiles."""
+    lengths = sorted(int(n) for n in cu.diff().tolist() if int(n) > 0)
+    area = sum(n * (n + 1) / 2 for n in lengths)
+    fwd = 4.0 * mcfg.num_attention_heads * mcfg.head_dim * area * mcfg.num_layers
+    q = lambda f: lengths[min(len(lengths) - 1, int(f * len(lengths)))]  # noqa: E731
+    return {
+        "fwd": fwd, "bwd": 2.5 * fwd, "documents": len(lengths),
+        "length_quantiles": {"10%": q(0.1), "50%": q(0.5), "90%": q(0.9), "max": lengths[-1]},
+        "area_weighted_mean_length": round(sum(n * n * (n + 1) / 2 for n in lengths) / max(area, 1.0)),
+    }  # fmt: skip
+
+
+def _achieved(flops: dict, by_kernel: dict[str, float]) -> dict:
+    """TFLOP/s of the step's forward and backward attention kernels (their summed time, us) on ``flops``."""
+    fwd_us = sum(us for name, us in by_kernel.items() if "fwd" in name)
+    bwd_us = sum(us for name, us in by_kernel.items() if "fwd" not in name)
+    rate = lambda f, us: round(f / us * 1e-6, 1) if us else None  # noqa: E731
+    out = {k: v for k, v in flops.items() if k not in ("fwd", "bwd")}
+    return {**out, "fwd": rate(flops["fwd"], fwd_us), "bwd": rate(flops["bwd"], bwd_us)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -214,6 +238,16 @@ def main() -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
+    seen: list = []  # the profiled step's document boundaries (one GPU: its attention's FLOPs below)
+    doc_attention = getattr(trainer, "doc_attention", None)
+    if doc_attention is not None:
+        plain = doc_attention.set_documents
+
+        def record(cu):
+            seen.append(cu.detach().cpu())
+            return plain(cu)
+
+        doc_attention.set_documents = record
     with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
         t_prof = time.perf_counter()
         trainer.train_step(args.warmup + args.steps)
@@ -233,6 +267,9 @@ def main() -> None:
         if ATTENTION.match(e.name):
             attention += us
             by_kernel[e.name] = by_kernel.get(e.name, 0.0) + us
+    if doc_attention is not None:
+        doc_attention.set_documents = plain
+    flops = _attention_flops(seen[-1], trainer.model_config) if seen and not trainer.distributed else None
     busy, end = 0.0, float("-inf")  # the union of the kernels' intervals (us)
     for a, b in sorted(spans):
         busy += max(0.0, b - max(a, end))
@@ -273,6 +310,7 @@ def main() -> None:
         "gpu_busy_share": round(busy / 1e6 / max(t_prof, 1e-9), 4), "kernels": len(spans),
         "host_syncs": None if syncs is None else sum(syncs.values()),
         "rank_timeline": timeline,
+        "attention_tflops": None if flops is None else _achieved(flops, by_kernel),
         "top_kernels_ms": {k[:80]: round(v / 1e3, 2) for k, v in sorted(every.items(), key=lambda kv: -kv[1])[:15]},
     }  # fmt: skip
     if not writer:
