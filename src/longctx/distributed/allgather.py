@@ -42,6 +42,7 @@ from longctx.distributed.blocks import (
 )
 from longctx.distributed.comm import GroupInfo, gather_flat, gather_seq, reduce_scatter_flat, reduce_scatter_seq
 from longctx.distributed.sharding import local_chunks
+from longctx.dtypes import accumulation_dtype
 from longctx.launchers.select import Launchers
 
 __all__ = ["AllGatherAttention", "DocAllGatherAttention"]
@@ -60,7 +61,7 @@ class AllGatherAttention(torch.autograd.Function):
         k_full = gather_seq(k, 2, info, layout)  # (B, Hkv, S, D)
         v_full = gather_seq(v, 2, info, layout)
         out = torch.zeros_like(q)
-        lse_dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        lse_dt = accumulation_dtype(q.dtype)
         lse = torch.full((B, Hq, S_loc), float("-inf"), device=q.device, dtype=lse_dt)
         for q0, q1, k0, k1, b in ((c.q0, c.q1, c.k0, c.k1, c.band) for c in _calls(band, seq_total, info, layout)):
             o, l = launchers.forward(q[:, :, q0:q1], k_full[:, :, k0:k1], v_full[:, :, k0:k1], scale=scale, band=b)
@@ -76,7 +77,7 @@ class AllGatherAttention(torch.autograd.Function):
         info, layout, band, scale, launchers = ctx.info, ctx.layout, ctx.band, ctx.scale, ctx.launchers
         S_loc = q.shape[2]
         seq_total = S_loc * info.world
-        adt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        adt = accumulation_dtype(q.dtype)
         do = do.contiguous()
         k_full = gather_seq(k, 2, info, layout)
         v_full = gather_seq(v, 2, info, layout)

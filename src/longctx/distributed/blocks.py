@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from longctx.dtypes import accumulation_dtype
 from longctx.masks import Band, TileKind
 
 __all__ = [
@@ -283,7 +284,7 @@ def rows_forward(rs: RowsStep, q, k, v, out: torch.Tensor, lse: torch.Tensor, *,
     ``lse`` by their lse, in the accumulation dtype (float32, float64 for float64 inputs); returns the lse (``lse``
     itself, or a copy in the accumulation dtype)."""
     out_b, lse_b = step_forward(rs.step, take_rows(q, rs.rows), k, v, scale=scale, launchers=launchers)
-    adt = torch.float64 if out.dtype == torch.float64 else torch.float32
+    adt = accumulation_dtype(out.dtype)
     out_m, lse_m = take_rows(out, rs.rows).to(adt), take_rows(lse, rs.rows).to(adt, copy=True)
     merge_into(out_m, lse_m, out_b, lse_b)
     put_rows(out, rs.rows, out_m.to(out.dtype))

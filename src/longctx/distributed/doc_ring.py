@@ -44,6 +44,7 @@ from longctx.distributed.blocks import (
 from longctx.distributed.blocks import step_backward as _step_backward
 from longctx.distributed.blocks import step_forward as _step_forward
 from longctx.distributed.comm import GroupInfo, RingComm, exchange
+from longctx.dtypes import accumulation_dtype
 from longctx.launchers.select import Launchers
 
 __all__ = ["DocRingAttention", "ring_plan"]
@@ -119,7 +120,7 @@ class DocRingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, info: GroupInfo, chunks, docs: Documents, scale: float, launchers: Launchers):
         B, Hq, S_loc, D = q.shape
         plan = ring_plan(docs, chunks, info.rank)
-        adt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        adt = accumulation_dtype(q.dtype)
         k, v = k.contiguous(), v.contiguous()
         out_acc = torch.zeros(B, Hq, S_loc, D, device=q.device, dtype=adt)
         lse_acc = torch.full((B, Hq, S_loc), float("-inf"), device=q.device, dtype=adt)
@@ -162,7 +163,7 @@ class DocRingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         info, scale, launchers = ctx.info, ctx.scale, ctx.launchers
         plan = ring_plan(ctx.docs, ctx.chunks, info.rank)
-        adt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        adt = accumulation_dtype(q.dtype)
         do = do.contiguous()
         dq = torch.zeros(q.shape, device=q.device, dtype=adt)
         dk = torch.zeros(k.shape, device=q.device, dtype=adt)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from longctx.distributed.model import check_agreement, init_distributed
+from longctx.dtypes import accumulation_dtype
 
 __all__ = [
     "ParallelDims",
@@ -339,7 +340,7 @@ def share_of_mean(
         dist.all_reduce(stats, group=group)
     total_sum, total_count = stats[0], stats[1].clamp_min(1.0)
     loss = local_sum / total_count.to(local_sum.dtype)
-    value_dtype = torch.float64 if local_sum.dtype == torch.float64 else torch.float32
+    value_dtype = accumulation_dtype(local_sum.dtype)
     return loss, (total_sum / total_count).to(value_dtype)
 
 

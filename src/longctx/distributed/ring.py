@@ -35,13 +35,10 @@ import torch
 from longctx.distributed.blocks import Call, Cover, Mask, accumulate, merge_partial, plan_calls, rounded_like
 from longctx.distributed.comm import GroupInfo, RingComm
 from longctx.distributed.sharding import local_chunks
+from longctx.dtypes import accumulation_dtype
 from longctx.launchers.select import Launchers
 
 __all__ = ["RingAttention"]
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @functools.lru_cache(maxsize=4096)  # every layer, and the backward, plan the same steps
@@ -61,7 +58,7 @@ class RingAttention(torch.autograd.Function):
         B, Hq, S_loc, D = q.shape
         P, r = info.world, info.rank
         seq_total = S_loc * P
-        adt = _acc_dtype(q.dtype)
+        adt = accumulation_dtype(q.dtype)
         out_acc = torch.empty(B, Hq, S_loc, D, device=q.device, dtype=adt)
         lse_acc = torch.empty(B, Hq, S_loc, device=q.device, dtype=adt)
         cover = Cover(S_loc)
@@ -99,7 +96,7 @@ class RingAttention(torch.autograd.Function):
         Hkv = k.shape[1]
         P, r = info.world, info.rank
         seq_total = S_loc * P
-        adt = _acc_dtype(q.dtype)
+        adt = accumulation_dtype(q.dtype)
         do = do.contiguous()
         dq_acc = torch.empty(B, Hq, S_loc, D, device=q.device, dtype=adt)
         dq_cover = Cover(S_loc)

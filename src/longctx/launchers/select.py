@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from longctx import switches
+from longctx.dtypes import accumulation_dtype
 from longctx.masks import Band
 
 __all__ = ["Launchers", "resolve_launchers", "BACKENDS"]
@@ -39,11 +40,6 @@ class Launchers:
     sparse_backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def _grad_dtype(dtype: torch.dtype) -> torch.dtype:
-    # float32 (float64) gradients: the per-block results are summed over the ranks in that precision
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 @functools.cache  # built once: cp_attention resolves its launchers on every call
 def _tiled() -> Launchers:
     from longctx.reference.tiled import tiled_backward, tiled_forward
@@ -53,14 +49,16 @@ def _tiled() -> Launchers:
         return tiled_forward(q, k, v, scale=scale, band=band)
 
     def bwd(do, q, k, v, out, lse, *, scale: float, band: Band):
-        return tiled_backward(do, q, k, v, out, lse, scale=scale, band=band, grad_dtype=_grad_dtype(q.dtype))
+        return tiled_backward(do, q, k, v, out, lse, scale=scale, band=band, grad_dtype=accumulation_dtype(q.dtype))
 
     def sparse_fwd(q, k, v, *, scale: float, block_mask):
         return block_sparse_forward(q, k, v, scale=scale, band=Band(), block_mask=block_mask)
 
     def sparse_bwd(do, q, k, v, out, lse, *, scale: float, block_mask):
+        # float32 (float64) gradients: the per-block results are summed over the ranks in that precision
+        grad = accumulation_dtype(q.dtype)
         return block_sparse_backward(
-            do, q, k, v, out, lse, scale=scale, band=Band(), block_mask=block_mask, grad_dtype=_grad_dtype(q.dtype)
+            do, q, k, v, out, lse, scale=scale, band=Band(), block_mask=block_mask, grad_dtype=grad
         )
 
     return Launchers("tiled", fwd, bwd, sparse_fwd, sparse_bwd)

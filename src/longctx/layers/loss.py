@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from longctx.dtypes import accumulation_dtype
+
 __all__ = ["linear_cross_entropy", "default_chunk_size"]
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -56,7 +58,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # hidden (N, h); weight (V, h); bias (V,) or None; labels (N,) int64 with ignored tokens already at 0;
         # token_weight (N,) float: 0 for tokens that do not count, 1 / count for "mean", 1 for "sum" and "none"
         cdt = _compute_dtype(hidden)
-        acc = torch.float64 if cdt == torch.float64 else torch.float32
+        acc = accumulation_dtype(cdt)
         N = hidden.shape[0]
         h_c = hidden.to(cdt)
         w_c = weight.to(cdt)
@@ -186,7 +188,7 @@ def linear_cross_entropy(
             f"labels must lie in [0, {weight.shape[0]}) (the vocabulary size) or equal ignore_index={ignore_index}; "
             f"got {bad}"
         )
-    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(hidden.dtype)
     token_weight = counted.to(acc)
     if reduction == "mean":
         token_weight = token_weight / counted.sum().to(acc)  # NaN weights when nothing counts, as F.cross_entropy

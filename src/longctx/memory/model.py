@@ -28,6 +28,7 @@ from unittest import mock
 
 import torch
 
+from longctx.dtypes import accumulation_dtype
 from longctx.layers.recompute import plan_layers
 from longctx.memory.measure import LiveBytesTracker
 from longctx.models.gpt import GPT, GPTConfig
@@ -349,7 +350,7 @@ CP_TRACED = ("ring", "allgather", "ulysses")
 def _cp_twin_backward(dout, q, k, v, out, lse, **_):
     """The context-parallel launchers' backward (`launchers.select`): `_twin_backward` with dq, dk, dv in the
     accumulation dtype (partial sums that the method adds up across ranks)."""
-    adt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    adt = accumulation_dtype(q.dtype)
     return _twin_backward(dout, q, k, v, out, lse, grad_dtype=adt)
 
 

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import torch
 
 from longctx import switches
+from longctx.dtypes import accumulation_dtype
 from longctx.launchers import pointwise as kernels
 
 __all__ = ["rms_norm", "rotary", "swiglu", "twins"]
@@ -29,12 +30,8 @@ __all__ = ["rms_norm", "rotary", "swiglu", "twins"]
 # -- the same math in torch ----------------------------------------------------------------------------------------
 
 
-def _acc(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def _norm_fwd(x, weight, eps):
-    acc = _acc(x)
+    acc = accumulation_dtype(x.dtype)
     xa = x.to(acc)
     rstd = torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
     y = (xa * rstd * weight.to(acc)).to(x.dtype)
@@ -42,7 +39,7 @@ def _norm_fwd(x, weight, eps):
 
 
 def _norm_bwd(dy, x, weight, rstd, need_dw):
-    acc = _acc(x)
+    acc = accumulation_dtype(x.dtype)
     h = x.shape[-1]
     r = rstd.reshape(*x.shape[:-1], 1)
     xhat = x.to(acc) * r
@@ -60,7 +57,7 @@ def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _rope(x, cos, sin, backward=False):
     if cos.dim() == 3:  # (B, S, D) -> (B, 1, S, D): per-sequence positions
         cos, sin = cos[:, None], sin[:, None]
-    acc = _acc(x)
+    acc = accumulation_dtype(x.dtype)
     x1, x2 = _halves(x.to(acc))
     c1, c2 = _halves(cos.to(acc))
     s1, s2 = _halves(sin.to(acc))
@@ -72,12 +69,12 @@ def _rope(x, cos, sin, backward=False):
 
 
 def _swiglu_fwd(gate, up):
-    acc = _acc(gate)
+    acc = accumulation_dtype(gate.dtype)
     return (torch.nn.functional.silu(gate.to(acc)) * up.to(acc)).to(gate.dtype)
 
 
 def _swiglu_bwd(dout, gate, up, dgate, dup):
-    acc = _acc(gate)
+    acc = accumulation_dtype(gate.dtype)
     g, u, d = gate.to(acc), up.to(acc), dout.to(acc)
     sig = torch.sigmoid(g)
     dgate.copy_(d * u * sig * (1 + g * (1 - sig)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from longctx.dtypes import accumulation_dtype
 from longctx.masks import Band
 
 __all__ = ["naive_attention"]
@@ -45,7 +46,7 @@ def naive_attention(
     """
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    cdt = upcast or (torch.float64 if q.dtype == torch.float64 else torch.float32)
+    cdt = upcast or accumulation_dtype(q.dtype)
     group = Hq // Hkv
     # (B, Hkv, group, Sq, D): query heads of one group share a kv head without copying K/V.
     q5 = q.to(cdt).reshape(B, Hkv, group, Sq, D)

@@ -31,15 +31,12 @@ from __future__ import annotations
 
 import torch
 
+from longctx.dtypes import accumulation_dtype
 from longctx.masks import Band, TileKind
 
 __all__ = ["tiled_forward", "tiled_backward", "TiledAttention", "tiled_attention"]
 
 DEFAULT_BLOCK = 128
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _tiles(n: int, block: int) -> list[tuple[int, int]]:
@@ -82,7 +79,7 @@ def tiled_forward(
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    cdt = _compute_dtype(q.dtype)
+    cdt = accumulation_dtype(q.dtype)
     q5 = q.reshape(B, Hkv, G, Sq, D)  # (B, Hkv, G, Sq, D): a view when q is contiguous per head
     k4, v4 = k.unsqueeze(2), v.unsqueeze(2)  # (B, Hkv, 1, Sk, D): broadcast over the group
     out = torch.empty(B, Hkv, G, Sq, D, device=q.device, dtype=q.dtype)
@@ -155,7 +152,7 @@ def tiled_backward(
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    cdt = _compute_dtype(q.dtype)
+    cdt = accumulation_dtype(q.dtype)
     gdt = grad_dtype or q.dtype
     q5 = q.reshape(B, Hkv, G, Sq, D)
     do5 = do.reshape(B, Hkv, G, Sq, D)

@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import torch
 
+from longctx.dtypes import accumulation_dtype
 from longctx.masks import Band, BlockMask, TileKind
 from longctx.reference.tiled import softcap_scores
 
 __all__ = ["tiled_block_sparse", "block_sparse_forward", "block_sparse_backward"]
-
-
-def _cdt(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _units(q, k, v, bm: BlockMask):
@@ -86,7 +83,7 @@ def block_sparse_forward(
     B, Hq, Sq, D = q.shape
     Sk = k.shape[2]
     bs = bm.block_size
-    cdt = _cdt(q.dtype)
+    cdt = accumulation_dtype(q.dtype)
     L = bm.cpu_lists()
     out = torch.empty(B, Hq, Sq, D, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, Hq, Sq, device=q.device, dtype=cdt)
@@ -149,7 +146,7 @@ def block_sparse_backward(
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     bs = bm.block_size
-    cdt = _cdt(q.dtype)
+    cdt = accumulation_dtype(q.dtype)
     L = bm.cpu_lists()
     # -- preprocessing: Delta = rowsum(dO * O) - dlse --
     delta = (do.to(cdt) * out.to(cdt)).sum(-1)
