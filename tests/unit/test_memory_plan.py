@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -111,6 +113,20 @@ def test_impossible_plans_say_what_is_needed():
     with pytest.raises(ValueError, match=r"needs GPU .* \(budget .*\); GPU is short by .* GiB\. (The longest sequence "
                        r"these budgets train is about [\d,]+ tokens|No length fits these budgets)"):  # fmt: skip
         plan(cfg, seq_length=1 << 16, budget=static + (1 << 20) + memory_model.CUDA_OVERHEAD_BYTES)
+
+
+def test_the_longest_length_named_trades_the_gpu_for_the_host():
+    """An impossible request names the longest length the budgets train, and that length plans. With a host budget
+    the most frugal plan (every checkpoint offloaded) is not the one that fits longest: here the host takes no
+    offloaded checkpoint at all, and the plan that keeps them on the GPU trains 8K."""
+    cfg = GPTConfig(**dict(BASE, num_layers=4, hidden_size=256, ffn_hidden_size=512))
+    budget, host = 390_000 << 10, 2_625_000 << 10  # the host: the process's allowance and 3.4 MiB besides
+    assert plan(cfg, seq_length=8192, budget=budget, host_budget=host).memory.host_offloaded == 0
+    with pytest.raises(ValueError, match=r"The longest sequence these budgets train is about") as err:
+        plan(cfg, seq_length=65536, budget=budget, host_budget=host)
+    longest = int(re.search(r"about ([\d,]+) tokens", str(err.value)).group(1).replace(",", ""))
+    assert 8192 <= longest < 65536
+    plan(cfg, seq_length=longest, budget=budget, host_budget=host)
 
 
 @pytest.mark.parametrize(

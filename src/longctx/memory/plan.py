@@ -238,6 +238,15 @@ def _frugal(config: GPTConfig, S: int, context_parallel: int = 1) -> GPTConfig:
     return _candidates(config, S, context_parallel)[-1]
 
 
+def _tradeoffs(config: GPTConfig, S: int, context_parallel: int = 1) -> list[GPTConfig]:
+    """The candidates with the smallest sequence chunks (the least GPU memory for their offloading), from none of
+    the checkpoints offloaded to all of them: each offloaded layer moves its checkpoint from the GPU to the host."""
+    cands = _candidates(config, S, context_parallel)
+    least = min((c.sequence_chunk_size or S) for c in cands)
+    return [c for c in cands if c.recompute_method == "uniform" and not c.recompute_skip_core_attention
+            and (c.sequence_chunk_size or S) == least]  # fmt: skip
+
+
 def plan(
     config: GPTConfig,
     *,
@@ -302,10 +311,9 @@ def plan(
         raise ValueError("offload_params with lora_rank is not planned: a LoRA run's frozen bf16 base stays on the GPU")
     ranks = data_parallel * context_parallel
     S, B = seq_length // context_parallel, micro_batch_size
-    n_params, param_bytes = parameter_count(config)
+    n_params, _ = parameter_count(config)
     modes = [False] if lora_rank is not None else [False, True] if offload_params is None else [offload_params]
     lora = dict(lora_rank=lora_rank, lora_targets=lora_targets) if lora_rank is not None else {}
-    adapters = lora_parameters(config, lora_rank, lora_targets) if lora_rank is not None else 0
     # every (plan, mode) in order of predicted added time, the modes in turn; the first that fits both memories wins
     walk: list[tuple[float, int, GPTConfig, bool]] = []
     for off in modes:
@@ -316,16 +324,9 @@ def plan(
     cp_kw = dict(context_parallel=context_parallel, cp_method=cp_method) if context_parallel > 1 else {}
     kw_of = {off: dict(offload_params=off, shards=ranks, **cp_kw) if off else dict(lora, **cp_kw) for off in modes}
     bounds = {off: _PeakBound(config, S, B, **kw_of[off]) for off in modes}
-    counts = _layer_counts(config)
     for cost, _, cand, off in walk:
         # the checkpoints and the states a plan keeps on the GPU for sure: plans that cannot fit are not traced
-        if off:
-            static = units_in_flight(counts[0], counts[1], ranks, 2)
-        elif lora_rank is not None:  # the frozen bf16 base; the adapters, their gradients and AdamW's states
-            static = 2 * n_params + 16 * adapters
-        else:
-            static = 2 * param_bytes + 8 * n_params  # parameters and their gradients, AdamW's two fp32 states
-        if static + _kept_lower_bound(cand, B, S, 2 if off or lora_rank is not None else 4) > limit:
+        if _held_for_sure(cand, off, ranks, lora_rank, lora_targets, B, S) > limit:
             continue
         if host_limit is not None and host_need(cand, off, ranks, B, S) > host_limit:
             continue  # the host side is known without a trace
@@ -359,6 +360,20 @@ def plan(
            "No length fits these budgets")
         + ("" if off or lora_rank is not None else "; offload_params (parameters in host memory) may train longer")
     )  # fmt: skip
+
+
+def _held_for_sure(c: GPTConfig, off: bool, ranks: int, lora_rank: int | None, lora_targets, B: int, S: int) -> int:
+    """Bytes plan ``c`` keeps on the GPU for sure, without a trace: the states (or the units in flight, offloaded)
+    and its checkpoints and kept attention outputs."""
+    n_params, param_bytes = parameter_count(c)
+    if off:
+        counts = _layer_counts(c)
+        static = units_in_flight(counts[0], counts[1], ranks, 2)
+    elif lora_rank is not None:  # the frozen bf16 base; the adapters, their gradients and AdamW's states
+        static = 2 * n_params + 16 * lora_parameters(c, lora_rank, lora_targets)
+    else:
+        static = 2 * param_bytes + 8 * n_params  # parameters and their gradients, AdamW's two fp32 states
+    return static + _kept_lower_bound(c, B, S, 2 if off or lora_rank is not None else 4)
 
 
 def host_need(c: GPTConfig, offload_params: bool, ranks: int, B: int, S: int) -> int:
@@ -396,17 +411,30 @@ def _longest_fitting(
     ranks: int = 1,
     context_parallel: int = 1,
 ) -> int:
-    """The longest S (a multiple of 1024 x context_parallel) whose most frugal plan fits ``limit`` (and the host
-    limit), 0 if none."""
+    """The longest S (a multiple of 1024 x context_parallel) that a frugal plan fits in ``limit`` and the host
+    limit, 0 if none. Without a host limit the most frugal plan (every checkpoint offloaded) fits longest; with one,
+    offloading checkpoints trades GPU memory for host memory, so the plans that offload fewer layers (`_tradeoffs`)
+    may fit where the most frugal one's host side does not."""
     memory_kw = memory_kw or {}
+    offload = bool(memory_kw.get("offload_params"))
+    lora_rank, lora_targets = memory_kw.get("lora_rank"), memory_kw.get("lora_targets", LORA_TARGETS)
 
     def fits(s: int) -> bool:
-        frugal = _frugal(config, s, context_parallel)
-        offload = bool(memory_kw.get("offload_params"))
-        if host_limit is not None and host_need(frugal, offload, ranks, B, s) > host_limit:
-            return False  # the host side is known without a trace
-        mem = step_memory(frugal, seq_length=s, micro_batch_size=B, **memory_kw)
-        return mem.total <= limit and (host_limit is None or _host_per_machine(mem, ranks) <= host_limit)
+        # those the host takes (its side is known without a trace), the most offloaded first: it usually holds the
+        # least on the GPU (not always: offloading a layer or two can cost more than it moves)
+        for c in reversed(
+            _tradeoffs(config, s, context_parallel)
+            if host_limit is not None
+            else [_frugal(config, s, context_parallel)]
+        ):
+            if host_limit is not None and host_need(c, offload, ranks, B, s) > host_limit:
+                continue
+            if _held_for_sure(c, offload, ranks, lora_rank, lora_targets, B, s) > limit:
+                continue
+            mem = step_memory(c, seq_length=s, micro_batch_size=B, **memory_kw)
+            if mem.total <= limit and (host_limit is None or _host_per_machine(mem, ranks) <= host_limit):
+                return True
+        return False
 
     lo, hi = 0, 1024
     while fits(hi) and hi < (1 << 26):
