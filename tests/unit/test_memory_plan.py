@@ -50,8 +50,8 @@ def test_trace_counts_what_the_real_step_holds(kw):
 
 def test_gradients_and_checkpoints_are_not_counted_as_held_at_once():
     """A deep model under full recompute: its peak comes late in the backward, when most layers' checkpoints are gone
-    and their gradients have come. The prediction is the real step's peak, not the gradients plus every checkpoint
-    (which over-predicted an 8B step at 32K by 5%), and the table says what was freed."""
+    and their gradients have come. The prediction is the real step's peak, not the gradients plus every checkpoint,
+    and the table says what was freed."""
     cfg = GPTConfig(**dict(BASE, num_layers=16, hidden_size=128, ffn_hidden_size=256, vocab_size=128), **FULL)
     est = memory_model.step_memory(cfg, seq_length=128, micro_batch_size=1, exact=True)
     torch.manual_seed(0)

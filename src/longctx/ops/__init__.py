@@ -3,7 +3,7 @@ model through them and a selective-recompute policy can name them: `flash` (dens
 
 In plain eager calls the same launchers run through a `torch.autograd.Function` twin instead (`through_op` says
 which): the op's Python autograd wrapper (its arguments flattened and unflattened, its defaults filled, a
-redispatch) took about a quarter of the host's time of a short packed-documents call, forward and backward.
+redispatch) is host time on every call, which a short call feels (docs/performance.md, "Host time per call").
 
 The ops are defined with the low-level `torch.library.Library` API rather than ``torch.library.custom_op``: a
 ``custom_op`` wraps its kernel so that its first call imports ``torch._dynamo``, seconds of Python imports in front of
