@@ -38,3 +38,23 @@ def through_op(q: torch.Tensor) -> bool:
         or torch.compiler.is_compiling()
         or _get_current_dispatch_mode() is not None
     )
+
+
+def eager_twin(forward: Callable, setup_context: Callable, gradients: Callable, n_inputs: int) -> type:
+    """The `torch.autograd.Function` an op runs as in plain eager calls: ``forward(*inputs) -> (out, lse)`` with the
+    op's ``setup_context``, and ``gradients(ctx, dout, dlse) -> (dq, dk, dv)`` for the first three of its
+    ``n_inputs`` inputs (None for the rest). As the op: None, not zeros, for an output the loss does not use."""
+
+    class _Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            output = forward(*inputs)
+            setup_context(ctx, inputs, output)
+            ctx.set_materialize_grads(False)
+            return output
+
+        @staticmethod
+        def backward(ctx, dout, dlse):
+            return (*gradients(ctx, dout, dlse), *(None,) * (n_inputs - 3))
+
+    return _Eager

@@ -9,7 +9,7 @@ import torch
 
 from longctx.launchers.flash import _backward_impl, _forward_impl
 from longctx.masks import Band
-from longctx.ops import LIB, define, through_op
+from longctx.ops import LIB, define, eager_twin, through_op
 
 __all__ = ["triton_attention"]
 
@@ -53,27 +53,15 @@ def _gradients(bwd, ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.lo, ctx.hi, ctx.deterministic, ctx.softcap)
-    return dq, dk, dv, None, None, None, None, None
+    return bwd(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.lo, ctx.hi, ctx.deterministic, ctx.softcap)
 
 
 def _backward(ctx, dout, dlse):
-    return _gradients(torch.ops.longctx.triton_attn_bwd, ctx, dout, dlse)
+    return (*_gradients(torch.ops.longctx.triton_attn_bwd, ctx, dout, dlse), None, None, None, None, None)
 
 
-class _Eager(torch.autograd.Function):
-    """The op's eager twin (`longctx.ops.through_op`): the same launchers, context and gradients."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale, lo, hi, deterministic, softcap):
-        output = _attn_fwd_op(q, k, v, scale, lo, hi, deterministic, softcap)
-        _setup_context(ctx, (q, k, v, scale, lo, hi, deterministic, softcap), output)
-        ctx.set_materialize_grads(False)  # as the op: None for an output the loss does not use
-        return output
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        return _gradients(_attn_bwd_op, ctx, dout, dlse)
+# the op's twin in plain eager calls (`longctx.ops.through_op`)
+_Eager = eager_twin(_attn_fwd_op, _setup_context, lambda *a: _gradients(_attn_bwd_op, *a), 8)
 
 
 define("triton_attn_fwd", _FWD_SCHEMA, _attn_fwd_op, _attn_fwd_fake)

@@ -9,7 +9,7 @@ import torch
 
 from longctx.launchers.sparse import _backward_impl, _forward_impl
 from longctx.masks import BlockMask
-from longctx.ops import LIB, define, through_op
+from longctx.ops import LIB, define, eager_twin, through_op
 
 __all__ = ["triton_sparse_attention"]
 
@@ -53,28 +53,16 @@ def _gradients(bwd, ctx, dout, dlse):
     q, k, v, out, lse, *mask = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    return bwd(dout, q, k, v, out, lse, dlse, ctx.scale, mask, ctx.meta, ctx.deterministic, ctx.softcap), mask
+    return bwd(dout, q, k, v, out, lse, dlse, ctx.scale, mask, ctx.meta, ctx.deterministic, ctx.softcap)
 
 
 def _backward(ctx, dout, dlse):
-    (dq, dk, dv), mask = _gradients(torch.ops.longctx.triton_sparse_bwd, ctx, dout, dlse)
-    return dq, dk, dv, None, [None] * len(mask), None, None, None
+    dq, dk, dv = _gradients(torch.ops.longctx.triton_sparse_bwd, ctx, dout, dlse)
+    return dq, dk, dv, None, [None] * (len(ctx.saved_tensors) - 5), None, None, None
 
 
-class _Eager(torch.autograd.Function):
-    """The op's eager twin (`longctx.ops.through_op`): the same launchers, context and gradients."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale, mask, meta, deterministic, softcap):
-        output = _sparse_fwd_op(q, k, v, scale, mask, meta, deterministic, softcap)
-        _setup_context(ctx, (q, k, v, scale, mask, meta, deterministic, softcap), output)
-        ctx.set_materialize_grads(False)  # as the op: None for an output the loss does not use
-        return output
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        (dq, dk, dv), _ = _gradients(_sparse_bwd_op, ctx, dout, dlse)
-        return dq, dk, dv, None, None, None, None, None
+# the op's twin in plain eager calls (`longctx.ops.through_op`)
+_Eager = eager_twin(_sparse_fwd_op, _setup_context, lambda *a: _gradients(_sparse_bwd_op, *a), 8)
 
 
 define("triton_sparse_fwd", _FWD_SCHEMA, _sparse_fwd_op, _sparse_fwd_fake)
