@@ -83,6 +83,9 @@ def test_bench_memory_cells_through_the_step_timer():
     assert sum(cell["phases"].values()) <= cell["step_s"] * 1.5 and cell["copies"] is None  # profiled on CUDA only
     offloaded = memory._measure(memory._gpt_step_runner, cfg, 32, 2, 1, CPU, offload_params=True)
     assert offloaded["status"] == "ok", offloaded
+    # the host's AdamW step behind the next forward: timed through the same loop, the last one waited for
+    overlapped = memory._measure(memory._gpt_step_runner, cfg, 32, 2, 1, CPU, offload_params=True, overlap=True)
+    assert overlapped["status"] == "ok", overlapped
     hf = memory._measure(memory._hf_step_runner, cfg, 32, 1, 0, CPU)
     assert hf["status"] == "ok" and hf["tokens_per_s"] > 0
 

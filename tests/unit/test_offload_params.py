@@ -320,3 +320,67 @@ def test_the_host_step_runs_on_the_ranks_share_of_the_cores(monkeypatch):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_overlapped_host_step_equals_the_plain_step_to_the_bit():
+    """`OverlappedHostStep`: the AdamW step taken unit by unit in a background thread while the next forward runs
+    gives bitwise the parameters and AdamW states of `optimizer.step()`, also when the background thread is slow
+    (each unit's step delayed: the forward's hooks must wait for it), and its errors reach the main thread."""
+    import time
+
+    from longctx.distributed.offload import OverlappedHostStep
+
+    cfg = GPTConfig(**TINY, share_embeddings_and_output_weights=False)
+    gen = torch.Generator().manual_seed(4)
+    batches = [torch.randint(0, TINY["vocab_size"], (2, TINY["seq_length"]), generator=gen) for _ in range(3)]
+
+    def train(overlap: bool, delay: float = 0.0):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        offload_model(model)
+        opt = host_adamw(model, lr=1e-2)
+        stepper = OverlappedHostStep(opt, model) if overlap else None
+        if delay:
+            for unit in stepper._steppers:
+                plain = unit[0].step
+                unit[0].step = lambda plain=plain: (time.sleep(delay), plain())
+        for i, x in enumerate(batches):
+            for g in opt.param_groups:
+                g["lr"] = 1e-2 / (i + 1)  # a schedule: each step's learning rate reaches the units
+            model(x, labels=x).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            if overlap:
+                stepper.step()
+            else:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        if overlap:
+            stepper.wait()
+        return model, opt
+
+    ref_model, ref_opt = train(False)
+    for delay in (0.0, 0.02):
+        model, opt = train(True, delay)
+        for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+            assert torch.equal(p.full_tensor(), q.full_tensor()), (delay, name)
+            assert p.grad is None, name
+        states = [opt.state[p] for p in model.parameters()]
+        for a, b in zip(states, [ref_opt.state[q] for q in ref_model.parameters()], strict=True):
+            assert all(
+                torch.equal(
+                    a[k].full_tensor() if hasattr(a[k], "full_tensor") else a[k],
+                    b[k].full_tensor() if hasattr(b[k], "full_tensor") else b[k],
+                )
+                for k in b
+            )
+    assert opt.state_dict()["param_groups"][0].keys() == ref_opt.state_dict()["param_groups"][0].keys()
+
+    # a failing step is raised on the main thread, at the next forward's wait
+    model, opt = train(True)
+    stepper = OverlappedHostStep(opt, model)
+    stepper._steppers[1][0].step = lambda: (_ for _ in ()).throw(OSError("disk on fire"))
+    x = batches[0]
+    model(x, labels=x).backward()
+    stepper.step()
+    with pytest.raises(RuntimeError, match="overlapped host optimizer step failed: disk on fire"):
+        model(x, labels=x)

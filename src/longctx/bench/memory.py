@@ -34,9 +34,10 @@ from longctx.bench.steps import adamw, time_steps, training_step
 __all__ = ["main"]
 
 
-def _gpt_step_runner(config, S: int, device: torch.device, offload_params: bool = False):
+def _gpt_step_runner(config, S: int, device: torch.device, offload_params: bool = False, overlap: bool = False):
     """A training step of the longctx GPT of ``config`` on one sequence of S tokens; ``offload_params``: its
-    parameters, gradients and AdamW states in host memory (`longctx.distributed.offload`, AdamW on the CPU)."""
+    parameters, gradients and AdamW states in host memory (`longctx.distributed.offload`, AdamW on the CPU);
+    ``overlap``: that AdamW step behind the next step's forward (`OverlappedHostStep`)."""
     from longctx.models.gpt import GPT
 
     torch.manual_seed(0)
@@ -48,6 +49,11 @@ def _gpt_step_runner(config, S: int, device: torch.device, offload_params: bool 
             model = GPT(config)
         offload_model(model)
         opt = host_adamw(model, lr=1e-5)
+        if overlap:
+            from longctx.distributed.offload import OverlappedHostStep
+
+            x = torch.randint(0, config.vocab_size, (1, S), generator=torch.Generator().manual_seed(S)).to(device)
+            return training_step(lambda: model(x, labels=x), opt, device, OverlappedHostStep(opt, model))
     else:
         model = GPT(config).to(device)
         opt = adamw(model, device)
@@ -264,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offload-params", choices=("auto", "on", "off"), default="auto",
                     help="parameters, gradients and AdamW states in host memory: auto lets each plan choose; a "
                     "--plans file's entry says it with offload_params (default auto)")  # fmt: skip
+    ap.add_argument(
+        "--overlap-host-step",
+        action="store_true",
+        help="offloaded rows: the host's AdamW step unit by unit behind the next step's forward "
+        "(distributed.offload.OverlappedHostStep); their optimizer column is then only its start",
+    )
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--no-hf", action="store_true", help="leave out the transformers baseline")
@@ -326,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         is_long = S in longest and S not in seqs
         row["first_step"] = is_long  # one step, no warm-up: AdamW's states do not exist yet at its peak
         steps, warm = (1, 0) if is_long else (args.steps, args.warmup)
-        row["longctx"] = _measure(_gpt_step_runner, cfg, S, steps, warm, device, offload_params=off)
+        overlap = {"overlap": True} if off and args.overlap_host_step else {}
+        if overlap:
+            row["plan"] += ", the host's AdamW step behind the next forward"
+        row["longctx"] = _measure(_gpt_step_runner, cfg, S, steps, warm, device, offload_params=off, **overlap)
         if hf and not is_long and not off:
             row["hf"] = _measure(_hf_step_runner, base, S, steps, warm, device)
         rows.append(row)

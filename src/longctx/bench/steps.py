@@ -8,6 +8,7 @@ is a result, never a raise: ``oom`` for an allocator failure, ``error`` for anyt
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
@@ -75,11 +76,17 @@ def adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer
 class _Step:
     """A step: ``loss_fn()`` under bf16 autocast, backward, the optimizer step, gradients set to None; ``phases``
     holds the seconds of the last step's forward + backward and of its optimizer step (the device synchronised
-    between them)."""
+    between them). With ``host_step`` (`distributed.offload.OverlappedHostStep`) the optimizer step is only started
+    (its phase is the start) and runs behind the next step's forward; `finish` waits for the last one."""
 
-    def __init__(self, loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, device: torch.device):
-        self.loss_fn, self.opt, self.device = loss_fn, opt, device
+    def __init__(self, loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, device: torch.device,
+                 host_step=None):  # fmt: skip
+        self.loss_fn, self.opt, self.device, self.host_step = loss_fn, opt, device, host_step
         self.phases: dict[str, float] = {}
+
+    def finish(self) -> None:
+        if self.host_step is not None:
+            self.host_step.wait()
 
     def __call__(self) -> None:
         t = time.perf_counter()
@@ -88,18 +95,27 @@ class _Step:
         loss.backward()
         _sync(self.device)
         t_opt = time.perf_counter()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        if self.host_step is not None:
+            self.host_step.step()
+        else:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
         _sync(self.device)
         self.phases = {"forward_backward_s": t_opt - t, "optimizer_s": time.perf_counter() - t_opt}
 
 
 def training_step(
-    loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, device: torch.device
+    loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, device: torch.device, host_step=None
 ) -> Callable[[], None]:
     """A step: ``loss_fn()`` under bf16 autocast, backward, the optimizer step, gradients set to None (its
-    ``phases``: the seconds of the forward + backward and of the optimizer step)."""
-    return _Step(loss_fn, opt, device)
+    ``phases``: the seconds of the forward + backward and of the optimizer step); ``host_step``: see `_Step`."""
+    return _Step(loss_fn, opt, device, host_step)
+
+
+def _finish(step) -> None:
+    finish = getattr(step, "finish", None)
+    if finish is not None:
+        finish()
 
 
 def time_steps(
@@ -122,7 +138,7 @@ def time_steps(
     try:
         step = make_step()
         for _ in range(warmup):
-            step()
+            step()  # a step whose optimizer runs behind the next one: the last warm-up's runs behind the first timed
         _sync(device)
         free(device)
         if device.type == "cuda":
@@ -138,6 +154,7 @@ def time_steps(
                 times.append(time.perf_counter() - t)
                 for k, v in getattr(step, "phases", {}).items():
                     phases.setdefault(k, []).append(v)
+            _finish(step)  # a step whose optimizer runs behind the next one: the last one ends before the peaks
         reserved = None
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
@@ -155,5 +172,8 @@ def time_steps(
         code = OOM if is_oom(e) else ERROR
         return StepResult(tokens, code, error=f"{type(e).__name__}: {str(e)[:300]}", secs=time.perf_counter() - t0)
     finally:
+        if step is not None:  # the probe's step too: its optimizer ends before the model goes
+            with contextlib.suppress(Exception):  # the result above is what is reported
+                _finish(step)
         del step
         free(device)

@@ -25,6 +25,7 @@ would leave an 8B model's CPU step on one core a rank.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import threading
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ from torch import nn
 __all__ = [
     "offload_model",
     "host_adamw",
+    "OverlappedHostStep",
     "host_threads",
     "host_thread_share",
     "step_on_host_threads",
@@ -101,6 +103,112 @@ def host_adamw(
     ]
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, fused=True)
     return step_on_host_threads(optimizer)
+
+
+class OverlappedHostStep:
+    """The host's AdamW step of an offloaded model taken unit by unit in a background thread while the next forward
+    runs, instead of all of it between the backward and that forward.
+
+    Each unit's parameters are stepped (and their gradients cleared) in the order the forward gathers them (the root
+    first, then `decoder_units`); a forward pre-hook on every unit, ahead of FSDP2's own, waits until that unit and
+    the ones it prefetches are stepped, so no gather reads a shard the step is still writing. The result is the step
+    of ``optimizer.step()`` then ``zero_grad()``, to the bit: the same fused kernel over the same parameters with the
+    same gradients (clipped before, on the main thread) and hyperparameters, and AdamW's states are the optimizer's
+    own (its ``state_dict`` is unchanged). What it hides is the CPU step's time behind the GPU's compute of the
+    units before.
+
+        opt = host_adamw(model, lr=3e-4)
+        overlap = OverlappedHostStep(opt, model)
+        loss.backward(); clip_grad_norm_(...)
+        overlap.step()          # returns at once; the next forward waits only for the units it reaches
+        overlap.wait()          # before reading the weights or the states (a checkpoint, an evaluation)
+
+    Args:
+        optimizer: `host_adamw`'s optimizer of ``model``.
+        model: the offloaded model (`offload_model`).
+        units: its units in the order they run (default `decoder_units`); what no unit holds is the root's.
+        prefetch: how many units ahead each unit's forward gathers (`apply_fsdp` sets 1).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, units: list[nn.Module] | None = None,
+                 prefetch: int = 1) -> None:  # fmt: skip
+        from longctx.distributed.mesh import decoder_units
+
+        units = decoder_units(model) if units is None else list(units)
+        in_units = {id(p) for u in units for p in u.parameters()}
+        stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        owners = [[p for p in model.parameters() if id(p) not in in_units], *[list(u.parameters()) for u in units]]
+        self.optimizer = optimizer
+        self._params = [[p for p in ps if id(p) in stepped] for ps in owners]
+        # per unit: the optimizer's groups narrowed to the unit's parameters, sharing the optimizer's states
+        self._groups = [[(j, [p for p in g["params"] if id(p) in {id(q) for q in ps}])
+                         for j, g in enumerate(optimizer.param_groups)] for ps in self._params]  # fmt: skip
+        self._steppers = []
+        for groups in self._groups:
+            groups = [(j, ps) for j, ps in groups if ps]
+            if not groups:
+                self._steppers.append(None)
+                continue
+            opt = copy.copy(optimizer)  # its class, settings and hooks, and its states (one set: the optimizer's)
+            opt.param_groups = [{**optimizer.param_groups[j], "params": ps} for j, ps in groups]
+            self._steppers.append((opt, [j for j, _ in groups]))
+        self._done = [threading.Event() for _ in self._params]
+        for e in self._done:
+            e.set()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        n = len(self._params)
+        for i, module in enumerate([model, *units]):
+            # the root gathers its own parameters; a unit, its own and the next ``prefetch`` units'
+            last = 0 if i == 0 else min(n - 1, i + prefetch)
+            module.register_forward_pre_hook(lambda *_, last=last: self._wait_until(last), prepend=True)
+        # and every unit before the forward ends: a unit the forward skipped is stepped before the backward
+        model.register_forward_hook(lambda *_: self._wait_until(n - 1))
+
+    def step(self) -> None:
+        """Start the step of every unit (after the backward and the gradient clipping); returns at once."""
+        self.wait()
+        hypers = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        for stepper in self._steppers:  # the hyperparameters of this step (the learning rate of its schedule)
+            if stepper is not None:
+                for group, j in zip(stepper[0].param_groups, stepper[1]):
+                    group.update(hypers[j])
+        for e in self._done:
+            e.clear()
+        self._thread = threading.Thread(target=self._run, name="longctx-host-step", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            with host_threads():
+                for i, stepper in enumerate(self._steppers):
+                    if stepper is not None:
+                        stepper[0].step()
+                    for p in self._params[i]:
+                        p.grad = None
+                    self._done[i].set()
+        except BaseException as exc:  # raised on the main thread, at its next wait
+            self._error = exc
+        finally:
+            for e in self._done:
+                e.set()
+
+    def _wait_until(self, last: int) -> None:
+        for e in self._done[: last + 1]:
+            e.wait()
+        self._raise()
+
+    def wait(self) -> None:
+        """Wait for the step started last to end (a no-op when none runs); raises what it raised."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            exc, self._error = self._error, None
+            raise RuntimeError(f"the overlapped host optimizer step failed: {exc}") from exc
 
 
 def host_thread_share() -> int:
