@@ -41,24 +41,21 @@ def _gpt_step_runner(config, S: int, device: torch.device, offload_params: bool 
     from longctx.models.gpt import GPT
 
     torch.manual_seed(0)
+    host_step = None
     if offload_params:
-        from longctx.distributed.offload import build_device, host_adamw, offload_model
+        from longctx.distributed.offload import OverlappedHostStep, build_device, host_adamw, offload_model
         from longctx.memory.plan import parameter_count
 
         with build_device(parameter_count(config)[1], device):
             model = GPT(config)
         offload_model(model)
         opt = host_adamw(model, lr=1e-5)
-        if overlap:
-            from longctx.distributed.offload import OverlappedHostStep
-
-            x = torch.randint(0, config.vocab_size, (1, S), generator=torch.Generator().manual_seed(S)).to(device)
-            return training_step(lambda: model(x, labels=x), opt, device, OverlappedHostStep(opt, model))
+        host_step = OverlappedHostStep(opt, model) if overlap else None
     else:
         model = GPT(config).to(device)
         opt = adamw(model, device)
     x = torch.randint(0, config.vocab_size, (1, S), generator=torch.Generator().manual_seed(S)).to(device)
-    return training_step(lambda: model(x, labels=x), opt, device)
+    return training_step(lambda: model(x, labels=x), opt, device, host_step)
 
 
 def model_flops(config, S: int) -> float:

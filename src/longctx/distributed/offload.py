@@ -141,11 +141,11 @@ class OverlappedHostStep:
         self.optimizer = optimizer
         self._params = [[p for p in ps if id(p) in stepped] for ps in owners]
         # per unit: the optimizer's groups narrowed to the unit's parameters, sharing the optimizer's states
-        self._groups = [[(j, [p for p in g["params"] if id(p) in {id(q) for q in ps}])
-                         for j, g in enumerate(optimizer.param_groups)] for ps in self._params]  # fmt: skip
         self._steppers = []
-        for groups in self._groups:
-            groups = [(j, ps) for j, ps in groups if ps]
+        for ps in self._params:
+            mine = {id(p) for p in ps}
+            groups = [(j, [p for p in g["params"] if id(p) in mine]) for j, g in enumerate(optimizer.param_groups)]
+            groups = [(j, gps) for j, gps in groups if gps]
             if not groups:
                 self._steppers.append(None)
                 continue
