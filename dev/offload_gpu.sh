@@ -3,8 +3,13 @@
 # on a kind with 256 GiB or more): the offload GPU tests, llama-8b steps at SEQS (plans of BUDGET / HOST_BUDGET), the
 # longest single step at LONGEST, and the llama-350m memory benchmark as a regression check. Results: $OUT/offload.tgz.
 #
+# PRESET picks another model (llama-3b's states fit a 128 GiB host); OVERLAP=1 runs SEQS a second time with the host's
+# AdamW step behind the next forward (--overlap-host-step), beside the step in place; TRAIN_SEQ runs `longctx train` on
+# the offloaded preset at that length for TRAIN_STEPS steps (it steps the host the overlapped way).
+#
 #   OUT=out SEQS=32768 SEQS_SLOW=131072 bash dev/offload_gpu.sh
 #   OUT=out SEQS= SEQS_SLOW= LONGEST=262144 CHECK350=0 bash dev/offload_gpu.sh
+#   OUT=out PRESET=llama-3b HOST_BUDGET=110GiB SEQS=32768 OVERLAP=1 TRAIN_SEQ=32768 TESTS=0 bash dev/offload_gpu.sh
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh" offload_out
 R="$OUT/results"; mkdir -p "$R"
@@ -17,15 +22,26 @@ if [[ "${TESTS:-1}" == 1 ]]; then
         | tee "$R/offload_tests.txt"
     pack
 fi
-common=(--preset llama-8b --offload-params on --budget "$BUDGET" --host-budget "$HOST_BUDGET" --no-hf --out-dir "$R")
+PRESET=${PRESET:-llama-8b}
+common=(--preset "$PRESET" --offload-params on --budget "$BUDGET" --host-budget "$HOST_BUDGET" --no-hf --out-dir "$R")
 [[ -n "${SEQS:-}" ]] && timeout "${LIMIT_FAST:-150}" python3 -m longctx bench memory "${common[@]}" \
-    --seq-lengths "$SEQS" --steps 2 --warmup 1 --tag _llama-8b_offload 2>&1 | tail -20 | tee "$R/fast.txt"
+    --seq-lengths "$SEQS" --steps 2 --warmup 1 --tag "_${PRESET}_offload" 2>&1 | tail -20 | tee "$R/fast.txt"
 pack
+[[ -n "${SEQS:-}" && "${OVERLAP:-0}" == 1 ]] && timeout "${LIMIT_FAST:-150}" python3 -m longctx bench memory \
+    "${common[@]}" --seq-lengths "$SEQS" --steps 2 --warmup 1 --overlap-host-step --tag "_${PRESET}_offload_overlap" \
+    2>&1 | tail -20 | tee "$R/fast_overlap.txt"
+pack
+if [[ -n "${TRAIN_SEQ:-}" ]]; then
+    timeout "${LIMIT_TRAIN:-200}" python3 -m longctx train --preset "$PRESET" --offload-params true \
+        --seq-length "$TRAIN_SEQ" --train-iters "${TRAIN_STEPS:-8}" --eval-iters 0 --log-interval 1 --save none \
+        2>&1 | tail -25 | tee "$R/train.txt"
+    pack
+fi
 [[ -n "${SEQS_SLOW:-}" ]] && timeout "${LIMIT_SLOW:-300}" python3 -m longctx bench memory "${common[@]}" \
-    --seq-lengths "$SEQS_SLOW" --steps 1 --warmup 1 --tag _llama-8b_offload_long 2>&1 | tail -20 | tee "$R/slow.txt"
+    --seq-lengths "$SEQS_SLOW" --steps 1 --warmup 1 --tag "_${PRESET}_offload_long" 2>&1 | tail -20 | tee "$R/slow.txt"
 pack
 [[ -n "${LONGEST:-}" ]] && timeout "${LIMIT_LONGEST:-480}" python3 -m longctx bench memory "${common[@]}" \
-    --seq-lengths "" --longest "$LONGEST" --tag _llama-8b_offload_longest 2>&1 | tail -20 | tee "$R/longest.txt"
+    --seq-lengths "" --longest "$LONGEST" --tag "_${PRESET}_offload_longest" 2>&1 | tail -20 | tee "$R/longest.txt"
 pack
 if [[ "${CHECK350:-1}" == 1 ]]; then
     timeout "${LIMIT_350:-120}" python3 -m longctx bench memory --plans benchmarks/plans_llama-350m.json --seq-lengths 65536 \

@@ -111,6 +111,30 @@ def test_trainer_offload_params_trains_resumes_and_matches(tmp_path):
     assert first.losses + rest.losses == pytest.approx(off_run.losses, rel=1e-6)
 
 
+def test_the_trainer_hides_the_host_step_behind_the_next_forward_to_the_bit(tmp_path):
+    """An offloaded run steps the host's AdamW behind the next forward (`OverlappedHostStep`): its losses, final
+    weights and AdamW states are those of the step taken in place, and the checkpoint it writes at the end holds
+    the last step's weights (the trainer waits for the step before writing)."""
+    with mock.patch("longctx.distributed.offload.OverlappedHostStep", lambda *a, **k: None):
+        inline, inline_run = _run(tmp_path, "inline", offload_params=True)
+    assert inline.host_step is None
+    overlapped, overlapped_run = _run(tmp_path, "overlapped", offload_params=True)
+    assert overlapped.host_step is not None
+    assert overlapped_run.losses == inline_run.losses
+    for (name, p), q in zip(overlapped.model.named_parameters(), inline.model.parameters(), strict=True):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), name
+        assert torch.equal(overlapped.optimizer.state[p]["exp_avg_sq"].full_tensor(),
+                           inline.optimizer.state[q]["exp_avg_sq"].full_tensor()), name  # fmt: skip
+    from longctx.training.config import TrainConfig
+    from longctx.training.trainer import Trainer
+
+    resumed = Trainer(TrainConfig(preset="tiny", train_iters=4, micro_batch_size=2, eval_iters=0, quiet=True,
+                                  save=str(tmp_path / "overlapped"), offload_params=True, resume="auto"))  # fmt: skip
+    assert resumed.start_step == 4
+    for (name, p), q in zip(resumed.model.named_parameters(), overlapped.model.parameters(), strict=True):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), name
+
+
 def test_host_memory_budget_needs_a_memory_budget():
     from longctx.training.config import TrainConfig, parse_config
 

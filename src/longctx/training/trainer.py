@@ -328,10 +328,14 @@ class Trainer:
         sharded = self.distributed and self.dp_strategy != "allreduce"
         fused = True if self.offload else False if sharded else None
         self.optimizer = build_optimizer(self.model, cfg, self.device, fused=fused)
-        if self.offload:  # the CPU step on this rank's share of the host's cores, not torchrun's one thread
-            from longctx.distributed.offload import step_on_host_threads
+        # offloaded: the CPU step on this rank's share of the host's cores (not torchrun's one thread), unit by unit
+        # behind the next step's forward
+        self.host_step = None
+        if self.offload:
+            from longctx.distributed.offload import OverlappedHostStep, step_on_host_threads
 
             step_on_host_threads(self.optimizer)
+            self.host_step = OverlappedHostStep(self.optimizer, self.model)
 
         self.is_writer = self.rank == 0  # the rank that writes metrics (and the single-process checkpoint)
         self.checkpoint_path: Path | None = None
@@ -405,9 +409,18 @@ class Trainer:
                     "the data, or pass --on-nonfinite skip to skip such steps"
                 )
             return loss_value, lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.host_step is not None:  # returns at once; each unit's next forward waits for its step
+            self.host_step.step()
+        else:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return loss_value, lr
+
+    def finish_step(self) -> None:
+        """Wait for the optimizer step still running behind this process (offloaded runs), so that the weights and
+        the optimizer's states are those after the last step: before a checkpoint, an evaluation, and the end."""
+        if self.host_step is not None:
+            self.host_step.wait()
 
     def forward_backward(self, batch: Batch) -> torch.Tensor:
         """Loss of the global ``batch`` and its gradients; returns the loss over the whole batch (detached)."""
@@ -461,6 +474,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Mean loss over ``eval_iters`` held-out batches; answer accuracy (recall) or bits per byte (text)."""
         cfg, model = self.cfg, self.model
+        self.finish_step()
         was_training = model.training
         model.eval()
         total_loss, total_tokens, correct = 0.0, 0.0, 0.0
@@ -500,6 +514,7 @@ class Trainer:
         """
         if self.checkpoint_path is None:
             return
+        self.finish_step()
         # under a mesh every rank writes its shards; in one process the writer writes the single file
         save = save_sharded_state if self.distributed else save_training_state if self.is_writer else None
         if save is not None:
@@ -600,6 +615,7 @@ class Trainer:
                     self.save(done, {"last_eval": last_eval})
                 if interrupted_by:
                     break
+            self.finish_step()
             if self.distributed:
                 import torch.distributed as dist
 
