@@ -91,3 +91,53 @@ def test_offloaded_states_with_offloaded_checkpoints_and_chunks_on_the_gpu():
     ref, got = _train(False, 3, **plan)[0], _train(True, 3, **plan)[0]
     for a, b in zip(ref, got):
         assert abs(a - b) <= 0.02 * abs(a), (ref, got)
+
+
+def test_the_overlapped_host_step_races_no_copy_on_the_gpu():
+    """`OverlappedHostStep` on a GPU: the forward's copies of the units read the host shards only after the
+    background thread has stepped them. With every unit's step slowed (a copy issued early would read weights not yet
+    stepped), the losses and weights after four steps are those of the step taken at once (``background=False``), to
+    the bit: the model's kernels are reproducible run to run (checked first; the test is skipped where they are
+    not, as a tolerance would hide a race, whose error is one AdamW update)."""
+    import time
+
+    from longctx.distributed.offload import OverlappedHostStep, host_grad_norm
+
+    def run(background: bool) -> tuple[list[float], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**CFG, attention_backend="triton")).cuda()
+        offload_model(model)
+        opt = host_adamw(model, lr=1e-3, weight_decay=0.0)
+        stepper = OverlappedHostStep(opt, model, background=background)
+        if background:
+            build = stepper._unit_step
+
+            def slow(groups):
+                unit = build(groups)
+                if unit is not None:
+                    plain = unit[0].step
+                    unit[0].step = lambda: (time.sleep(0.02), plain())
+                return unit
+
+            stepper._unit_step = slow
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(4):
+            x = torch.randint(0, CFG["vocab_size"], (1, CFG["seq_length"]), generator=gen).cuda()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x, labels=x)
+            loss.backward()
+            scale = 0.5 / (float(host_grad_norm(model.parameters())) + 1e-6)
+            stepper.step(grad_scale=min(scale, 1.0))
+            losses.append(loss.item())
+        stepper.wait()
+        return losses, [p.full_tensor().cpu() for p in model.parameters()]
+
+    ref_losses, ref = run(False)
+    again_losses, again = run(False)
+    if again_losses != ref_losses or not all(torch.equal(a, b) for a, b in zip(again, ref, strict=True)):
+        pytest.skip("two runs of the same steps differ on this GPU: a bitwise comparison needs reproducible kernels")
+    losses, got = run(True)
+    assert losses == ref_losses
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b)

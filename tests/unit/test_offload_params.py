@@ -115,11 +115,14 @@ def test_the_trainer_hides_the_host_step_behind_the_next_forward_to_the_bit(tmp_
     """An offloaded run steps the host's AdamW behind the next forward (`OverlappedHostStep`): its losses, final
     weights and AdamW states are those of the step taken in place, and the checkpoint it writes at the end holds
     the last step's weights (the trainer waits for the step before writing)."""
-    with mock.patch("longctx.distributed.offload.OverlappedHostStep", lambda *a, **k: None):
-        inline, inline_run = _run(tmp_path, "inline", offload_params=True)
-    assert inline.host_step is None
-    overlapped, overlapped_run = _run(tmp_path, "overlapped", offload_params=True)
-    assert overlapped.host_step is not None
+    from longctx.distributed.offload import OverlappedHostStep
+
+    with mock.patch("longctx.distributed.offload.OverlappedHostStep",
+                    lambda *a, **k: OverlappedHostStep(*a, **k, background=False)):  # fmt: skip
+        inline, inline_run = _run(tmp_path, "inline", offload_params=True, clip_grad=0.05)
+    assert not inline.host_step.background
+    overlapped, overlapped_run = _run(tmp_path, "overlapped", offload_params=True, clip_grad=0.05)
+    assert overlapped.host_step.background
     assert overlapped_run.losses == inline_run.losses
     for (name, p), q in zip(overlapped.model.named_parameters(), inline.model.parameters(), strict=True):
         assert torch.equal(p.full_tensor(), q.full_tensor()), name
@@ -129,7 +132,8 @@ def test_the_trainer_hides_the_host_step_behind_the_next_forward_to_the_bit(tmp_
     from longctx.training.trainer import Trainer
 
     resumed = Trainer(TrainConfig(preset="tiny", train_iters=4, micro_batch_size=2, eval_iters=0, quiet=True,
-                                  save=str(tmp_path / "overlapped"), offload_params=True, resume="auto"))  # fmt: skip
+                                  save=str(tmp_path / "overlapped"), offload_params=True, clip_grad=0.05,
+                                  resume="auto"))  # fmt: skip
     assert resumed.start_step == 4
     for (name, p), q in zip(resumed.model.named_parameters(), overlapped.model.parameters(), strict=True):
         assert torch.equal(p.full_tensor(), q.full_tensor()), name
@@ -365,17 +369,16 @@ def test_overlapped_host_step_equals_the_plain_step_to_the_bit():
         opt = host_adamw(model, lr=1e-2)
         stepper = OverlappedHostStep(opt, model) if overlap else None
         if delay:
-            for unit in stepper._steppers:
-                plain = unit[0].step
-                unit[0].step = lambda plain=plain: (time.sleep(delay), plain())
+            _slow_unit_steps(stepper, lambda: time.sleep(delay))
         for i, x in enumerate(batches):
             for g in opt.param_groups:
                 g["lr"] = 1e-2 / (i + 1)  # a schedule: each step's learning rate reaches the units
             model(x, labels=x).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            if overlap:
-                stepper.step()
+            if overlap:  # the clipping folded into the host step: clip_grad_norm_'s coefficient
+                norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+                stepper.step(grad_scale=float(torch.clamp(0.5 / (norm.full_tensor() + 1e-6), max=1.0)))
             else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         if overlap:
@@ -402,9 +405,61 @@ def test_overlapped_host_step_equals_the_plain_step_to_the_bit():
     # a failing step is raised on the main thread, at the next forward's wait
     model, opt = train(True)
     stepper = OverlappedHostStep(opt, model)
-    stepper._steppers[1][0].step = lambda: (_ for _ in ()).throw(OSError("disk on fire"))
+    calls = iter(range(100))
+
+    def fail_second() -> None:
+        if next(calls) == 1:
+            raise OSError("disk on fire")
+
+    _slow_unit_steps(stepper, fail_second)
     x = batches[0]
     model(x, labels=x).backward()
     stepper.step()
     with pytest.raises(RuntimeError, match="overlapped host optimizer step failed: disk on fire"):
         model(x, labels=x)
+
+
+def _slow_unit_steps(stepper, before) -> None:
+    """Run ``before()`` ahead of every unit's step of ``stepper`` (an `OverlappedHostStep`): a slow or failing
+    background thread."""
+    build = stepper._unit_step
+
+    def unit_step(groups):
+        unit = build(groups)
+        if unit is not None:
+            plain = unit[0].step
+            unit[0].step = lambda: (before(), plain())
+        return unit
+
+    stepper._unit_step = unit_step
+
+
+def test_host_grad_norm_is_the_total_norm_and_steps_locally(monkeypatch):
+    """`host_grad_norm` over offloaded shards equals torch's total norm (pieces of a few elements, summed on
+    several threads), and after a unit's first step the overlapped step runs on the shards' local tensors (no
+    DTensor dispatch in the background thread)."""
+    from longctx.distributed import offload
+
+    cfg = GPTConfig(**TINY, share_embeddings_and_output_weights=False)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    offload_model(model)
+    x = torch.randint(0, TINY["vocab_size"], (2, TINY["seq_length"]))
+    model(x, labels=x).backward()
+    want = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor()
+    monkeypatch.setattr(offload, "host_thread_share", lambda: 3)
+    got = offload.host_grad_norm(model.parameters(), chunk=7)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    opt = host_adamw(model, lr=1e-2)
+    stepper = offload.OverlappedHostStep(opt, model, background=False)
+    seen = []
+    build = stepper._unit_step
+    stepper._unit_step = lambda groups: seen.append(build(groups)) or seen[-1]
+    stepper.step()  # the first: through the DTensors, creating the states
+    assert all(hasattr(p, "to_local") for u in seen for g in u[0].param_groups for p in g["params"])
+    model(x, labels=x).backward()
+    seen.clear()
+    stepper.step()
+    assert not any(hasattr(p, "to_local") for u in seen for g in u[0].param_groups for p in g["params"])
+    assert all(p.grad is None for p in model.parameters())

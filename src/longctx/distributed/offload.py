@@ -14,6 +14,10 @@ flight.
     loss.backward()
     optimizer.step(); optimizer.zero_grad()
 
+The host's part of a step is on the GPU's critical path; two things shorten it (`longctx train` uses both):
+`host_grad_norm` takes the gradient norm on every core of the rank's share (torch's norm of a CPU tensor runs on
+about one), and `OverlappedHostStep` takes the AdamW step behind the next step's forward.
+
 `longctx train --offload-params` and `integrations.transformers.apply(model, offload_params=True)` call these; the
 planner (`longctx.memory.plan`, ``host_budget``) predicts both memories. `HostPeak` measures the host side.
 
@@ -24,6 +28,7 @@ would leave an 8B model's CPU step on one core a rank.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import os
@@ -38,6 +43,7 @@ __all__ = [
     "offload_model",
     "host_adamw",
     "OverlappedHostStep",
+    "host_grad_norm",
     "host_threads",
     "host_thread_share",
     "step_on_host_threads",
@@ -105,6 +111,57 @@ def host_adamw(
     return step_on_host_threads(optimizer)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the same storage), a plain tensor itself."""
+    if hasattr(t, "to_local"):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def host_grad_norm(parameters: Any, chunk: int = 1 << 23) -> torch.Tensor:
+    """The 2-norm of the gradients of ``parameters`` held in host memory (offloaded shards), as a scalar tensor
+    (float32; float64 for float64 gradients): what ``torch.nn.utils.get_total_norm`` gives, in a fraction of its
+    time on a many-core host.
+
+    torch's norm of a CPU tensor runs on about one core, so an 8B model's fp32 gradients take seconds; here every
+    shard is cut into pieces of ``chunk`` elements whose norms run side by side on `host_thread_share` threads
+    (each op on one core), summed in float64. DTensor shards are summed over the ranks that shard them (and not
+    over the ranks that replicate them), so every rank gets the same norm.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in parameters:
+        g = p.grad
+        if g is None:
+            continue
+        key = (g.device_mesh, tuple(g.placements)) if hasattr(g, "device_mesh") else None
+        groups.setdefault(key, []).append(_local(g))
+    pieces = [(key, part) for key, gs in groups.items() for g in gs for part in g.reshape(-1).split(chunk)]
+
+    def sumsq(part: torch.Tensor) -> float:
+        return float(torch.linalg.vector_norm(part, dtype=torch.promote_types(part.dtype, torch.float32))) ** 2
+
+    share = host_thread_share()
+    with host_threads(1), ThreadPoolExecutor(share, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        sums = list(pool.map(sumsq, [part for _, part in pieces]))
+    totals: dict[Any, float] = {key: 0.0 for key in groups}
+    for (key, _), v in zip(pieces, sums, strict=True):
+        totals[key] += v
+    total = 0.0
+    for key, v in totals.items():
+        if key is not None:  # the partial sums of the shards, summed over the mesh dimensions that shard them
+            from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+            mesh, placements = key
+            parts = [Partial() if isinstance(pl, Shard) else Replicate() for pl in placements]
+            v = float(DTensor.from_local(torch.tensor(v, dtype=torch.float64), mesh, parts).full_tensor())
+        total += v
+    wide = any(part.dtype == torch.float64 for _, part in pieces)
+    return torch.tensor(total**0.5, dtype=torch.float64 if wide else torch.float32)
+
+
 class OverlappedHostStep:
     """The host's AdamW step of an offloaded model taken unit by unit in a background thread while the next forward
     runs, instead of all of it between the backward and that forward.
@@ -113,14 +170,18 @@ class OverlappedHostStep:
     first, then `decoder_units`); a forward pre-hook on every unit, ahead of FSDP2's own, waits until that unit and
     the ones it prefetches are stepped, so no gather reads a shard the step is still writing. The result is the step
     of ``optimizer.step()`` then ``zero_grad()``, to the bit: the same fused kernel over the same parameters with the
-    same gradients (clipped before, on the main thread) and hyperparameters, and AdamW's states are the optimizer's
-    own (its ``state_dict`` is unchanged). What it hides is the CPU step's time behind the GPU's compute of the
-    units before.
+    same gradients and hyperparameters, and AdamW's states are the optimizer's own (its ``state_dict`` is
+    unchanged). What it hides is the CPU step's time behind the GPU's compute of the units before.
+
+    The background thread steps the shards' local tensors (views of the same storage), not the DTensors: a DTensor
+    op's dispatch is Python, which would hold the interpreter lock against the main thread's kernel launches for the
+    whole step. Only a unit's first step, which creates its states, goes through the DTensors.
 
         opt = host_adamw(model, lr=3e-4)
         overlap = OverlappedHostStep(opt, model)
-        loss.backward(); clip_grad_norm_(...)
-        overlap.step()          # returns at once; the next forward waits only for the units it reaches
+        loss.backward()
+        norm = host_grad_norm(model.parameters())
+        overlap.step(grad_scale=min(1.0, max_norm / (float(norm) + 1e-6)))  # returns at once
         overlap.wait()          # before reading the weights or the states (a checkpoint, an evaluation)
 
     Args:
@@ -128,36 +189,34 @@ class OverlappedHostStep:
         model: the offloaded model (`offload_model`).
         units: its units in the order they run (default `decoder_units`); what no unit holds is the root's.
         prefetch: how many units ahead each unit's forward gathers (`apply_fsdp` sets 1).
+        background: False takes the same per-unit step at once, in ``step()`` (the reference the overlapped
+            step equals).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, units: list[nn.Module] | None = None,
-                 prefetch: int = 1) -> None:  # fmt: skip
+                 prefetch: int = 1, background: bool = True) -> None:  # fmt: skip
         from longctx.distributed.mesh import decoder_units
 
         units = decoder_units(model) if units is None else list(units)
         in_units = {id(p) for u in units for p in u.parameters()}
-        stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
         owners = [[p for p in model.parameters() if id(p) not in in_units], *[list(u.parameters()) for u in units]]
+        where = {id(p): j for j, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.optimizer = optimizer
-        self._params = [[p for p in ps if id(p) in stepped] for ps in owners]
-        # per unit: the optimizer's groups narrowed to the unit's parameters, sharing the optimizer's states
-        self._steppers = []
-        for ps in self._params:
-            mine = {id(p) for p in ps}
-            groups = [(j, [p for p in g["params"] if id(p) in mine]) for j, g in enumerate(optimizer.param_groups)]
-            groups = [(j, gps) for j, gps in groups if gps]
-            if not groups:
-                self._steppers.append(None)
-                continue
-            opt = copy.copy(optimizer)  # its class, settings and hooks, and its states (one set: the optimizer's)
-            opt.param_groups = [{**optimizer.param_groups[j], "params": ps} for j, ps in groups]
-            self._steppers.append((opt, [j for j, _ in groups]))
-        self._done = [threading.Event() for _ in self._params]
+        self.background = background
+        # per unit: its stepped parameters, by the optimizer's group they belong to
+        self._groups: list[list[tuple[int, list[torch.Tensor]]]] = []
+        for ps in owners:
+            by_group: dict[int, list[torch.Tensor]] = {}
+            for p in ps:
+                if id(p) in where:
+                    by_group.setdefault(where[id(p)], []).append(p)
+            self._groups.append(sorted(by_group.items()))
+        n = len(self._groups)
+        self._done = [threading.Event() for _ in range(n)]
         for e in self._done:
             e.set()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        n = len(self._params)
         for i, module in enumerate([model, *units]):
             # the root gathers its own parameters; a unit, its own and the next ``prefetch`` units'
             last = 0 if i == 0 else min(n - 1, i + prefetch)
@@ -165,27 +224,66 @@ class OverlappedHostStep:
         # and every unit before the forward ends: a unit the forward skipped is stepped before the backward
         model.register_forward_hook(lambda *_: self._wait_until(n - 1))
 
-    def step(self) -> None:
-        """Start the step of every unit (after the backward and the gradient clipping); returns at once."""
+    def step(self, grad_scale: float | None = None) -> None:
+        """Start the step of every unit (after the backward); returns at once (``background=False``: after it).
+        ``grad_scale`` multiplies the gradients first (a clipping coefficient), in the background too."""
         self.wait()
-        hypers = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        for stepper in self._steppers:  # the hyperparameters of this step (the learning rate of its schedule)
-            if stepper is not None:
-                for group, j in zip(stepper[0].param_groups, stepper[1]):
-                    group.update(hypers[j])
+        work = [self._unit_step(groups) for groups in self._groups]  # on this thread: it reads Python objects
         for e in self._done:
             e.clear()
-        self._thread = threading.Thread(target=self._run, name="longctx-host-step", daemon=True)
+        if not self.background:
+            self._run(work, grad_scale)
+            self._raise()
+            return
+        self._thread = threading.Thread(target=self._run, args=(work, grad_scale), name="longctx-host-step",
+                                        daemon=True)  # fmt: skip
         self._thread.start()
 
-    def _run(self) -> None:
+    def _unit_step(self, groups: list[tuple[int, list[torch.Tensor]]]) -> tuple[Any, list, list] | None:
+        """One unit's step: an optimizer over its shards' local tensors sharing the optimizer's states (or over
+        the DTensors themselves where a state does not exist yet), the local gradients, and what to clear after."""
+        opt = self.optimizer
+        local_groups, state, grads, held = [], {}, [], []
+        first = False
+        for j, ps in groups:
+            hyper = {k: v for k, v in opt.param_groups[j].items() if k != "params"}  # this step's (the lr's)
+            with_grad = [p for p in ps if p.grad is not None]
+            first |= any(not opt.state.get(p) for p in with_grad)
+            local_groups.append((hyper, with_grad))
+        if not any(ps for _, ps in local_groups):
+            return None
+        stepper = copy.copy(opt)  # its class, settings and step hooks
+        if first:  # the optimizer's own step over the DTensors creates the states
+            stepper.param_groups = [{**hyper, "params": ps} for hyper, ps in local_groups if ps]
+            grads = [_local(p.grad) for _, ps in local_groups for p in ps]
+            return stepper, grads, [p for _, ps in local_groups for p in ps]
+        stepper.param_groups = []
+        for hyper, ps in local_groups:
+            if not ps:
+                continue
+            lps = []
+            for p in ps:
+                lp, lg = _local(p), _local(p.grad)
+                lp.grad = lg
+                state[lp] = {k: _local(v) for k, v in opt.state[p].items()}
+                lps.append(lp)
+                grads.append(lg)
+                held += [lp, p]
+            stepper.param_groups.append({**hyper, "params": lps})
+        stepper.state = collections.defaultdict(dict, state)
+        return stepper, grads, held
+
+    def _run(self, work: list, grad_scale: float | None) -> None:
         try:
             with host_threads():
-                for i, stepper in enumerate(self._steppers):
-                    if stepper is not None:
-                        stepper[0].step()
-                    for p in self._params[i]:
-                        p.grad = None
+                for i, unit in enumerate(work):
+                    if unit is not None:
+                        stepper, grads, held = unit
+                        if grad_scale is not None and grads:
+                            torch._foreach_mul_(grads, grad_scale)
+                        stepper.step()
+                        for t in held:
+                            t.grad = None
                     self._done[i].set()
         except BaseException as exc:  # raised on the main thread, at its next wait
             self._error = exc

@@ -390,12 +390,11 @@ class Trainer:
         # max_norm=inf measures the norm without clipping; under a mesh the gradients are already reduced (and
         # the norm of sharded ones is reduced over the shards), so every rank takes the same decision
         max_norm = cfg.clip_grad if cfg.clip_grad > 0 else math.inf
-        scope = contextlib.nullcontext()
-        if self.offload:  # a norm over host shards: on this rank's share of the host's cores
-            from longctx.distributed.offload import host_threads
+        if self.host_step is not None:  # a norm over host shards on the host's cores; the clipping is the host step's
+            from longctx.distributed.offload import host_grad_norm
 
-            scope = host_threads()
-        with scope:
+            norm = host_grad_norm(self.model.parameters())
+        else:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         loss_value = loss.item()
@@ -410,7 +409,8 @@ class Trainer:
                 )
             return loss_value, lr
         if self.host_step is not None:  # returns at once; each unit's next forward waits for its step
-            self.host_step.step()
+            scale = max_norm / (grad_norm + 1e-6)  # clip_grad_norm_'s coefficient
+            self.host_step.step(grad_scale=scale if scale < 1.0 else None)
         else:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
