@@ -63,3 +63,33 @@ def test_shifted_band_is_the_global_rule_in_local_indices():
     for qs, ks in [(8, 0), (0, 8), (16, 8), (8, 16)]:
         local = band.shifted(qs - ks).dense_mask(8, 8)
         assert torch.equal(local, full[qs : qs + 8, ks : ks + 8])
+
+
+def test_within_unbounds_only_the_sides_a_call_never_reaches():
+    """`Band.within(Sq, Sk)`: the same mask of the call's Sq x Sk scores, with a side that masks nothing unbounded
+    (so a window as wide as the sequence reaches the backends as plain causal, or as no mask)."""
+    for Sq, Sk in [(5, 5), (3, 7), (7, 3), (1, 6)]:
+        for lo in [None, *range(-Sq - 2, 3)]:
+            for hi in [None, *range(-2, Sk + 2)]:
+                band = Band(lo, hi)
+                narrowed = band.within(Sq, Sk)
+                assert torch.equal(narrowed.dense_mask(Sq, Sk), band.dense_mask(Sq, Sk)), (Sq, Sk, lo, hi)
+                if lo is not None and lo > -(Sq - 1) and not band.is_empty:
+                    assert narrowed.lo == lo
+                if hi is not None and hi < Sk - 1 and not band.is_empty:
+                    assert narrowed.hi == hi
+    # transformers' call for a sliding-window model at a length no longer than the window: plain causal
+    assert Band.from_args(4096, 4096, causal=True, window=(4095, 4095)).within(4096, 4096) == Band(None, 0)
+    assert Band.from_args(8, 8, causal=True, window=(3, 3)).within(8, 8) == Band(-3, 0)
+
+
+def test_attention_takes_a_window_as_wide_as_the_sequence_as_none():
+    from longctx.api.core import _resolve
+
+    q = torch.randn(1, 2, 16, 8)
+    _, band, _ = _resolve(q, q, q, True, (15, 15), None, "auto", False, False, None)
+    assert band == Band(None, 0)
+    _, band, _ = _resolve(q, q, q, False, (15, 15), None, "auto", False, False, None)
+    assert band.is_dense
+    _, band, _ = _resolve(q, q, q, True, (14, 14), None, "auto", False, False, None)
+    assert band == Band(-14, 0)

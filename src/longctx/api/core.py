@@ -179,6 +179,7 @@ def _select_name_for_compile(
 
 def _resolve(q, k, v, causal, window, scale, backend, return_lse, deterministic, block_mask, softcap=0.0):
     scale, band = validate(q, k, v, causal=causal, window=window, scale=scale)
+    band = band.within(q.shape[2], k.shape[2])  # a window as wide as the sequence runs as no window (cuDNN takes it)
     softcap = check_softcap(softcap)
     _check_flag("return_lse", return_lse)
     _check_flag("deterministic", deterministic)

@@ -109,6 +109,17 @@ class Band:
             hi = offset
         return cls(lo, hi)
 
+    def within(self, sq: int, sk: int) -> Band:
+        """The same mask of Sq queries and Sk keys with the sides it never reaches unbounded: ``j - i`` lies in
+        ``[-(Sq - 1), Sk - 1]``, so a lower side at or below the first or an upper side at or above the second
+        masks nothing (a window as wide as the sequence is no window; a causal single query sees every key).
+        Only for a call's own Sq and Sk, not for a band shifted to another block's offsets."""
+        if sq <= 0 or sk <= 0 or self.is_empty:
+            return self
+        lo = None if self.lo is not None and self.lo <= -(sq - 1) else self.lo
+        hi = None if self.hi is not None and self.hi >= sk - 1 else self.hi
+        return self if (lo, hi) == (self.lo, self.hi) else Band(lo, hi)
+
     @property
     def is_dense(self) -> bool:
         return self.lo is None and self.hi is None
