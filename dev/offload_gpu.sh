@@ -4,8 +4,8 @@
 # longest single step at LONGEST, and the llama-350m memory benchmark as a regression check. Results: $OUT/offload.tgz.
 #
 # PRESET picks another model (llama-3b's states fit a 128 GiB host); OVERLAP=1 runs SEQS a second time with the host's
-# AdamW step behind the next forward (--overlap-host-step), beside the step in place; TRAIN_SEQ runs `longctx train` on
-# the offloaded preset at that length for TRAIN_STEPS steps (it steps the host the overlapped way).
+# AdamW step in place (--host-step in-place), beside the default one behind the next forward; TRAIN_SEQ runs
+# `longctx train` on the offloaded preset at that length for TRAIN_STEPS steps.
 #
 #   OUT=out SEQS=32768 SEQS_SLOW=131072 bash dev/offload_gpu.sh
 #   OUT=out SEQS= SEQS_SLOW= LONGEST=262144 CHECK350=0 bash dev/offload_gpu.sh
@@ -28,8 +28,8 @@ common=(--preset "$PRESET" --offload-params on --budget "$BUDGET" --host-budget 
     --seq-lengths "$SEQS" --steps 2 --warmup 1 --tag "_${PRESET}_offload" 2>&1 | tail -20 | tee "$R/fast.txt"
 pack
 [[ -n "${SEQS:-}" && "${OVERLAP:-0}" == 1 ]] && timeout "${LIMIT_FAST:-150}" python3 -m longctx bench memory \
-    "${common[@]}" --seq-lengths "$SEQS" --steps 2 --warmup 1 --overlap-host-step --tag "_${PRESET}_offload_overlap" \
-    2>&1 | tail -20 | tee "$R/fast_overlap.txt"
+    "${common[@]}" --seq-lengths "$SEQS" --steps 2 --warmup 1 --host-step in-place --tag "_${PRESET}_offload_in-place" \
+    2>&1 | tail -20 | tee "$R/fast_in-place.txt"
 pack
 if [[ -n "${TRAIN_SEQ:-}" ]]; then
     timeout "${LIMIT_TRAIN:-200}" python3 -m longctx train --preset "$PRESET" --offload-params true \

@@ -34,10 +34,11 @@ from longctx.bench.steps import adamw, time_steps, training_step
 __all__ = ["main"]
 
 
-def _gpt_step_runner(config, S: int, device: torch.device, offload_params: bool = False, overlap: bool = False):
+def _gpt_step_runner(config, S: int, device: torch.device, offload_params: bool = False, overlap: bool = True):
     """A training step of the longctx GPT of ``config`` on one sequence of S tokens; ``offload_params``: its
-    parameters, gradients and AdamW states in host memory (`longctx.distributed.offload`, AdamW on the CPU);
-    ``overlap``: that AdamW step behind the next step's forward (`OverlappedHostStep`)."""
+    parameters, gradients and AdamW states in host memory (`longctx.distributed.offload`), the host's part taken as
+    `longctx train` takes it: the gradient norm (`host_grad_norm`), then the clipped AdamW step on the CPU, behind
+    the next step's forward (`OverlappedHostStep`), or at once with ``overlap=False``."""
     from longctx.models.gpt import GPT
 
     torch.manual_seed(0)
@@ -50,7 +51,7 @@ def _gpt_step_runner(config, S: int, device: torch.device, offload_params: bool 
             model = GPT(config)
         offload_model(model)
         opt = host_adamw(model, lr=1e-5)
-        host_step = OverlappedHostStep(opt, model) if overlap else None
+        host_step = OverlappedHostStep(opt, model, background=overlap)
     else:
         model = GPT(config).to(device)
         opt = adamw(model, device)
@@ -268,10 +269,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="parameters, gradients and AdamW states in host memory: auto lets each plan choose; a "
                     "--plans file's entry says it with offload_params (default auto)")  # fmt: skip
     ap.add_argument(
-        "--overlap-host-step",
-        action="store_true",
-        help="offloaded rows: the host's AdamW step unit by unit behind the next step's forward "
-        "(distributed.offload.OverlappedHostStep); their optimizer column is then only its start",
+        "--host-step",
+        choices=("overlapped", "in-place"),
+        default="overlapped",
+        help="offloaded rows: the host's clipped AdamW step behind the next step's forward, as longctx train takes "
+        "it (distributed.offload.OverlappedHostStep; the optimizer column is then the norm and the step's start), "
+        "or all of it before the next step (the optimizer column is its whole time) (default overlapped)",
     )
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
@@ -335,10 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         is_long = S in longest and S not in seqs
         row["first_step"] = is_long  # one step, no warm-up: AdamW's states do not exist yet at its peak
         steps, warm = (1, 0) if is_long else (args.steps, args.warmup)
-        overlap = {"overlap": True} if off and args.overlap_host_step else {}
-        if overlap:
-            row["plan"] += ", the host's AdamW step behind the next forward"
-        row["longctx"] = _measure(_gpt_step_runner, cfg, S, steps, warm, device, offload_params=off, **overlap)
+        overlap = args.host_step == "overlapped"
+        if off:
+            row["plan"] += ", the host's AdamW step " + ("behind the next forward" if overlap else "in place")
+        row["longctx"] = _measure(_gpt_step_runner, cfg, S, steps, warm, device, offload_params=off, overlap=overlap)
         if hf and not is_long and not off:
             row["hf"] = _measure(_hf_step_runner, base, S, steps, warm, device)
         rows.append(row)
