@@ -402,6 +402,19 @@ def test_overlapped_host_step_equals_the_plain_step_to_the_bit():
             )
     assert opt.state_dict()["param_groups"][0].keys() == ref_opt.state_dict()["param_groups"][0].keys()
 
+    # a state_dict of the model or of the optimizer, taken while the step runs, waits for it (a slowed step is
+    # still running when each is asked for)
+    model, opt = train(True)
+    stepper = OverlappedHostStep(opt, model)
+    _slow_unit_steps(stepper, lambda: time.sleep(0.05))
+    x = batches[0]
+    for take in (model.state_dict, opt.state_dict):
+        model(x, labels=x).backward()
+        stepper.step()
+        assert not stepper._done[-1].is_set()
+        take()
+        assert stepper._thread is None and all(e.is_set() for e in stepper._done)
+
     # a failing step is raised on the main thread, at the next forward's wait
     model, opt = train(True)
     stepper = OverlappedHostStep(opt, model)

@@ -182,7 +182,8 @@ class OverlappedHostStep:
         loss.backward()
         norm = host_grad_norm(model.parameters())
         overlap.step(grad_scale=min(1.0, max_norm / (float(norm) + 1e-6)))  # returns at once
-        overlap.wait()          # before reading the weights or the states (a checkpoint, an evaluation)
+        overlap.wait()          # before reading the weights or states other than through a forward or a
+                                # state_dict (both wait by themselves: hooks)
 
     Args:
         optimizer: `host_adamw`'s optimizer of ``model``.
@@ -223,6 +224,11 @@ class OverlappedHostStep:
             module.register_forward_pre_hook(lambda *_, last=last: self._wait_until(last), prepend=True)
         # and every unit before the forward ends: a unit the forward skipped is stepped before the backward
         model.register_forward_hook(lambda *_: self._wait_until(n - 1))
+        # a checkpoint (or a load) of the model or the optimizer waits for the step: no weight or state mid-update
+        model.register_state_dict_pre_hook(lambda *_: self.wait())
+        model.register_load_state_dict_pre_hook(lambda *_: self.wait())
+        optimizer.register_state_dict_pre_hook(lambda *_: self.wait())
+        optimizer.register_load_state_dict_pre_hook(lambda *_: self.wait())
 
     def step(self, grad_scale: float | None = None) -> None:
         """Start the step of every unit (after the backward); returns at once (``background=False``: after it).
