@@ -111,6 +111,19 @@ def test_trainer_offload_params_trains_resumes_and_matches(tmp_path):
     assert first.losses + rest.losses == pytest.approx(off_run.losses, rel=1e-6)
 
 
+def test_a_checkpoint_resumes_with_and_without_offload(tmp_path):
+    """A run's checkpoint continues under the other setting to the losses of an uninterrupted run: an offloaded
+    run's sharded folder in a plain process, and a plain run's single file in an offloaded one (every rank takes its
+    shard of the whole state)."""
+    _, whole = _run(tmp_path, "whole")
+    _, off_first = _run(tmp_path, "off", offload_params=True, halt_after=2)
+    _, plain_rest = _run(tmp_path, "plain-rest", resume=str(tmp_path / "off" / "checkpoint"))
+    assert off_first.losses + plain_rest.losses == pytest.approx(whole.losses, rel=1e-5)
+    _, plain_first = _run(tmp_path, "plain", halt_after=2)
+    _, off_rest = _run(tmp_path, "off-rest", offload_params=True, resume=str(tmp_path / "plain" / "checkpoint.pt"))
+    assert plain_first.losses + off_rest.losses == pytest.approx(whole.losses, rel=1e-5)
+
+
 def test_the_trainer_hides_the_host_step_behind_the_next_forward_to_the_bit(tmp_path):
     """An offloaded run steps the host's AdamW behind the next forward (`OverlappedHostStep`): its losses, final
     weights and AdamW states are those of the step taken in place, and the checkpoint it writes at the end holds

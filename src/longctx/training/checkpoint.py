@@ -296,12 +296,49 @@ def load_training_state(
             "pass the same model settings, or start a new run in another --save directory"
         )
     try:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as e:
+        if any(hasattr(p, "device_mesh") for p in model.parameters()):  # sharded: FSDP2, offloaded states
+            _load_full_into_shards(model, optimizer, state["model"], state["optimizer"])
+        else:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError, IndexError) as e:
         raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model: {e}") from e
     restore_rng(state["rng"])
     return int(state["step"])
+
+
+def _load_full_into_shards(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict[str, Any], optim_sd: dict[str, Any]
+) -> None:
+    """A single process's whole state (``model.state_dict()``, ``optimizer.state_dict()``) into a model whose
+    parameters are DTensor shards (FSDP2, its states in host memory or not), on every rank: each takes its shard.
+    The optimizer's states are keyed by position in its parameter groups, which the same model and
+    ``build_optimizer`` give in the same order; the shapes are checked against the parameters."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    saved_groups = optim_sd["param_groups"]
+    if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        raise ValueError(
+            f"the optimizer's parameter groups hold {[len(g['params']) for g in optimizer.param_groups]} "
+            f"parameters, the checkpoint's {[len(g['params']) for g in saved_groups]}"
+        )
+    index = [i for g in saved_groups for i in g["params"]]
+    fqn = dict(zip(index, order, strict=True))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    state = {}
+    for i, st in optim_sd["state"].items():
+        name = fqn[i]
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) != shapes[name]:
+                raise ValueError(f"the optimizer state {k!r} of {name} is {tuple(v.shape)}, the parameter "
+                                 f"{shapes[name]}")  # fmt: skip
+        state[name] = st
+    groups = [{**g, "params": [fqn[i] for i in g["params"]]} for g in saved_groups]
+    optim_full = {"state": state, "param_groups": groups}
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_full,
+                   options=StateDictOptions(full_state_dict=True))  # fmt: skip
 
 
 # -- sharded checkpoints (torch.distributed.checkpoint) -----------------------------------------------------

@@ -52,7 +52,6 @@ from longctx.layers.attention import DocumentAttention
 from longctx.memory.measure import expandable_segments
 from longctx.models.gpt import GPT, GPTConfig, lm_loss
 from longctx.training.checkpoint import (
-    CheckpointError,
     load_sharded_state,
     load_training_state,
     remove_partial_dirs,
@@ -547,13 +546,7 @@ class Trainer:
             raise ValueError("--resume without a path needs --save DIR (the checkpoint is DIR/checkpoint.pt)")
         if path.is_dir():  # a sharded checkpoint, written on any number of ranks
             start = load_sharded_state(path, self.model, self.optimizer, self.model_config.to_dict())
-        elif self.distributed:
-            raise CheckpointError(
-                f"--resume {path}: a single-file checkpoint resumes in a single process only; under "
-                f"--data-parallel/--context-parallel pass a sharded checkpoint folder ({SHARDED_DIR}/ of a run's "
-                "--save folder), or continue this run in one process"
-            )
-        else:
+        else:  # a single process's file: every rank reads it and takes its shard
             start = load_training_state(path, self.model, self.optimizer, self.model_config.to_dict())
         if start > cfg.train_iters:
             raise ValueError(f"checkpoint is at step {start}, beyond --train-iters {cfg.train_iters}")
