@@ -489,3 +489,59 @@ def test_host_grad_norm_is_the_total_norm_and_steps_locally(monkeypatch):
     stepper.step()
     assert not any(hasattr(p, "to_local") for u in seen for g in u[0].param_groups for p in g["params"])
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_host_adamw_for_a_loop_of_ones_own_clips_and_overlaps():
+    """`host_adamw(..., max_grad_norm=, overlap=True)` in a transformers-Trainer-like loop (a scheduler, zero_grad,
+    a state_dict mid-run): overlapped equals in place to the bit, and both equal plain AdamW after torch's
+    clipping; a non-finite gradient norm skips the step and leaves the weights; bad settings are named."""
+    from longctx.distributed.offload import HostAdamW
+
+    cfg = GPTConfig(**TINY, share_embeddings_and_output_weights=False)
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, TINY["vocab_size"], (2, TINY["seq_length"]), generator=gen) for _ in range(3)]
+
+    def train(kind: str):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        offload_model(model)
+        if kind == "plain":
+            opt = host_adamw(model, lr=1e-2)
+        else:
+            opt = host_adamw(model, lr=1e-2, max_grad_norm=0.05, overlap=kind == "overlap")
+            assert isinstance(opt, HostAdamW)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (i + 1))
+        for x in batches:
+            model(x, labels=x).backward()
+            if kind == "plain":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            opt.state_dict()  # a checkpoint mid-run waits for the step
+        if kind != "plain":
+            opt.wait()
+            assert opt.last_grad_norm > 0.05  # the clipping was taken
+        return [p.full_tensor() for p in model.parameters()]
+
+    inline, overlapped, plain = train("inline"), train("overlap"), train("plain")
+    for a, b, c in zip(overlapped, inline, plain, strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    offload_model(model)
+    opt = host_adamw(model, lr=1e-2, max_grad_norm=1.0, overlap=True)
+    x = batches[0]
+    model(x, labels=x).backward()
+    next(model.parameters()).grad.to_local()[0] = float("inf")  # a gradient made infinite
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    opt.step()
+    opt.wait()
+    assert opt.skipped_steps == 1 and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p.full_tensor(), q) for p, q in zip(model.parameters(), before, strict=True))
+    with pytest.raises(ValueError, match="max_grad_norm must be a positive number or None"):
+        host_adamw(model, lr=1e-2, max_grad_norm=0)
+    with pytest.raises(ValueError, match="takes no closure"):
+        opt.step(lambda: 0.0)

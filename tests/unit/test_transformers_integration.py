@@ -447,3 +447,37 @@ def test_compile_ahead_records_the_fused_norm_and_mlp_kernels(recorded_pointwise
     # a model apply did not touch has nothing fused: nothing to record
     recorded.clear()
     assert _compile_pointwise(_model("llama"), 4096, torch.bfloat16, torch.device("cpu"), None) == []
+
+
+def test_trainer_with_offloaded_states_and_the_overlapped_host_step(tmp_path):
+    """transformers' Trainer over `apply(model, offload_params=True)` with `host_adamw(..., max_grad_norm=,
+    overlap=True)` as its optimizer (Trainer's own clipping off): its losses and final weights are those of the
+    same run with the host step taken in place, to the bit, and an evaluation mid-run reads stepped weights (its
+    forward waits for the step)."""
+    from transformers import Trainer, TrainingArguments
+
+    from longctx.distributed.offload import host_adamw
+
+    def run(overlap: bool, out: str):
+        torch.manual_seed(0)
+        model = lt.apply(_model("llama"), offload_params=True)
+        opt = host_adamw(model, lr=1e-2, max_grad_norm=0.1, overlap=overlap)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / out), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2,
+            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+            dataloader_num_workers=0, max_grad_norm=0.0, eval_strategy="steps", eval_steps=2,
+        )  # fmt: skip
+        data = _trainer_dataset()
+        trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4], optimizers=(opt, None),
+                          data_collator=DataCollatorWithFlattening(return_flash_attn_kwargs=True))  # fmt: skip
+        trainer.train()
+        opt.wait()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        losses += [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+        assert opt.last_grad_norm is not None
+        return losses, [p.full_tensor() for g in opt.param_groups for p in g["params"]]  # the sharded weights
+
+    inline_losses, inline = run(False, "inline")
+    losses, weights = run(True, "overlap")
+    assert len(losses) == 6 and losses == inline_losses
+    assert all(torch.equal(a, b) for a, b in zip(weights, inline, strict=True))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import math
 import os
 import threading
 from collections.abc import Iterator
@@ -42,6 +43,7 @@ from torch import nn
 __all__ = [
     "offload_model",
     "host_adamw",
+    "HostAdamW",
     "OverlappedHostStep",
     "host_grad_norm",
     "host_threads",
@@ -89,12 +91,21 @@ def host_adamw(
     *,
     betas: tuple[float, float] = (0.9, 0.95),
     weight_decay: float = 0.1,
+    max_grad_norm: float | None = None,
+    overlap: bool = False,
 ) -> torch.optim.AdamW:
     """AdamW on the host for an offloaded model: torch's fused CPU kernel over the fp32 master weights, weight decay
     on matrices only; only parameters that train (``requires_grad``, e.g. LoRA adapters) get states.
 
+    With ``max_grad_norm`` or ``overlap`` it is a `HostAdamW`, whose ``step()`` takes the host's part of a step as
+    ``longctx train`` does, for a loop of one's own or transformers' Trainer (pass it ``max_grad_norm=0`` there:
+    torch's clipping of host gradients runs on about one core): the gradient norm on the host's cores
+    (`host_grad_norm`), the clipping to ``max_grad_norm``, and, with ``overlap``, the step behind the next forward
+    (`OverlappedHostStep`).
+
     Raises:
-        ValueError: a parameter that is not in host memory (call `offload_model` first).
+        ValueError: a parameter that is not in host memory (call `offload_model` first), or a ``max_grad_norm``
+            that is not positive.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     on_gpu = [p for p in params if p.device.type != "cpu"]
@@ -103,12 +114,17 @@ def host_adamw(
             f"host_adamw steps parameters in host memory, but {len(on_gpu)} of them are on {on_gpu[0].device}: "
             "shard the model with offload_model (or apply_fsdp(..., offload_params=True)) first"
         )
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm must be a positive number or None (no clipping), got {max_grad_norm!r}")
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, fused=True)
-    return step_on_host_threads(optimizer)
+    groups = [g for g in groups if g["params"]]
+    if max_grad_norm is None and not overlap:
+        return step_on_host_threads(torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True))
+    return step_on_host_threads(HostAdamW(groups, model, lr=lr, betas=betas, max_grad_norm=max_grad_norm,
+                                          overlap=overlap))  # fmt: skip
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -237,7 +253,9 @@ class OverlappedHostStep:
         work = [self._unit_step(groups) for groups in self._groups]  # on this thread: it reads Python objects
         for e in self._done:
             e.clear()
-        if not self.background:
+        # a first step creates the states through the DTensors, reading each .grad when it runs: at once, before a
+        # zero_grad() after step() can clear them
+        if not self.background or any(u is not None and u[3] for u in work):
             self._run(work, grad_scale)
             self._raise()
             return
@@ -245,9 +263,10 @@ class OverlappedHostStep:
                                         daemon=True)  # fmt: skip
         self._thread.start()
 
-    def _unit_step(self, groups: list[tuple[int, list[torch.Tensor]]]) -> tuple[Any, list, list] | None:
+    def _unit_step(self, groups: list[tuple[int, list[torch.Tensor]]]) -> tuple[Any, list, list, bool] | None:
         """One unit's step: an optimizer over its shards' local tensors sharing the optimizer's states (or over
-        the DTensors themselves where a state does not exist yet), the local gradients, and what to clear after."""
+        the parameters themselves where a state does not exist yet: ``first``), the local gradients, what to clear
+        after, and ``first``."""
         opt = self.optimizer
         local_groups, state, grads, held = [], {}, [], []
         first = False
@@ -259,10 +278,12 @@ class OverlappedHostStep:
         if not any(ps for _, ps in local_groups):
             return None
         stepper = copy.copy(opt)  # its class, settings and step hooks
+        if isinstance(stepper, HostAdamW):  # the plain AdamW step, not HostAdamW's (which starts this one)
+            stepper.__class__ = torch.optim.AdamW
         if first:  # the optimizer's own step over the DTensors creates the states
             stepper.param_groups = [{**hyper, "params": ps} for hyper, ps in local_groups if ps]
             grads = [_local(p.grad) for _, ps in local_groups for p in ps]
-            return stepper, grads, [p for _, ps in local_groups for p in ps]
+            return stepper, grads, [p for _, ps in local_groups for p in ps], True
         stepper.param_groups = []
         for hyper, ps in local_groups:
             if not ps:
@@ -277,14 +298,14 @@ class OverlappedHostStep:
                 held += [lp, p]
             stepper.param_groups.append({**hyper, "params": lps})
         stepper.state = collections.defaultdict(dict, state)
-        return stepper, grads, held
+        return stepper, grads, held, False
 
     def _run(self, work: list, grad_scale: float | None) -> None:
         try:
             with host_threads():
                 for i, unit in enumerate(work):
                     if unit is not None:
-                        stepper, grads, held = unit
+                        stepper, grads, held, _ = unit
                         if grad_scale is not None and grads:
                             torch._foreach_mul_(grads, grad_scale)
                         stepper.step()
@@ -313,6 +334,48 @@ class OverlappedHostStep:
         if self._error is not None:
             exc, self._error = self._error, None
             raise RuntimeError(f"the overlapped host optimizer step failed: {exc}") from exc
+
+
+class HostAdamW(torch.optim.AdamW):
+    """`host_adamw`'s optimizer with ``max_grad_norm`` or ``overlap``: an ``AdamW`` (fused, on the host's fp32
+    shards; its ``state_dict``, parameter groups and schedulers as AdamW's) whose ``step()`` takes the gradient norm
+    on the host's cores (`host_grad_norm`, kept in ``last_grad_norm``), clips to ``max_grad_norm``, and steps, at
+    once or, with ``overlap``, behind the next forward (`OverlappedHostStep`: a forward, a ``state_dict`` or a
+    ``load_state_dict`` waits for it; `wait` before reading the weights otherwise). A step whose gradient norm is
+    NaN or infinite is skipped (its gradients dropped, the weights untouched) and counted in ``skipped_steps``.
+    """
+
+    def __init__(self, params: Any, model: nn.Module, *, lr: float, betas: tuple[float, float],
+                 max_grad_norm: float | None, overlap: bool) -> None:  # fmt: skip
+        super().__init__(params, lr=lr, betas=betas, fused=True)
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: float | None = None
+        self.skipped_steps = 0
+        self.host_step = OverlappedHostStep(self, model, background=overlap)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("HostAdamW.step takes no closure: call the forward and backward before step()")
+        params = [p for g in self.param_groups for p in g["params"]]
+        norm = float(host_grad_norm(params))
+        self.last_grad_norm = norm
+        if not math.isfinite(norm):
+            self.host_step.wait()
+            for p in params:
+                p.grad = None
+            self.skipped_steps += 1
+            return None
+        scale = None
+        if self.max_grad_norm is not None:
+            coef = self.max_grad_norm / (norm + 1e-6)  # clip_grad_norm_'s coefficient
+            scale = coef if coef < 1.0 else None
+        self.host_step.step(grad_scale=scale)
+        return None
+
+    def wait(self) -> None:
+        """Wait for an overlapped step still running (a no-op otherwise)."""
+        self.host_step.wait()
 
 
 def host_thread_share() -> int:

@@ -388,11 +388,11 @@ def apply(
       sliding window), ``context_parallel_method`` running over the plan;
     - ``offload_params``: the parameters, their gradients and the optimizer's states in host memory, sharded by FSDP2
       over ``mesh`` (`longctx.distributed.offload`; None: this process alone): build the optimizer after ``apply``,
-      on the host (`longctx.distributed.offload.host_adamw`); in your own loop, `host_grad_norm` (the clipping norm
-      on every core: torch's CPU norm runs on one) and `OverlappedHostStep` (the host step behind the next forward)
-      take the host's work off the GPU's critical path, as ``longctx train`` does. With context parallelism, ``mesh`` is
-      ``init_mesh(dp, cp)`` and ``context_parallel_group`` its "cp" group: FSDP2 then sums the gradients over both
-      and `allreduce_gradients` has nothing to do.
+      on the host (`longctx.distributed.offload.host_adamw`; with ``max_grad_norm=`` and ``overlap=True`` it clips on
+      every core and steps behind the next forward, as ``longctx train`` does: give transformers' Trainer
+      ``max_grad_norm=0`` then, torch's clipping of host gradients runs on one core). With context parallelism,
+      ``mesh`` is ``init_mesh(dp, cp)`` and ``context_parallel_group`` its "cp" group: FSDP2 then sums the
+      gradients over both and `allreduce_gradients` has nothing to do.
 
     Args:
         model: a causal LM of the Llama family (``model.model.layers``).
