@@ -481,3 +481,44 @@ def test_trainer_with_offloaded_states_and_the_overlapped_host_step(tmp_path):
     losses, weights = run(True, "overlap")
     assert len(losses) == 6 and losses == inline_losses
     assert all(torch.equal(a, b) for a, b in zip(weights, inline, strict=True))
+
+
+def test_trainer_checkpoints_and_resumes_an_offloaded_model(tmp_path):
+    """transformers' Trainer saves an offloaded model's checkpoints (`save_pretrained` writes whole tensors, not the
+    FSDP2 shards safetensors cannot hold) and resumes from one into the shards (a load_state_dict pre-hook), the
+    overlapped host step's states with it: the resumed run's losses are the uninterrupted run's."""
+    from transformers import Trainer, TrainingArguments
+
+    from longctx.distributed.offload import host_adamw
+
+    def run(resume: str | None = None) -> list[float]:
+        torch.manual_seed(0)
+        model = lt.apply(_model("llama"), offload_params=True)
+        opt = host_adamw(model, lr=1e-2, max_grad_norm=0.1, overlap=True)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "run"), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2,
+            logging_steps=1, report_to=[], save_strategy="steps", save_steps=2, use_cpu=True, disable_tqdm=True,
+            dataloader_num_workers=0, max_grad_norm=0.0,
+        )  # fmt: skip
+        trainer = Trainer(model=model, args=args, train_dataset=_trainer_dataset(), optimizers=(opt, None),
+                          data_collator=DataCollatorWithFlattening(return_flash_attn_kwargs=True))  # fmt: skip
+        trainer.train(resume_from_checkpoint=resume)
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    whole = run()
+    assert (tmp_path / "run" / "checkpoint-2" / "model.safetensors").is_file()
+    resumed = run(str(tmp_path / "run" / "checkpoint-2"))
+    assert len(whole) == 4 and resumed == whole  # the first two from the checkpoint's log, the last two trained again
+
+
+def test_save_pretrained_of_states_offloaded_over_ranks_names_the_way():
+    """Over several ranks transformers' Trainer saves on one rank only, where gathering the shards would wait for
+    the others: `save_pretrained` raises at once, naming what to do."""
+    import types
+
+    from longctx.integrations.transformers.apply import _patch_save_pretrained
+
+    model = lt.apply(_model("llama"), offload_params=True)
+    _patch_save_pretrained(model, types.SimpleNamespace(size=lambda: 2))  # as if sharded over two ranks
+    with pytest.raises(ValueError, match="offloaded over 2 ranks.*save_sharded_state"):
+        model.save_pretrained("unused")

@@ -390,7 +390,9 @@ def apply(
       over ``mesh`` (`longctx.distributed.offload`; None: this process alone): build the optimizer after ``apply``,
       on the host (`longctx.distributed.offload.host_adamw`; with ``max_grad_norm=`` and ``overlap=True`` it clips on
       every core and steps behind the next forward, as ``longctx train`` does: give transformers' Trainer
-      ``max_grad_norm=0`` then, torch's clipping of host gradients runs on one core). With context parallelism,
+      ``max_grad_norm=0`` then, torch's clipping of host gradients runs on one core; ``save_pretrained`` writes whole
+      tensors and loading a whole checkpoint fills the shards, so the Trainer's checkpoints save and resume in one
+      process). With context parallelism,
       ``mesh`` is ``init_mesh(dp, cp)`` and ``context_parallel_group`` its "cp" group: FSDP2 then sums the
       gradients over both and `allreduce_gradients` has nothing to do.
 
@@ -550,11 +552,46 @@ def apply(
     if offload_params:
         from longctx.distributed.offload import offload_model
 
-        offload_model(model, mesh)
+        _patch_save_pretrained(model, offload_model(model, mesh))
     for m in {id(model): model, id(wrapper): wrapper}.values():
         m._longctx_applied = True
         m._longctx_context_parallel = None if offload_params else cp  # offloaded: FSDP2 summed over dp x cp
     return wrapper
+
+
+def _patch_save_pretrained(model: nn.Module, mesh: Any) -> None:
+    """``save_pretrained`` of an offloaded model writes whole tensors (safetensors cannot hold FSDP2's DTensor
+    shards; transformers' Trainer saves checkpoints through it). In one process the shards are the whole tensors;
+    over several ranks the Trainer saves on one rank only, where gathering would wait for the others forever, so it
+    raises instead, naming what to do."""
+    plain = model.save_pretrained
+
+    def save_pretrained(*args: Any, state_dict: dict | None = None, **kwargs: Any) -> Any:
+        sd = model.state_dict() if state_dict is None else state_dict
+        if any(hasattr(v, "full_tensor") for v in sd.values()):
+            if mesh.size() > 1:
+                raise ValueError(
+                    f"save_pretrained of a model whose states are offloaded over {mesh.size()} ranks: its weights are "
+                    "shards on every rank. Save with torch.distributed.checkpoint on every rank "
+                    "(longctx.training.checkpoint.save_sharded_state), or gather them on every rank with "
+                    "torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
+                    "options=StateDictOptions(full_state_dict=True)) and pass state_dict= on the first"
+                )
+            sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sd.items()}
+        return plain(*args, state_dict=sd, **kwargs)
+
+    model.save_pretrained = save_pretrained
+
+    def whole_to_shards(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+        # whole tensors (a save_pretrained checkpoint) into the DTensor shards: each rank keeps its own shard
+        from torch.distributed.tensor import distribute_tensor
+
+        for name, p in [*module.named_parameters(), *module.named_buffers()]:
+            v = state_dict.get(prefix + name)
+            if hasattr(p, "device_mesh") and isinstance(v, torch.Tensor) and not hasattr(v, "device_mesh"):
+                state_dict[prefix + name] = distribute_tensor(v, p.device_mesh, p.placements, src_data_rank=None)
+
+    model.register_load_state_dict_pre_hook(whole_to_shards)
 
 
 def allreduce_gradients(model: nn.Module) -> None:
