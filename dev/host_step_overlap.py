@@ -82,6 +82,10 @@ def main() -> None:
     emit({"preset": args.preset, "seq_length": args.seq_length, "plan": chosen.settings,
           "cores": len(os.sched_getaffinity(0)), "gpu": torch.cuda.get_device_name()})  # fmt: skip
 
+    if args.parts == "diagnose":
+        diagnose(model, opt, x, offload, share, emit)
+        return
+
     def step(overlapped: bool, norm: str) -> tuple[float, float]:
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -138,36 +142,48 @@ def main() -> None:
         return 4 * pinned.numel() / (time.perf_counter() - t) / 1e9
 
     def launches_us() -> float:
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(2000):
-            small.add_(1.0)
-        dt = time.perf_counter() - t
-        torch.cuda.synchronize()
-        return dt / 2000 * 1e6
+        return launch_us(small, 2000)
 
     for p in model.parameters():  # gradients for the background steps
         p.grad = torch.zeros_like(p)
     for threads in [int(n) for n in args.threads.split(",")]:
         share[0] = threads
         alone = (copy_gbs(), launches_us())
-        busy = threading.Event()
-        stop = threading.Event()
-
-        def background(busy: threading.Event = busy, stop: threading.Event = stop) -> None:
-            while not stop.is_set():
-                with offload.host_threads():
-                    opt.step()
-                busy.set()
-
-        th = threading.Thread(target=background, daemon=True)
-        th.start()
-        busy.wait()
-        beside = (copy_gbs(), launches_us())
-        stop.set()
-        th.join()
+        beside = beside_steps(opt, offload, lambda: (copy_gbs(), launches_us()))
         emit({"contention_threads": threads, "copy_gbs_alone": alone[0], "copy_gbs_beside_adamw": beside[0],
               "launch_us_alone": alone[1], "launch_us_beside_adamw": beside[1]})  # fmt: skip
+
+
+def beside_steps(opt, offload, measure):
+    """``measure()`` while another thread runs ``opt.step()`` in a loop on the host's threads (as the overlapped
+    step does), from the end of its first step."""
+    stop, busy = threading.Event(), threading.Event()
+
+    def background() -> None:
+        while not stop.is_set():
+            with offload.host_threads():
+                opt.step()
+            busy.set()
+
+    th = threading.Thread(target=background, daemon=True)
+    th.start()
+    busy.wait()
+    try:
+        return measure()
+    finally:
+        stop.set()
+        th.join()
+
+
+def launch_us(t: torch.Tensor, n: int) -> float:
+    """The main thread's time to launch one small kernel (``t.add_``), over ``n`` in a row."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        t.add_(1.0)
+    dt = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return dt / n * 1e6
 
 
 def diagnose(model, opt, x, offload, share, emit) -> None:
@@ -212,33 +228,14 @@ def diagnose(model, opt, x, offload, share, emit) -> None:
     small = torch.zeros(1024, device="cuda")
 
     def launches_us() -> float:
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(500):
-            small.add_(1.0)
-        dt = time.perf_counter() - t
-        torch.cuda.synchronize()
-        return dt / 500 * 1e6
+        return launch_us(small, 500)
 
     for name, o, interval in [("dtensor", opt, None), ("local", lopt, None), ("dtensor", opt, 1e-4),
                               ("local", lopt, 1e-4)]:  # fmt: skip
         before = sys.getswitchinterval()
         if interval:
             sys.setswitchinterval(interval)
-        stop, busy = threading.Event(), threading.Event()
-
-        def background(o=o, stop=stop, busy=busy) -> None:
-            while not stop.is_set():
-                with offload.host_threads():
-                    o.step()
-                busy.set()
-
-        th = threading.Thread(target=background, daemon=True)
-        th.start()
-        busy.wait()
-        beside = launches_us()
-        stop.set()
-        th.join()
+        beside = beside_steps(o, offload, launches_us)
         sys.setswitchinterval(before)
         emit({"optimizer": name, "switch_interval": interval, "launch_us_alone": launches_us(),
               "launch_us_beside_adamw": beside})  # fmt: skip
