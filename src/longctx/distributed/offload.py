@@ -191,7 +191,8 @@ class OverlappedHostStep:
 
     The background thread steps the shards' local tensors (views of the same storage), not the DTensors: a DTensor
     op's dispatch is Python, which would hold the interpreter lock against the main thread's kernel launches for the
-    whole step. Only a unit's first step, which creates its states, goes through the DTensors.
+    whole step. Only the first step, which creates the states, goes through the DTensors, and runs at once in
+    ``step()`` (it reads each gradient as it goes, which a ``zero_grad()`` after ``step()`` would clear).
 
         opt = host_adamw(model, lr=3e-4)
         overlap = OverlappedHostStep(opt, model)
