@@ -87,6 +87,9 @@ def test_bench_memory_cells_through_the_step_timer():
     assert offloaded["status"] == "ok", offloaded
     in_place = memory._measure(memory._gpt_step_runner, cfg, 32, 2, 1, CPU, offload_params=True, overlap=False)
     assert in_place["status"] == "ok", in_place
+    # overlapped: the step before's own time and what the forward after it waited, beside the phases
+    assert offloaded["phases"]["host_step_s"] > 0 and offloaded["phases"]["forward_waited_s"] >= 0
+    assert "host_step_s" not in in_place["phases"]
     hf = memory._measure(memory._hf_step_runner, cfg, 32, 1, 0, CPU)
     assert hf["status"] == "ok" and hf["tokens_per_s"] > 0
 
@@ -103,6 +106,11 @@ def test_bench_memory_cells_through_the_step_timer():
                               off_row])  # fmt: skip
     assert "| 32 | p | " in md and "| 64 | - | oom | - |" in md
     assert "## Parameters, gradients and optimizer states in host memory (tiny)" in md and "\n| 32 | q | " in md
+    row = next(line for line in md.splitlines() if line.startswith("| 32 | q | "))
+    header = next(line for line in md.splitlines() if line.startswith("| S | plan | tokens/s | step s"))
+    assert row.count("|") == header.count("|")  # every column filled
+    cells = dict(zip(header.split("|"), row.split("|"), strict=True))
+    assert float(cells[" host step s "]) == round(offloaded["phases"]["host_step_s"], 2)
 
 
 def test_bench_transformers_runner_through_the_step_timer(monkeypatch):

@@ -136,6 +136,10 @@ def test_the_trainer_hides_the_host_step_behind_the_next_forward_to_the_bit(tmp_
     assert not inline.host_step.background
     overlapped, overlapped_run = _run(tmp_path, "overlapped", offload_params=True, clip_grad=0.05)
     assert overlapped.host_step.background
+    # the summary's host step: each step's own time and what the next forward waited for it
+    times = overlapped.host_step_times  # steps 1-3 (the fourth's is not followed by a step); the first at once
+    assert len(times) == 3 and times[0][0] == times[0][1] > 0 and all(t > 0 and w >= 0 for t, w in times)
+    assert "host step" in overlapped._summary(overlapped_run, {}, 4)
     assert overlapped_run.losses == inline_run.losses
     for (name, p), q in zip(overlapped.model.named_parameters(), inline.model.parameters(), strict=True):
         assert torch.equal(p.full_tensor(), q.full_tensor()), name

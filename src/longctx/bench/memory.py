@@ -191,6 +191,10 @@ def _mfu(row: dict[str, Any], measured: dict[str, Any]) -> str:
     return f"{row['model_flops'] / measured['step_s'] / PEAK_BF16_FLOPS:.1%}"
 
 
+def _seconds(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def _offload_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     """The rows whose parameters, gradients and AdamW states were in host memory: speed (model FLOPs utilisation
     against the bf16 peak), the optimizer step and the host copies beside it, both memories against the plan."""
@@ -198,13 +202,16 @@ def _offload_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str
         "",
         f"## Parameters, gradients and optimizer states in host memory ({meta['preset']})",
         "",
-        f"Host memory of the machine: {meta['env'].get('host_memory_gib', '-')} GiB. The copies and the GPU's "
-        "compute are from one more step under torch.profiler: copies = host <-> device copy time; GPU idle = wall "
-        "- kernel time (at most what the copies failed to hide).",
+        f"Host memory of the machine: {meta['env'].get('host_memory_gib', '-')} GiB. optimizer s: the host's "
+        "work between the backward and the next forward (the gradient norm, then the clipped AdamW step, or only "
+        "its start where it runs behind the next forward); host step s: that step's own time, and of it, waited s: "
+        "what the next forward waited for (the part not hidden). The copies and the GPU's compute are from one "
+        "more step under torch.profiler: copies = host <-> device copy time; GPU idle = wall - kernel time (at most "
+        "what the copies failed to hide).",
         "",
-        "| S | plan | tokens/s | step s | fwd+bwd s | optimizer s | MFU | GPU peak GiB | predicted | pred / meas |"
-        " host peak GiB | predicted | pred / meas | copies s | GPU idle s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| S | plan | tokens/s | step s | fwd+bwd s | optimizer s | host step s | waited s | MFU | GPU peak GiB |"
+        " predicted | pred / meas | host peak GiB | predicted | pred / meas | copies s | GPU idle s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         o = r.get("longctx", {})
@@ -212,7 +219,7 @@ def _offload_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str
         if pred and r.get("first_step"):
             pred -= r.get("predicted_optimizer_bytes", 0)
         if o.get("status") != "ok":
-            lines.append(f"| {r['s']:,} | {r.get('plan', '-')} | {o.get('status', '-')} |" + " - |" * 12)
+            lines.append(f"| {r['s']:,} | {r.get('plan', '-')} | {o.get('status', '-')} |" + " - |" * 14)
             continue
         ph, cp = o.get("phases") or {}, o.get("copies") or {}
         host = o.get("host_peak_bytes")
@@ -220,7 +227,8 @@ def _offload_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str
         lines.append(
             f"| {r['s']:,}{star} | {r.get('plan', '-')} | {o['tokens_per_s']:,.0f} | "
             f"{o['step_s']:.2f} | {ph.get('forward_backward_s', float('nan')):.2f} | "
-            f"{ph.get('optimizer_s', float('nan')):.2f} | {_mfu(r, o)} | {_gib(o['peak_bytes'])} | {_gib(pred)} | "
+            f"{ph.get('optimizer_s', float('nan')):.2f} | {_seconds(ph.get('host_step_s'))} | "
+            f"{_seconds(ph.get('forward_waited_s'))} | {_mfu(r, o)} | {_gib(o['peak_bytes'])} | {_gib(pred)} | "
             + (f"{pred / o['peak_bytes']:.3f} | " if pred else "- | ")
             + f"{_gib(host)} | {_gib(host_pred)} | "
             + (f"{host_pred / host:.3f} | " if host and host_pred else "- | ")

@@ -111,6 +111,9 @@ class _Step:
             self.opt.zero_grad(set_to_none=True)
         _sync(self.device)
         self.phases = {"forward_backward_s": t_opt - t, "optimizer_s": time.perf_counter() - t_opt}
+        if self.host_step is not None and self.host_step.background and self.host_step.last_waited_s is not None:
+            self.phases["host_step_s"] = self.host_step.last_host_step_s  # the step before this one's, now done
+            self.phases["forward_waited_s"] = self.host_step.last_waited_s
 
 
 def training_step(

@@ -34,6 +34,7 @@ import copy
 import math
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -235,6 +236,11 @@ class OverlappedHostStep:
             e.set()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._waited, self._ran_s, self._ran_at_once = 0.0, None, False
+        # at each step(), of the step before: its own time, and how much of it was not hidden (what the forward
+        # after it waited for it; all of it for a step taken at once)
+        self.last_host_step_s: float | None = None
+        self.last_waited_s: float | None = None
         for i, module in enumerate([model, *units]):
             # the root gathers its own parameters; a unit, its own and the next ``prefetch`` units'
             last = 0 if i == 0 else min(n - 1, i + prefetch)
@@ -251,12 +257,16 @@ class OverlappedHostStep:
         """Start the step of every unit (after the backward); returns at once (``background=False``: after it).
         ``grad_scale`` multiplies the gradients first (a clipping coefficient), in the background too."""
         self.wait()
+        self.last_host_step_s = self._ran_s
+        self.last_waited_s = self._ran_s if self._ran_at_once else None if self._ran_s is None else self._waited
+        self._waited = 0.0
         work = [self._unit_step(groups) for groups in self._groups]  # on this thread: it reads Python objects
         for e in self._done:
             e.clear()
         # a first step creates the states through the DTensors, reading each .grad when it runs: at once, before a
         # zero_grad() after step() can clear them
-        if not self.background or any(u is not None and u[3] for u in work):
+        self._ran_at_once = not self.background or any(u is not None and u[3] for u in work)
+        if self._ran_at_once:
             self._run(work, grad_scale)
             self._raise()
             return
@@ -302,6 +312,7 @@ class OverlappedHostStep:
         return stepper, grads, held, False
 
     def _run(self, work: list, grad_scale: float | None) -> None:
+        t0 = time.perf_counter()
         try:
             with host_threads():
                 for i, unit in enumerate(work):
@@ -316,12 +327,16 @@ class OverlappedHostStep:
         except BaseException as exc:  # raised on the main thread, at its next wait
             self._error = exc
         finally:
+            self._ran_s = time.perf_counter() - t0
             for e in self._done:
                 e.set()
 
     def _wait_until(self, last: int) -> None:
-        for e in self._done[: last + 1]:
-            e.wait()
+        if not self._done[last].is_set():
+            t0 = time.perf_counter()
+            for e in self._done[: last + 1]:
+                e.wait()
+            self._waited += time.perf_counter() - t0
         self._raise()
 
     def wait(self) -> None:

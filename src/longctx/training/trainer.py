@@ -39,6 +39,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -359,6 +360,7 @@ class Trainer:
         self.saved_step: int | None = self.start_step if resumed_here else None  # the checkpoint in --save
         self.tokens_per_step = cfg.micro_batch_size * cfg.data_parallel * mcfg.seq_length  # the global batch
         self.last_step_skipped = False
+        self.host_step_times: list[tuple[float, float]] = []  # offloaded: (host step s, of it not hidden s) a step
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -410,6 +412,9 @@ class Trainer:
         if self.host_step is not None:  # returns at once; each unit's next forward waits for its step
             scale = max_norm / (grad_norm + 1e-6)  # clip_grad_norm_'s coefficient
             self.host_step.step(grad_scale=scale if scale < 1.0 else None)
+            hs = self.host_step
+            if hs.last_host_step_s is not None and hs.last_waited_s is not None:  # the step before this one's
+                self.host_step_times.append((hs.last_host_step_s, hs.last_waited_s))
         else:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -791,6 +796,11 @@ class Trainer:
             f"  peak memory       {format_bytes(result.peak_memory_bytes)}{how}",
             f"  attention         {self.backend}",
         ]
+        if self.host_step_times:
+            step_s = statistics.median(t for t, _ in self.host_step_times)
+            waited = statistics.median(w for _, w in self.host_step_times)
+            lines.append(f"  host step         {step_s:.2f} s a step (the AdamW step in host memory), {waited:.2f} s "
+                         "of it not hidden behind the next forward")  # fmt: skip
         if self.checkpoint_path:
             lines.append(f"  checkpoint        {self.checkpoint_path}")
         return "\n".join(lines)
