@@ -392,9 +392,8 @@ def apply(
       every core and steps behind the next forward, as ``longctx train`` does: give transformers' Trainer
       ``max_grad_norm=0`` then, torch's clipping of host gradients runs on one core; ``save_pretrained`` writes whole
       tensors and loading a whole checkpoint fills the shards, so the Trainer's checkpoints save and resume in one
-      process). With context parallelism,
-      ``mesh`` is ``init_mesh(dp, cp)`` and ``context_parallel_group`` its "cp" group: FSDP2 then sums the
-      gradients over both and `allreduce_gradients` has nothing to do.
+      process). With context parallelism, ``mesh`` is ``init_mesh(dp, cp)`` and ``context_parallel_group`` its
+      "cp" group: FSDP2 then sums the gradients over both and `allreduce_gradients` has nothing to do.
 
     Args:
         model: a causal LM of the Llama family (``model.model.layers``).
