@@ -96,12 +96,13 @@ def main() -> None:
             with offload.host_threads():
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         t_opt = time.perf_counter()
+        scale = None
         if norm == "host":
-            scale = 1.0 / (float(offload.host_grad_norm(model.parameters())) + 1e-6)
+            scale = offload.clip_scale(float(offload.host_grad_norm(model.parameters())), 1.0)
         if overlapped:
-            overlap.step(grad_scale=scale if scale < 1.0 else None)
+            overlap.step(grad_scale=scale)
         else:
-            if norm == "host" and scale < 1.0:
+            if scale is not None:
                 torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], scale)
             opt.step()
             opt.zero_grad(set_to_none=True)

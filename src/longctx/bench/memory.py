@@ -33,6 +33,8 @@ from longctx.bench.steps import adamw, time_steps, training_step
 
 __all__ = ["main"]
 
+CLIP_GRAD = 1.0  # `longctx train`'s default --clip-grad: the offloaded steps clip as training does
+
 
 def _gpt_step_runner(config, S: int, device: torch.device, offload_params: bool = False, overlap: bool = True):
     """A training step of the longctx GPT of ``config`` on one sequence of S tokens; ``offload_params``: its
@@ -44,14 +46,14 @@ def _gpt_step_runner(config, S: int, device: torch.device, offload_params: bool 
     torch.manual_seed(0)
     host_step = None
     if offload_params:
-        from longctx.distributed.offload import OverlappedHostStep, build_device, host_adamw, offload_model
+        from longctx.distributed.offload import build_device, host_adamw, offload_model
         from longctx.memory.plan import parameter_count
 
         with build_device(parameter_count(config)[1], device):
             model = GPT(config)
         offload_model(model)
-        opt = host_adamw(model, lr=1e-5)
-        host_step = OverlappedHostStep(opt, model, background=overlap)
+        opt = host_adamw(model, lr=1e-5, max_grad_norm=CLIP_GRAD, overlap=overlap)  # a HostAdamW
+        host_step = opt.host_step
     else:
         model = GPT(config).to(device)
         opt = adamw(model, device)

@@ -73,16 +73,13 @@ def adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer
     return torch.optim.AdamW(trained, lr=1e-5, fused=device.type == "cuda")
 
 
-CLIP_GRAD = 1.0  # `longctx train`'s default --clip-grad: the offloaded steps clip as training does
-
-
 class _Step:
     """A step: ``loss_fn()`` under bf16 autocast, backward, the optimizer step, gradients set to None; ``phases``
     holds the seconds of the last step's forward + backward and of its optimizer step (the device synchronised
-    between them). With ``host_step`` (`distributed.offload.OverlappedHostStep`) the step is `longctx train`'s:
-    the gradient norm over the host shards (`host_grad_norm`), then the step clipped to `CLIP_GRAD`, started (its
-    phase is the norm and the start) and run behind the next step's forward, or taken whole where the host step's
-    ``background`` is off; `finish` waits for the last one."""
+    between them). With ``host_step`` (the `distributed.offload.OverlappedHostStep` of ``opt``, a `HostAdamW`)
+    the optimizer step may run behind the next step's forward: its phase is then the norm and the step's start,
+    ``host_step_s`` and ``forward_waited_s`` the step before's own time and what this forward waited for it;
+    `finish` waits for the last one."""
 
     def __init__(self, loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, device: torch.device,
                  host_step=None):  # fmt: skip
@@ -100,15 +97,8 @@ class _Step:
         loss.backward()
         _sync(self.device)
         t_opt = time.perf_counter()
-        if self.host_step is not None:  # as `longctx train`: the norm on the host's cores, the clipping in the step
-            from longctx.distributed.offload import host_grad_norm
-
-            params = [p for g in self.host_step.optimizer.param_groups for p in g["params"]]
-            scale = CLIP_GRAD / (float(host_grad_norm(params)) + 1e-6)
-            self.host_step.step(grad_scale=scale if scale < 1.0 else None)
-        else:
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         _sync(self.device)
         self.phases = {"forward_backward_s": t_opt - t, "optimizer_s": time.perf_counter() - t_opt}
         if self.host_step is not None and self.host_step.background and self.host_step.last_waited_s is not None:

@@ -47,6 +47,7 @@ __all__ = [
     "HostAdamW",
     "OverlappedHostStep",
     "host_grad_norm",
+    "clip_scale",
     "host_threads",
     "host_thread_share",
     "step_on_host_threads",
@@ -179,6 +180,15 @@ def host_grad_norm(parameters: Any, chunk: int = 1 << 23) -> torch.Tensor:
     return torch.tensor(total**0.5, dtype=torch.float64 if wide else torch.float32)
 
 
+def clip_scale(norm: float, max_norm: float | None) -> float | None:
+    """What clipping to ``max_norm`` multiplies gradients of total norm ``norm`` by (``clip_grad_norm_``'s
+    coefficient), or None where it leaves them as they are (no ``max_norm``, or a norm within it)."""
+    if max_norm is None:
+        return None
+    coef = max_norm / (norm + 1e-6)
+    return coef if coef < 1.0 else None
+
+
 class OverlappedHostStep:
     """The host's AdamW step of an offloaded model taken unit by unit in a background thread while the next forward
     runs, instead of all of it between the backward and that forward.
@@ -199,7 +209,7 @@ class OverlappedHostStep:
         overlap = OverlappedHostStep(opt, model)
         loss.backward()
         norm = host_grad_norm(model.parameters())
-        overlap.step(grad_scale=min(1.0, max_norm / (float(norm) + 1e-6)))  # returns at once
+        overlap.step(grad_scale=clip_scale(float(norm), max_norm))  # returns at once
         overlap.wait()          # before reading the weights or states other than through a forward or a
                                 # state_dict (both wait by themselves: hooks)
 
@@ -382,11 +392,7 @@ class HostAdamW(torch.optim.AdamW):
                 p.grad = None
             self.skipped_steps += 1
             return None
-        scale = None
-        if self.max_grad_norm is not None:
-            coef = self.max_grad_norm / (norm + 1e-6)  # clip_grad_norm_'s coefficient
-            scale = coef if coef < 1.0 else None
-        self.host_step.step(grad_scale=scale)
+        self.host_step.step(grad_scale=clip_scale(norm, self.max_grad_norm))
         return None
 
     def wait(self) -> None:

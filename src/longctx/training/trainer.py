@@ -392,7 +392,7 @@ class Trainer:
         # the norm of sharded ones is reduced over the shards), so every rank takes the same decision
         max_norm = cfg.clip_grad if cfg.clip_grad > 0 else math.inf
         if self.host_step is not None:  # a norm over host shards on the host's cores; the clipping is the host step's
-            from longctx.distributed.offload import host_grad_norm
+            from longctx.distributed.offload import clip_scale, host_grad_norm
 
             norm = host_grad_norm(self.model.parameters())
         else:
@@ -410,8 +410,7 @@ class Trainer:
                 )
             return loss_value, lr
         if self.host_step is not None:  # returns at once; each unit's next forward waits for its step
-            scale = max_norm / (grad_norm + 1e-6)  # clip_grad_norm_'s coefficient
-            self.host_step.step(grad_scale=scale if scale < 1.0 else None)
+            self.host_step.step(grad_scale=clip_scale(grad_norm, max_norm))
             hs = self.host_step
             if hs.last_host_step_s is not None and hs.last_waited_s is not None:  # the step before this one's
                 self.host_step_times.append((hs.last_host_step_s, hs.last_waited_s))
