@@ -570,6 +570,25 @@ def sparse_ws_config(kind: str, head_dim: int) -> tuple[int, int, bool] | None:
     return (SPARSE_WS_FWD if kind == "fwd" else SPARSE_WS_BWD).get(head_dim)
 
 
+# Dense bands (causal masks, windows, context parallelism's shifted bands) through the block-sparse kernels: the
+# band as a `BlockMask` run by the warp-specialised persistent block-sparse kernels instead of the dense ones, where
+# those measured faster (dev/band_routes.py; docs/performance.md): the forward at D=128 at every causal length and
+# window measured, at D=64 from 2048 keys a row; the backward with one kv head per query head (with grouped heads the
+# dense backward was the faster one). A band mask keeps four (query blocks x key blocks) int32 lists on the GPU, so
+# bands of more blocks than BAND_SPARSE_MAX_BLOCKS keep the dense kernels (whose band costs no memory).
+BAND_SPARSE_MAX_BLOCKS = 2**20
+
+
+def band_via_sparse(kind: str, head_dim: int, width: int, grouped: bool, n_blocks: int) -> bool:
+    """Whether a banded call ("fwd" or "bwd") runs the block-sparse kernels: ``width`` is the most keys a query row
+    sees, ``grouped`` whether query heads share kv heads, ``n_blocks`` the band mask's query x key blocks."""
+    if n_blocks > BAND_SPARSE_MAX_BLOCKS or head_dim not in (64, 128):
+        return False
+    if kind == "bwd":
+        return not grouped
+    return head_dim == 128 or width >= 2048
+
+
 # -- developer overrides: the one place they are read ------------------------------------------------------------
 # For kernel developers and tests, never needed to use longctx: force a kernel path or a tile to compare variants.
 # Set for a whole process with LONGCTX_TUNING="key=value,key=value" (read once, here) or in code with
@@ -593,6 +612,9 @@ _OVERRIDE_DEFAULTS.update(
 # dkdv:64x128x8x3", or a dict kind -> tuple in code); tensor-descriptor loads under the interpreter (tests; None: as
 # `launchers.runtime` decides)
 _OVERRIDE_DEFAULTS.update(sparse_ws=None, sparse_ws_bwd=None, sparse_tiles=None, sparse_tma_in_interpreter=None)
+# dense bands through the block-sparse kernels (`band_via_sparse`) forced on (True: every band, on any GPU and under
+# the interpreter) or off (False)
+_OVERRIDE_DEFAULTS.update(band_sparse=None)
 _OVERRIDES: dict = {}
 _ENV_READ: list[bool] = []
 

@@ -160,3 +160,47 @@ def test_ws_persistent_more_items_than_sms_gqa(D, spy):
     for nm, a, b in zip(("out", "dq", "dk", "dv"), *res):
         err = (a - b).abs().max().item()
         assert err <= 2e-2 * max(1.0, b.abs().max().item()), f"{nm}: {err:.3e}"
+
+
+# Dense bands the tuning rule hands to the block-sparse kernels (`tuning.band_via_sparse`): at D=128 the forward at
+# any band, the backward without grouped heads; Sq != Sk (bottom-right causal), windows, two-sided windows, a ring
+# step's shifted band with rows that see nothing; float32 gradients and dlse as context parallelism asks for them.
+BAND_CASES = [
+    (1000, 1000, (None, 0)), (300, 2100, (None, 1800)), (2048, 2048, (-511, 0)), (1100, 900, (-77, 130)),
+    (1024, 1024, (None, -600)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("sq,sk,band", BAND_CASES, ids=str)
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)], ids=str)
+def test_dense_bands_taken_by_the_block_sparse_kernels(sq, sk, band, hq, hkv, spy):
+    from longctx.launchers import flash as tf
+    from longctx.masks import Band
+    from longctx.reference.naive import naive_attention
+
+    g = torch.Generator(device="cuda").manual_seed(sq + sk)
+    q = torch.randn(2, hq, sq, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, hkv, sk, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    do = torch.randn_like(q)
+    band, scale = Band(*band), 128**-0.5
+    res = {}
+    for routed in (True, False):
+        with tuning.override(band_sparse=None if routed else False):
+            out, lse = tf.triton_forward(q, k, v, scale=scale, band=band)
+            dlse = torch.where(torch.isfinite(lse), 0.5, 0.0)
+            grads = tf.triton_backward(
+                do, q, k, v, out, lse, scale=scale, band=band, dlse=dlse, grad_dtype=torch.float32
+            )
+        res[routed] = (out, lse, *grads)
+        # the rule's launches in the first pass, none more with the rule switched off
+        assert spy() == {"fwd": 1, "bwd": int(hq == hkv)}, "the block-sparse kernels did not take the band as ruled"
+    ref, ref_lse = naive_attention(q, k, v, scale=scale, band=band, upcast=torch.float64)
+    fin = torch.isfinite(ref_lse)
+    for routed in (True, False):
+        out, lse = res[routed][:2]
+        assert torch.equal(torch.isfinite(lse), fin) and torch.all(out[~fin] == 0)
+        assert float((out.double() - ref).abs().max()) < 2e-2
+        assert float((lse[fin].double() - ref_lse[fin]).abs().max()) < 1e-3
+    for a, b in zip(res[True][2:], res[False][2:]):
+        assert a.dtype == torch.float32 and torch.isfinite(a).all()
+        assert float((a - b).abs().max()) <= 2e-2 * float(b.abs().max()) + 1e-3

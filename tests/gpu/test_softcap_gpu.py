@@ -98,7 +98,7 @@ def test_dense_backward_paths(path, D):
             deterministic=path == "deterministic",
         )  # fmt: skip
 
-    with tuning.override(atomic_dq=path == "atomic_dq"):
+    with tuning.override(atomic_dq=path == "atomic_dq", band_sparse=False):  # the dense kernels' variants
         ours = _run(fn, q, k, v, do)
     band = Band.from_args(2304, 2304, causal=True, window=(700, 0))
     _check(ours, q, k, v, do, scale=1 / math.sqrt(D), softcap=cap, band=band)
@@ -214,8 +214,9 @@ def ws_runs(monkeypatch):
 
 
 def _dense_ws(ws_switches, ws_runs, B, Hq, Hkv, Sq, Sk, D, *, causal, cap, window=None, dtype=torch.bfloat16, **over):
-    """The dense attention with softcap ``cap`` under the tuning overrides ``over``, against the oracle; returns the
-    launches of the warp-specialised kernels."""
+    """The dense attention with softcap ``cap`` under the tuning overrides ``over`` (bands kept on the dense kernels,
+    which `tuning.band_via_sparse` would hand to the block-sparse ones), against the oracle; returns the launches of
+    the warp-specialised kernels."""
     runs = ws_runs(ws_switches)
     deterministic = over.pop("deterministic", False)
     q, k, v, do = _inputs(B, Hq, Hkv, Sq, Sk, D, seed=D + Sq + int(cap), dtype=dtype)
@@ -226,7 +227,7 @@ def _dense_ws(ws_switches, ws_runs, B, Hq, Hkv, Sq, Sk, D, *, causal, cap, windo
             deterministic=deterministic,
         )  # fmt: skip
 
-    with tuning.override(autotune=False, **over):
+    with tuning.override(autotune=False, band_sparse=False, **over):
         ours = _run(fn, q, k, v, do)
     band = Band.from_args(Sq, Sk, causal=causal, window=window)
     _check(ours, q, k, v, do, scale=1 / math.sqrt(D), softcap=cap, band=band)

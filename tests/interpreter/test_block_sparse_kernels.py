@@ -148,6 +148,53 @@ def test_sparse_kernels_with_descriptor_loads_in_interpreter():
     assert _run(TMA_SCRIPT, {"LONGCTX_TUNING": "sparse_tma_in_interpreter=1"}).count("ok") == 3
 
 
+# Dense bands handed to the block-sparse kernels (`tuning.band_via_sparse`; forced here, as the rule takes them on
+# Hopper only): the same outputs, lse (-inf on rows that see nothing), gradients (with dlse, float32 gradients, GQA,
+# softcap) as the dense kernels, for causal, bottom-right causal, windows, two-sided windows and context parallelism's
+# shifted bands.
+BAND_SCRIPT = textwrap.dedent(
+    r"""
+    import torch
+    from longctx import tuning
+    from longctx.launchers import flash, sparse
+    from longctx.masks import Band
+
+    g = torch.Generator().manual_seed(3)
+    cases = [
+        (150, 150, Band(None, 0), 0.0), (40, 150, Band.from_args(40, 150, causal=True), 0.0),
+        (150, 150, Band(-20, 0), 0.0), (130, 150, Band(-30, 25), 5.0), (150, 150, Band(None, -130), 0.0),
+        (100, 150, Band(-500, 500), 0.0), (150, 100, Band(70, None), 0.0),
+    ]
+    for sq, sk, band, cap in cases:
+        q = torch.randn(1, 4, sq, 16, generator=g)
+        k, v = (torch.randn(1, 2, sk, 16, generator=g) for _ in range(2))
+        do, dlse = torch.randn(1, 4, sq, 16, generator=g), torch.randn(1, 4, sq, generator=g)
+        res = []
+        for forced in (False, True):
+            with tuning.override(band_sparse=forced):
+                n = len(sparse._BAND_MASKS)
+                out, lse = flash.triton_forward(q, k, v, scale=0.25, band=band, softcap=cap)
+                fin = torch.isfinite(lse)
+                grads = flash.triton_backward(do, q, k, v, out, lse, scale=0.25, band=band, softcap=cap,
+                                              dlse=torch.where(fin, dlse, 0.0), grad_dtype=torch.float32)
+                assert (len(sparse._BAND_MASKS) > n) == forced  # every case's band is a new mask
+            res.append((out, torch.where(fin, lse, 0.0), fin, *grads))
+        dense, routed = res
+        assert torch.equal(dense[2], routed[2]), (band, "rows that see nothing differ")
+        assert routed[3].dtype == torch.float32
+        for a, b, nm in zip(dense, routed, ("out", "lse", "fin", "dq", "dk", "dv")):
+            if nm != "fin":
+                err = (a - b).abs().max().item()
+                assert err < 2e-5, (band, nm, err)
+        print("ok", band, flush=True)
+    """
+)
+
+
+def test_dense_bands_through_the_block_sparse_kernels_in_interpreter():
+    assert _run(BAND_SCRIPT).count("ok") == 7
+
+
 VARLEN_SCRIPT = textwrap.dedent(
     r"""
     import torch

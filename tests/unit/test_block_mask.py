@@ -293,3 +293,34 @@ def test_docband_intervals_only_where_the_rule_is_one():
     assert packed.kernel_meta()[3] == 3
     lg = longctx.block_mask(bsm.local_global_mask(64, 16), None, None, 512, 512, block_size=128)
     assert lg.kernel_meta()[3] == 1
+
+
+def test_band_block_mask_is_the_band():
+    """The mask the dense launchers hand to the block-sparse kernels: every element as `Band` says, for causal,
+    bottom-right causal, windows and shifted bands with rows that see nothing."""
+    from longctx.masks import Band
+    from longctx.masks.build import band_block_mask
+
+    cases = [
+        (150, 150, Band(None, 0)), (40, 300, Band(None, 260)), (300, 300, Band(-20, 0)), (130, 257, Band(-30, 25)),
+        (256, 256, Band(None, -130)), (100, 150, Band(-500, 500)),
+    ]  # fmt: skip
+    for sq, sk, band in cases:
+        bm = band_block_mask(band, sq, sk, 128, torch.device("cpu"))
+        assert torch.equal(bm.dense_mask(), band.dense_mask(sq, sk)[None, None]), band
+
+
+def test_kept_band_masks_are_bounded_by_their_size(monkeypatch):
+    from longctx.launchers import sparse
+
+    monkeypatch.setattr(sparse, "_BAND_MASKS", type(sparse._BAND_MASKS)())
+    monkeypatch.setattr(sparse, "_BAND_MASKS_BLOCKS", 20)  # blocks in all: 16 (512 x 512) + 4 (256 x 256)
+    cpu = torch.device("cpu")
+    a = sparse.band_mask(512, 512, None, 0, cpu)
+    assert sparse.band_mask(512, 512, None, 0, cpu) is a  # kept: every layer takes the same mask
+    b = sparse.band_mask(256, 256, -10, 0, cpu)
+    assert list(sparse._BAND_MASKS.values()) == [a, b]
+    c = sparse.band_mask(256, 256, -20, 0, cpu)  # 24 blocks: the oldest goes
+    assert list(sparse._BAND_MASKS.values()) == [b, c]
+    big = sparse.band_mask(1024, 1024, None, 0, cpu)  # larger than the bound alone: kept, the others go
+    assert list(sparse._BAND_MASKS.values()) == [big]

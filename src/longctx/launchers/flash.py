@@ -291,6 +291,32 @@ def _backward_ws_d256(q, k, v, do, delta, lse2, dk, dv, scale, lo_i, hi_i, has_l
     )  # fmt: skip
 
 
+def _band_mask(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo, hi, *more: torch.Tensor):
+    """The band as a `BlockMask` where this call ("fwd" or "bwd"; ``more``: the backward's dO) runs the block-sparse
+    kernels instead (`tuning.band_via_sparse`, with their warp-specialised kernels able to take these inputs, outside
+    CUDA graph capture; the ``band_sparse`` override forces it either way), else None. Dense and empty bands stay."""
+    forced = tuning.get("band_sparse")
+    if (lo is None and hi is None) or forced is False or q.numel() == 0 or k.shape[2] == 0:
+        return None
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    first = -(Sq - 1) if lo is None else max(int(lo), -(Sq - 1))
+    last = Sk - 1 if hi is None else min(int(hi), Sk - 1)
+    if last < first:
+        return None
+    from longctx.launchers import sparse
+
+    if not forced:
+        blocks = _cdiv(Sq, 128) * _cdiv(Sk, 128)
+        if not tuning.band_via_sparse(kind, D, min(Sk, last - first + 1), Hq != Hkv, blocks):
+            return None
+        if sparse._ws_config(kind, B * (Hq if kind == "fwd" else Hkv), 128, q, k, v, *more) is None:
+            return None
+        if torch.cuda.is_current_stream_capturing():  # building a mask synchronises: not inside a graph
+            return None
+    return sparse.band_mask(Sq, Sk, lo, hi, q.device)
+
+
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"expected q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D); got {q.shape}, {k.shape}, {v.shape}")
@@ -310,6 +336,11 @@ def _forward_impl(
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(q, k, v)
+    bm = _band_mask("fwd", q, k, v, lo, hi)
+    if bm is not None:
+        from longctx.launchers import sparse
+
+        return sparse._forward_impl(q, k, v, scale, bm.kernel_tensors(), bm.kernel_meta(), softcap)
     B, Hq, Sq, D = q.shape  # q (B, Hq, Sq, D)
     Hkv, Sk = k.shape[1], k.shape[2]  # k, v (B, Hkv, Sk, D)
     out = out_like(q)  # (B, S, H, D) inputs, dense or packed views, give contiguous (B, S, H, D) outputs
@@ -436,6 +467,13 @@ def _backward_impl(
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check(q, k, v)
+    bm = None if deterministic else _band_mask("bwd", q, k, v, lo, hi, do)
+    if bm is not None:
+        from longctx.launchers import sparse
+
+        return sparse._backward_impl(
+            do, q, k, v, out, lse, dlse, scale, bm.kernel_tensors(), bm.kernel_meta(), False, softcap, grad_dtype
+        )
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     # The kernels store through the pointers' dtype: float32 gradients come at no extra pass.

@@ -32,7 +32,8 @@ import torch
 from longctx import tuning
 from longctx.launchers import flash as _tf
 from longctx.launchers import runtime
-from longctx.masks import BlockMask
+from longctx.masks import Band, BlockMask
+from longctx.masks.build import band_block_mask
 
 __all__ = ["sparse_forward", "sparse_backward"]
 
@@ -240,6 +241,29 @@ def _schedule_cached(num: torch.Tensor, fnum: torch.Tensor, n_tiles: int, rows: 
         while len(_SCHEDULES) > _SCHEDULES_MAX:
             _SCHEDULES.popitem(last=False)
     return order
+
+
+_BAND_MASKS: collections.OrderedDict = collections.OrderedDict()
+# the kept band masks hold at most this many (query block x key block) entries in all: 16 bytes each in their lists
+_BAND_MASKS_BLOCKS = 2**22
+
+
+def band_mask(sq: int, sk: int, lo: int | None, hi: int | None, device: torch.device) -> BlockMask:
+    """The `BlockMask` of the band ``lo <= j - i <= hi`` over Sq queries and Sk keys, in 128-blocks (the
+    warp-specialised kernels' rows), kept for the next call with the same band (every layer and both passes take
+    it; the steps of a ring take a few shifted ones). Building one synchronises with the GPU, so the kept masks are
+    bounded by their size, not by their number."""
+    key = (sq, sk, lo, hi, device)
+    hit = _BAND_MASKS.get(key)
+    if hit is not None:
+        _BAND_MASKS.move_to_end(key)
+        return hit
+    bm = band_block_mask(Band(lo, hi), sq, sk, 128, device)
+    _BAND_MASKS[key] = bm
+    blocks = lambda m: m.block_kind.shape[-2] * m.block_kind.shape[-1]  # noqa: E731
+    while len(_BAND_MASKS) > 1 and sum(blocks(m) for m in _BAND_MASKS.values()) > _BAND_MASKS_BLOCKS:
+        _BAND_MASKS.popitem(last=False)
+    return bm
 
 
 @functools.cache

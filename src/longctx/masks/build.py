@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from longctx.masks.band import Band
 from longctx.masks.block_mask import EMPTY, FULL, PARTIAL, BlockMask
 from longctx.masks.mask_mods import DocBand, MaskMod, _check_pos_int, _rule_tiles
 
@@ -228,3 +229,10 @@ def block_mask(
             raise ValueError(f"the mask's per-token tensors have batch {bd}, but B={B}")
         return _build_analytic(analytic, Sq, Sk, block_size, device, mask_mod, name)
     return _build_general(mask_mod, B, H, Sq, Sk, block_size, device, name)
+
+
+def band_block_mask(band: Band, Sq: int, Sk: int, block_size: int, device: torch.device) -> BlockMask:
+    """The `BlockMask` (batch 1, heads 1) of a `Band` over Sq queries and Sk keys: what the dense launchers hand to
+    the block-sparse kernels where those are the faster ones (`longctx.tuning.band_via_sparse`)."""
+    band = band.within(Sq, Sk)
+    return _build_analytic(DocBand(lo=band.lo, hi=band.hi), Sq, Sk, block_size, device, None, "band")
