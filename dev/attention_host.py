@@ -2,8 +2,8 @@
 enough that the GPU never waits behind (2K tokens), for the paths a model takes: `flash_attn_varlen_func` (packed
 documents: `layers.DocumentAttention`, transformers' packed batches), `longctx.attention` with a `BlockMask`, with
 ``causal=True`` (auto: cuDNN on Hopper; and ``backend="triton"``), and SDPA for reference. Forward alone (no grad)
-and forward + backward. Then a Python profile of the varlen forward + backward, its top functions by own time
-and by cumulative time.
+and forward + backward. Then a Python profile of the forward + backward of each path named by ``--profile``
+(default: the varlen path), its top functions by own time and by cumulative time.
 
 A step is host-bound when its host time exceeds its GPU time: under context parallelism at 8K tokens a GPU, every
 layer's attention call is a few hundred microseconds of GPU work, the same order as its host time.
@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=35)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--compare-op", action="store_true", help="also through the registered ops (no eager twin)")
+    ap.add_argument("--profile", default="varlen", help="';'-separated prefixes of the paths to profile")
     args = ap.parse_args(argv)
     import longctx
     from longctx.masks import causal_mask
@@ -96,18 +97,23 @@ def main(argv=None) -> int:
         rows.append(row)
 
     op_flash.through_op = op_sparse.through_op = through_op
-    fn, inp = paths["varlen (packed documents)"]
-    do = torch.randn_like(inp[0])
-    pr = cProfile.Profile()
-    with torch.autograd.set_multithreading_enabled(False):  # the backward on this thread, so the profile sees it
-        pr.enable()
-        for _ in range(args.calls):
-            torch.autograd.backward(fn(*inp), do)
-        pr.disable()
-    torch.cuda.synchronize()
     buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(args.top)
-    pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(args.top + 25)
+    for prefix in filter(None, (p.strip() for p in args.profile.split(";"))):
+        name = next((n for n in paths if n.startswith(prefix)), None)
+        if name is None:
+            raise SystemExit(f"--profile: no path starts with {prefix!r}; paths: {list(paths)}")
+        fn, inp = paths[name]
+        do = torch.randn_like(inp[0])
+        pr = cProfile.Profile()
+        with torch.autograd.set_multithreading_enabled(False):  # the backward on this thread, so the profile sees it
+            pr.enable()
+            for _ in range(args.calls):
+                torch.autograd.backward(fn(*inp), do)
+            pr.disable()
+        torch.cuda.synchronize()
+        buf.write(f"===== {name}: {args.calls} forward + backward calls\n")
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(args.top)
+        pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(args.top + 25)
     print(buf.getvalue())
     if args.out:
         with open(args.out, "w") as f:
