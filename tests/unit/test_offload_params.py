@@ -549,3 +549,33 @@ def test_host_adamw_for_a_loop_of_ones_own_clips_and_overlaps():
         host_adamw(model, lr=1e-2, max_grad_norm=0)
     with pytest.raises(ValueError, match="takes no closure"):
         opt.step(lambda: 0.0)
+
+
+def test_a_process_ending_with_the_host_step_in_flight_exits_cleanly():
+    """A loop whose last ``step()`` is still running on the host when the script ends: the process waits for it and
+    exits with 0 (the step's thread torn down inside torch at shutdown aborted it)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from longctx.distributed.offload import host_adamw, offload_model
+        from longctx.models.gpt import GPT, GPTConfig
+        model = GPT(GPTConfig(**{TINY!r}))
+        offload_model(model)
+        opt = host_adamw(model, lr=1e-3, overlap=True)
+        for _ in range(2):
+            x = torch.randint(0, {TINY["vocab_size"]}, (2, {TINY["seq_length"]}))
+            model(x, labels=x).backward()
+            opt.step()
+        assert opt.host_step._thread is not None  # in flight, or just ended
+        print("done", flush=True)
+        """
+    )
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(src), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-3000:]

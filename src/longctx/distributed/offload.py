@@ -280,8 +280,10 @@ class OverlappedHostStep:
             self._run(work, grad_scale)
             self._raise()
             return
+        # not a daemon: a process ending while a step runs waits for it (a daemon thread would be torn down inside
+        # torch's operations as the interpreter shuts down)
         self._thread = threading.Thread(target=self._run, args=(work, grad_scale), name="longctx-host-step",
-                                        daemon=True)  # fmt: skip
+                                        daemon=False)  # fmt: skip
         self._thread.start()
 
     def _unit_step(self, groups: list[tuple[int, list[torch.Tensor]]]) -> tuple[Any, list, list, bool] | None:
