@@ -511,6 +511,35 @@ def test_trainer_checkpoints_and_resumes_an_offloaded_model(tmp_path):
     assert len(whole) == 4 and resumed == whole  # the first two from the checkpoint's log, the last two trained again
 
 
+def test_trainer_checkpoints_and_resumes_lora_adapters_of_an_offloaded_model(tmp_path):
+    """A LoRA run under PEFT with the states offloaded: transformers' Trainer saves the adapters at each checkpoint
+    (`save_pretrained` of the PEFT model writes whole tensors; with FSDP2's shards safetensors failed at the first
+    save and the run was lost) and resumes from one into the shards, to the uninterrupted run's losses."""
+    pytest.importorskip("peft")
+    from transformers import Trainer, TrainingArguments
+
+    from longctx.distributed.offload import host_adamw
+    from tests.lora import with_lora
+
+    def run(resume: str | None = None) -> list[float]:
+        model = lt.apply(with_lora(_model("llama")), offload_params=True)
+        opt = host_adamw(model, lr=1e-2, overlap=True)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "run"), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2,
+            logging_steps=1, report_to=[], save_strategy="steps", save_steps=2, use_cpu=True, disable_tqdm=True,
+            dataloader_num_workers=0, max_grad_norm=0.0,
+        )  # fmt: skip
+        trainer = Trainer(model=model, args=args, train_dataset=_trainer_dataset(), optimizers=(opt, None),
+                          data_collator=DataCollatorWithFlattening(return_flash_attn_kwargs=True))  # fmt: skip
+        trainer.train(resume_from_checkpoint=resume)
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    whole = run()
+    assert (tmp_path / "run" / "checkpoint-2" / "adapter_model.safetensors").is_file()
+    resumed = run(str(tmp_path / "run" / "checkpoint-2"))
+    assert len(whole) == 4 and resumed == whole
+
+
 def test_save_pretrained_of_states_offloaded_over_ranks_names_the_way():
     """Over several ranks transformers' Trainer saves on one rank only, where gathering the shards would wait for
     the others: `save_pretrained` raises at once, naming what to do."""
@@ -519,6 +548,6 @@ def test_save_pretrained_of_states_offloaded_over_ranks_names_the_way():
     from longctx.integrations.transformers.apply import _patch_save_pretrained
 
     model = lt.apply(_model("llama"), offload_params=True)
-    _patch_save_pretrained(model, types.SimpleNamespace(size=lambda: 2))  # as if sharded over two ranks
+    _patch_save_pretrained(model, model, types.SimpleNamespace(size=lambda: 2))  # as if sharded over two ranks
     with pytest.raises(ValueError, match="offloaded over 2 ranks.*save_sharded_state"):
         model.save_pretrained("unused")

@@ -551,35 +551,46 @@ def apply(
     if offload_params:
         from longctx.distributed.offload import offload_model
 
-        _patch_save_pretrained(model, offload_model(model, mesh))
+        _patch_save_pretrained(model, wrapper, offload_model(model, mesh))
     for m in {id(model): model, id(wrapper): wrapper}.values():
         m._longctx_applied = True
         m._longctx_context_parallel = None if offload_params else cp  # offloaded: FSDP2 summed over dp x cp
     return wrapper
 
 
-def _patch_save_pretrained(model: nn.Module, mesh: Any) -> None:
-    """``save_pretrained`` of an offloaded model writes whole tensors (safetensors cannot hold FSDP2's DTensor
-    shards; transformers' Trainer saves checkpoints through it). In one process the shards are the whole tensors;
-    over several ranks the Trainer saves on one rank only, where gathering would wait for the others forever, so it
-    raises instead, naming what to do."""
-    plain = model.save_pretrained
+def _whole(t: Any) -> torch.Tensor:
+    """The whole tensor of a DTensor held by one rank: its local shard where that is all of it (no copy)."""
+    local = t.to_local()
+    return local if local.shape == t.shape else t.full_tensor()
 
-    def save_pretrained(*args: Any, state_dict: dict | None = None, **kwargs: Any) -> Any:
-        sd = model.state_dict() if state_dict is None else state_dict
-        if any(hasattr(v, "full_tensor") for v in sd.values()):
-            if mesh.size() > 1:
-                raise ValueError(
-                    f"save_pretrained of a model whose states are offloaded over {mesh.size()} ranks: its weights are "
-                    "shards on every rank. Save with torch.distributed.checkpoint on every rank "
-                    "(longctx.training.checkpoint.save_sharded_state), or gather them on every rank with "
-                    "torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
-                    "options=StateDictOptions(full_state_dict=True)) and pass state_dict= on the first"
-                )
-            sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sd.items()}
-        return plain(*args, state_dict=sd, **kwargs)
 
-    model.save_pretrained = save_pretrained
+def _patch_save_pretrained(model: nn.Module, wrapper: nn.Module, mesh: Any) -> None:
+    """``save_pretrained`` of an offloaded model, and of the PEFT model around it (its adapters), writes whole
+    tensors (safetensors cannot hold FSDP2's DTensor shards; transformers' Trainer saves checkpoints through it). In
+    one process the shards are the whole tensors, taken without a copy; over several ranks the Trainer saves on one
+    rank only, where gathering would wait for the others forever, so it raises instead, naming what to do."""
+
+    def patch(target: nn.Module) -> None:
+        plain = target.save_pretrained
+
+        def save_pretrained(*args: Any, state_dict: dict | None = None, **kwargs: Any) -> Any:
+            sd = target.state_dict() if state_dict is None else state_dict
+            if any(hasattr(v, "full_tensor") for v in sd.values()):
+                if mesh.size() > 1:
+                    raise ValueError(
+                        f"save_pretrained of a model whose states are offloaded over {mesh.size()} ranks: its weights "
+                        "are shards on every rank. Save with torch.distributed.checkpoint on every rank "
+                        "(longctx.training.checkpoint.save_sharded_state), or gather them on every rank with "
+                        "torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
+                        "options=StateDictOptions(full_state_dict=True)) and pass state_dict= on the first"
+                    )
+                sd = {k: _whole(v) if hasattr(v, "full_tensor") else v for k, v in sd.items()}
+            return plain(*args, state_dict=sd, **kwargs)
+
+        target.save_pretrained = save_pretrained
+
+    for target in {id(model): model, id(wrapper): wrapper}.values():
+        patch(target)
 
     def whole_to_shards(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
         # whole tensors (a save_pretrained checkpoint) into the DTensor shards: each rank keeps its own shard
