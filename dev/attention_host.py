@@ -36,6 +36,21 @@ def _per_call_us(fn, calls: int) -> float:
     return host / calls * 1e6
 
 
+def inputs(T: int):
+    """llama-350m's attention (16 / 4 heads, D=64, bf16) on T tokens: packed (T, H, D) q, k, v that need grad, the
+    boundaries of three documents, the same as (1, H, T, D) leaves, and the causal `BlockMask` of T."""
+    import longctx
+    from longctx.masks import causal_mask
+
+    dev, Hq, Hkv, D = "cuda", 16, 4, 64
+    torch.manual_seed(0)
+    mk = lambda h: torch.randn(T, h, D, device=dev, dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
+    q, k, v = mk(Hq), mk(Hkv), mk(Hkv)
+    cu = torch.tensor([0, T // 4, T // 2, T], device=dev, dtype=torch.int32)
+    q4, k4, v4 = (t.detach().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v))  # (1, H, T, D)
+    return q, k, v, cu, (q4, k4, v4), longctx.block_mask(causal_mask, None, None, T, T, device=dev)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=200)
@@ -47,16 +62,10 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default="varlen", help="';'-separated prefixes of the paths to profile")
     args = ap.parse_args(argv)
     import longctx
-    from longctx.masks import causal_mask
     from longctx.ops import through_op
 
-    dev, T, Hq, Hkv, D = "cuda", args.tokens, 16, 4, 64  # llama-350m's attention
-    torch.manual_seed(0)
-    mk = lambda h: torch.randn(T, h, D, device=dev, dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
-    q, k, v = mk(Hq), mk(Hkv), mk(Hkv)
-    cu = torch.tensor([0, T // 4, T // 2, T], device=dev, dtype=torch.int32)
-    q4, k4, v4 = (t.detach().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v))  # (1, H, T, D)
-    bm = longctx.block_mask(causal_mask, None, None, T, T, device=dev)
+    T = args.tokens
+    q, k, v, cu, (q4, k4, v4), bm = inputs(T)
 
     def varlen(q, k, v):
         return longctx.flash_attn_varlen_func(q, k, v, cu, cu, T, T, causal=True)

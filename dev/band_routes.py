@@ -15,19 +15,6 @@ import json
 import torch
 
 
-def _kernel_ms(fn, n: int = 10) -> float:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    total_us = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0 and e.key != "")
-    return total_us / n / 1000.0
-
-
 def _calls(name: str, q, k, v, do, scale: float, band, bm):
     """(forward, backward of (out, lse)) through the dense kernels (the launchers with the band kept on them) or the
     block-sparse ones."""
@@ -64,8 +51,8 @@ def main(argv=None) -> int:
     import triton
 
     from longctx.masks import Band
-    from longctx.masks.build import _build_analytic
-    from longctx.masks.mask_mods import DocBand
+    from longctx.masks.build import band_block_mask
+    from short_attention import _kernel_ms  # the profiler's kernel time, as there (dev/ is the script's directory)
 
     shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
     cases = [(int(S), None) for S in args.s.split(",") if S]
@@ -80,7 +67,7 @@ def main(argv=None) -> int:
             k = torch.randn(B, hkv, S, D, device="cuda", dtype=torch.bfloat16)
             v = torch.randn(B, hkv, S, D, device="cuda", dtype=torch.bfloat16)
             do = torch.randn_like(q)
-            bm = _build_analytic(DocBand(lo=band.lo, hi=band.hi), S, S, 128, q.device, None, "band")
+            bm = band_block_mask(band, S, S, 128, q.device)
             scale = D**-0.5
             area = band.kept_fraction(S, S) * S * S
             flops = 4.0 * B * hq * area * D

@@ -60,19 +60,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import longctx
+    from attention_host import inputs  # the same calls as there (dev/ is the script's directory)
     from longctx.launchers import runtime
-    from longctx.masks import causal_mask
     from longctx.ops import pointwise
 
-    dev, T, Hq, Hkv, D = "cuda", args.tokens, 16, 4, 64  # llama-350m's attention
-    torch.manual_seed(0)
-    mk = lambda h: torch.randn(T, h, D, device=dev, dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
-    q, k, v = mk(Hq), mk(Hkv), mk(Hkv)
-    cu = torch.tensor([0, T // 4, T // 2, T], device=dev, dtype=torch.int32)
-    q4, k4, v4 = (t.detach().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v))  # (1, H, T, D)
-    bm = longctx.block_mask(causal_mask, None, None, T, T, device=dev)
-    x = torch.randn(1, T, 1024, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.ones(1024, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    T = args.tokens
+    q, k, v, cu, (q4, k4, v4), bm = inputs(T)
+    x = torch.randn(1, T, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     paths = {
         "varlen (packed documents)": (
             lambda: longctx.flash_attn_varlen_func(q, k, v, cu, cu, T, T, causal=True), q),

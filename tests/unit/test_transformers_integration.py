@@ -483,31 +483,35 @@ def test_trainer_with_offloaded_states_and_the_overlapped_host_step(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(weights, inline, strict=True))
 
 
+def _offloaded_trainer_losses(out_dir, lora: bool, resume: str | None = None) -> list[float]:
+    """transformers' Trainer on an offloaded `apply` model (under PEFT's LoRA with ``lora``) and an overlapped
+    `host_adamw`: 4 steps, a checkpoint every 2, from ``resume`` if given; the logged losses."""
+    from transformers import Trainer, TrainingArguments
+
+    from longctx.distributed.offload import host_adamw
+    from tests.lora import with_lora
+
+    torch.manual_seed(0)
+    model = lt.apply(with_lora(_model("llama")) if lora else _model("llama"), offload_params=True)
+    opt = host_adamw(model, lr=1e-2, max_grad_norm=0.1, overlap=True)
+    args = TrainingArguments(
+        output_dir=str(out_dir), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2, logging_steps=1,
+        report_to=[], save_strategy="steps", save_steps=2, use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+        max_grad_norm=0.0,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=_trainer_dataset(), optimizers=(opt, None),
+                      data_collator=DataCollatorWithFlattening(return_flash_attn_kwargs=True))  # fmt: skip
+    trainer.train(resume_from_checkpoint=resume)
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
 def test_trainer_checkpoints_and_resumes_an_offloaded_model(tmp_path):
     """transformers' Trainer saves an offloaded model's checkpoints (`save_pretrained` writes whole tensors, not the
     FSDP2 shards safetensors cannot hold) and resumes from one into the shards (a load_state_dict pre-hook), the
     overlapped host step's states with it: the resumed run's losses are the uninterrupted run's."""
-    from transformers import Trainer, TrainingArguments
-
-    from longctx.distributed.offload import host_adamw
-
-    def run(resume: str | None = None) -> list[float]:
-        torch.manual_seed(0)
-        model = lt.apply(_model("llama"), offload_params=True)
-        opt = host_adamw(model, lr=1e-2, max_grad_norm=0.1, overlap=True)
-        args = TrainingArguments(
-            output_dir=str(tmp_path / "run"), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2,
-            logging_steps=1, report_to=[], save_strategy="steps", save_steps=2, use_cpu=True, disable_tqdm=True,
-            dataloader_num_workers=0, max_grad_norm=0.0,
-        )  # fmt: skip
-        trainer = Trainer(model=model, args=args, train_dataset=_trainer_dataset(), optimizers=(opt, None),
-                          data_collator=DataCollatorWithFlattening(return_flash_attn_kwargs=True))  # fmt: skip
-        trainer.train(resume_from_checkpoint=resume)
-        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
-
-    whole = run()
+    whole = _offloaded_trainer_losses(tmp_path / "run", lora=False)
     assert (tmp_path / "run" / "checkpoint-2" / "model.safetensors").is_file()
-    resumed = run(str(tmp_path / "run" / "checkpoint-2"))
+    resumed = _offloaded_trainer_losses(tmp_path / "run", lora=False, resume=str(tmp_path / "run" / "checkpoint-2"))
     assert len(whole) == 4 and resumed == whole  # the first two from the checkpoint's log, the last two trained again
 
 
@@ -516,27 +520,9 @@ def test_trainer_checkpoints_and_resumes_lora_adapters_of_an_offloaded_model(tmp
     (`save_pretrained` of the PEFT model writes whole tensors; with FSDP2's shards safetensors failed at the first
     save and the run was lost) and resumes from one into the shards, to the uninterrupted run's losses."""
     pytest.importorskip("peft")
-    from transformers import Trainer, TrainingArguments
-
-    from longctx.distributed.offload import host_adamw
-    from tests.lora import with_lora
-
-    def run(resume: str | None = None) -> list[float]:
-        model = lt.apply(with_lora(_model("llama")), offload_params=True)
-        opt = host_adamw(model, lr=1e-2, overlap=True)
-        args = TrainingArguments(
-            output_dir=str(tmp_path / "run"), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2,
-            logging_steps=1, report_to=[], save_strategy="steps", save_steps=2, use_cpu=True, disable_tqdm=True,
-            dataloader_num_workers=0, max_grad_norm=0.0,
-        )  # fmt: skip
-        trainer = Trainer(model=model, args=args, train_dataset=_trainer_dataset(), optimizers=(opt, None),
-                          data_collator=DataCollatorWithFlattening(return_flash_attn_kwargs=True))  # fmt: skip
-        trainer.train(resume_from_checkpoint=resume)
-        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
-
-    whole = run()
+    whole = _offloaded_trainer_losses(tmp_path / "run", lora=True)
     assert (tmp_path / "run" / "checkpoint-2" / "adapter_model.safetensors").is_file()
-    resumed = run(str(tmp_path / "run" / "checkpoint-2"))
+    resumed = _offloaded_trainer_losses(tmp_path / "run", lora=True, resume=str(tmp_path / "run" / "checkpoint-2"))
     assert len(whole) == 4 and resumed == whole
 
 
