@@ -40,6 +40,31 @@ def _calls(name: str, q, k, v, do, scale: float, band, bm):
     )
 
 
+def _split_gqa(q, k, v, do, scale: float, bm, ref: tuple, flops: float) -> dict:
+    """The block-sparse backward of a grouped call run as if every query head had its own kv head: K/V repeated
+    to Hq heads, dK / dV summed back per group. Kernel time of the backward alone and of the repeat + sum around it;
+    the gradients against the grouped backward's (``ref``: out, dq, dk, dv)."""
+    from longctx.launchers import sparse
+    from short_attention import _kernel_ms
+
+    g = q.shape[1] // k.shape[1]
+    kr, vr = (t.repeat_interleave(g, dim=1) for t in (k, v))
+    out, lse = sparse.sparse_forward(q, kr, vr, scale=scale, block_mask=bm)
+    bwd = lambda: sparse.sparse_backward(do, q, kr, vr, out, lse, scale=scale, block_mask=bm)  # noqa: E731
+    dq, dk, dv = bwd()
+    B, H, S, D = dk.shape
+
+    def around():
+        a, b = (t.repeat_interleave(g, dim=1) for t in (k, v))
+        return a, b, dk.view(B, H // g, g, S, D).sum(2), dv.view(B, H // g, g, S, D).sum(2)
+
+    sums = around()[2:]
+    bk, ak = _kernel_ms(bwd), _kernel_ms(around)
+    diff = [float(f"{(a.float() - b.float()).abs().max().item():.3g}") for a, b in zip((dq, *sums), ref[1:])]
+    return {"bwd_kernel_ms": round(bk, 4), "bwd_kernel_tflops": round(2.5 * flops / bk * 1e-9, 1),
+            "repeat_and_sum_ms": round(ak, 4), "max_diff_vs_grouped": diff}  # fmt: skip
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384)
@@ -47,6 +72,12 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="64x16x4,64x32x32,128x16x16", help="DxHqxHkv,...")
     ap.add_argument("--s", default="1024,2048,4096,8192,16384", help="causal lengths")
     ap.add_argument("--windows", default="128,512,1024,2048,4096", help="causal windows on 16K tokens")
+    ap.add_argument(
+        "--split-gqa", action="store_true",
+        help="grouped shapes also: the block-sparse backward with K/V repeated to every query head (one kv head "
+        "per query head, as the kernel would run with items split per query head), its kernel time apart from the "
+        "repeat and the per-group sum of dK / dV",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     import triton
 
@@ -87,6 +118,8 @@ def main(argv=None) -> int:
                     "bwd_kernel_ms": round(bk, 4), "fwd_kernel_tflops": round(flops / fk * 1e-9, 1),
                     "bwd_kernel_tflops": round(2.5 * flops / bk * 1e-9, 1),
                 }  # fmt: skip
+            if args.split_gqa and hq != hkv:
+                row["sparse_split"] = _split_gqa(q, k, v, do, scale, bm, res["sparse"], flops)
             row["max_diff"] = [
                 float(f"{(a.float() - b.float()).abs().max().item():.3g}") for a, b in zip(res["dense"], res["sparse"])
             ]
