@@ -15,21 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
-
-
-def _host_us(fn, calls: int) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return host / calls * 1e6
 
 
 def _direct(kernel, grid, args, kwargs):
@@ -60,7 +47,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import longctx
-    from attention_host import inputs  # the same calls as there (dev/ is the script's directory)
+
+    # the same timing and calls as attention_host.py (dev/ is the script's directory)
+    from attention_host import _per_call_us as _host_us
+    from attention_host import inputs
     from longctx.launchers import runtime
     from longctx.ops import pointwise
 
