@@ -574,8 +574,10 @@ def sparse_ws_config(kind: str, head_dim: int) -> tuple[int, int, bool] | None:
 # band as a `BlockMask` run by the warp-specialised persistent block-sparse kernels instead of the dense ones, where
 # those measured faster (dev/band_routes.py; docs/performance.md): the forward at D=128 at every causal length and
 # window measured, at D=64 from 2048 keys a row; the backward with one kv head per query head (with grouped heads the
-# dense backward was the faster one). A band mask keeps four (query blocks x key blocks) int32 lists on the GPU, so
-# bands of more blocks than BAND_SPARSE_MAX_BLOCKS keep the dense kernels (whose band costs no memory).
+# dense backward was the faster one). Measured on an H200; every sm_90 GPU takes the rule (the same SMs run both
+# kernels, and both are bound by their math, not by memory bandwidth). A band mask keeps four (query blocks x key
+# blocks) int32 lists on the GPU, so bands of more blocks than BAND_SPARSE_MAX_BLOCKS keep the dense kernels (whose
+# band costs no memory).
 BAND_SPARSE_MAX_BLOCKS = 2**20
 
 
