@@ -5,7 +5,8 @@
 #
 # PRESET picks another model (llama-3b's states fit a 128 GiB host); OVERLAP=1 runs SEQS a second time with the host's
 # AdamW step in place (--host-step in-place), beside the default one behind the next forward; TRAIN_SEQ runs
-# `longctx train` on the offloaded preset at that length for TRAIN_STEPS steps.
+# `longctx train` on the offloaded preset at that length for TRAIN_STEPS steps; RESIDENT_AB=N runs SEQS again with N
+# units resident on the GPU (--resident-units), beside the plan's own choice.
 #
 #   OUT=out SEQS=32768 SEQS_SLOW=131072 bash dev/offload_gpu.sh
 #   OUT=out SEQS= SEQS_SLOW= LONGEST=262144 CHECK350=0 bash dev/offload_gpu.sh
@@ -30,6 +31,10 @@ pack
 [[ -n "${SEQS:-}" && "${OVERLAP:-0}" == 1 ]] && timeout "${LIMIT_FAST:-150}" python3 -m longctx bench memory \
     "${common[@]}" --seq-lengths "$SEQS" --steps 2 --warmup 1 --host-step in-place --tag "_${PRESET}_offload_in-place" \
     2>&1 | tail -20 | tee "$R/fast_in-place.txt"
+pack
+[[ -n "${SEQS:-}" && -n "${RESIDENT_AB:-}" ]] && timeout "${LIMIT_FAST:-150}" python3 -m longctx bench memory \
+    "${common[@]}" --seq-lengths "$SEQS" --steps 2 --warmup 1 --resident-units "$RESIDENT_AB" \
+    --tag "_${PRESET}_offload_resident-${RESIDENT_AB}" 2>&1 | tail -20 | tee "$R/fast_resident.txt"
 pack
 if [[ -n "${TRAIN_SEQ:-}" ]]; then
     timeout "${LIMIT_TRAIN:-200}" python3 -m longctx train --preset "$PRESET" --offload-params true \

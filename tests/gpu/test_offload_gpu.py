@@ -1,6 +1,6 @@
 """Parameters, gradients and AdamW states in host memory (`longctx.distributed.offload`) on a GPU: training matches
 the same model trained on the GPU (bf16 tolerance), the states stay in pinned host memory, and the GPU holds
-only the units in flight."""
+only the units in flight; units kept resident stay on the GPU."""
 
 from __future__ import annotations
 
@@ -16,14 +16,16 @@ CFG = dict(vocab_size=4096, seq_length=2048, num_layers=4, hidden_size=512, num_
            num_query_groups=2, ffn_hidden_size=1408, share_embeddings_and_output_weights=False)  # fmt: skip
 
 
-def _train(offload: bool, steps: int = 4, **plan) -> tuple[list[float], GPT, torch.optim.Optimizer]:
+def _train(
+    offload: bool, steps: int = 4, resident: int = 0, overlap: bool = False, **plan
+) -> tuple[list[float], GPT, torch.optim.Optimizer]:
     """``steps`` AdamW steps of the test model (with the memory settings ``plan``), its states in host memory with
-    ``offload``; the losses, the model and the optimizer."""
+    ``offload`` but for ``resident`` units; the losses, the model and the optimizer."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG, **plan)).cuda()
     if offload:
-        offload_model(model)
-        opt = host_adamw(model, lr=1e-3, weight_decay=0.0)
+        offload_model(model, resident_units=resident)
+        opt = host_adamw(model, lr=1e-3, weight_decay=0.0, max_grad_norm=1e9 if overlap else None, overlap=overlap)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     gen = torch.Generator().manual_seed(1)
@@ -52,6 +54,29 @@ def test_offloaded_training_matches_gpu_training():
         assert local.device.type == "cpu" and local.is_pinned()
     for state in opt.state.values():
         assert all(t.device.type == "cpu" for t in state.values() if isinstance(t, torch.Tensor))
+
+
+def test_resident_units_train_on_the_gpu_beside_offloaded_ones():
+    """``resident_units=3`` (the output layer, the embedding, the first layer): their shards and AdamW states stay
+    on the GPU, the other layers' in pinned host memory; the losses are the GPU-trained model's to bf16 rounding,
+    with the host's step at once and behind the next forward."""
+    from longctx.distributed.offload import resident_parameters
+
+    ref, _, _ = _train(offload=False)
+    for overlap in (False, True):
+        got, model, opt = _train(offload=True, resident=3, overlap=overlap)
+        for a, b in zip(ref, got):
+            assert abs(a - b) <= 0.02 * abs(a), (overlap, ref, got)
+        if overlap:
+            opt.wait()
+        resident = resident_parameters(model)
+        assert resident == {id(p) for p in [*model.output_layer.parameters(), *model.final_layernorm.parameters(),
+                                            *model.embedding.parameters(), *model.layers[0].parameters()]}  # fmt: skip
+        for p in model.parameters():
+            local = p.to_local()
+            assert local.device.type == ("cuda" if id(p) in resident else "cpu"), p.shape
+            assert id(p) in resident or local.is_pinned()
+            assert all(t.device == local.device for t in opt.state[p].values() if isinstance(t, torch.Tensor))
 
 
 def test_offload_gpu_holds_units_in_flight_only():
@@ -103,10 +128,10 @@ def test_the_overlapped_host_step_races_no_copy_on_the_gpu():
 
     from longctx.distributed.offload import OverlappedHostStep, host_grad_norm
 
-    def run(background: bool) -> tuple[list[float], list[torch.Tensor]]:
+    def run(background: bool, resident: int = 0) -> tuple[list[float], list[torch.Tensor]]:
         torch.manual_seed(0)
         model = GPT(GPTConfig(**CFG, attention_backend="triton")).cuda()
-        offload_model(model)
+        offload_model(model, resident_units=resident)
         opt = host_adamw(model, lr=1e-3, weight_decay=0.0)
         stepper = OverlappedHostStep(opt, model, background=background)
         if background:
@@ -138,6 +163,12 @@ def test_the_overlapped_host_step_races_no_copy_on_the_gpu():
     if again_losses != ref_losses or not all(torch.equal(a, b) for a, b in zip(again, ref, strict=True)):
         pytest.skip("two runs of the same steps differ on this GPU: a bitwise comparison needs reproducible kernels")
     losses, got = run(True)
+    assert losses == ref_losses
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b)
+    # with resident units (stepped by GPU kernels queued before the next forward's) beside slowed host units
+    ref_losses, ref = run(False, resident=3)
+    losses, got = run(True, resident=3)
     assert losses == ref_losses
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)

@@ -109,7 +109,9 @@ def test_impossible_plans_say_what_is_needed():
         plan(wide, seq_length=512, budget=budget, offload_params=False)
     p = plan(wide, seq_length=512, budget=budget)
     assert p.offload_params and p.memory.total <= budget
-    assert p.memory.host_states == memory_model.offloaded_state_bytes(wide, 1)
+    # the units beside the activations that the budget holds stay on the GPU, the others' states go to the host
+    assert 0 < p.resident_units < memory_model.resident_units_of(wide)
+    assert p.memory.host_states == memory_model.offloaded_state_bytes(wide, 1, resident_units=p.resident_units)
     with pytest.raises(ValueError, match=r"needs GPU .* \(budget .*\); GPU is short by .* GiB\. (The longest sequence "
                        r"these budgets train is about [\d,]+ tokens|No length fits these budgets)"):  # fmt: skip
         plan(cfg, seq_length=1 << 16, budget=static + (1 << 20) + memory_model.CUDA_OVERHEAD_BYTES)

@@ -109,6 +109,14 @@ def test_trainer_offload_params_trains_resumes_and_matches(tmp_path):
     _, first = _run(tmp_path, "halted", offload_params=True, halt_after=2)
     _, rest = _run(tmp_path, "halted", offload_params=True, resume="auto")
     assert first.losses + rest.losses == pytest.approx(off_run.losses, rel=1e-6)
+    # units kept on the GPU (here: the output layer and the first layer of the tied tiny model): the same run,
+    # and its checkpoint resumes in a run that offloads every unit
+    res, res_run = _run(tmp_path, "resident", offload_params=True, offload_resident_units=2, halt_after=2)
+    assert res.model._longctx_resident_units == 2
+    _, res_rest = _run(tmp_path, "resident", offload_params=True, resume="auto")
+    assert res_run.losses + res_rest.losses == pytest.approx(off_run.losses, rel=1e-5)
+    with pytest.raises(ValueError, match="offload_resident_units=2 keeps units of offloaded states.*--offload-params"):
+        _run(tmp_path, "bad", offload_resident_units=2)
 
 
 def test_a_checkpoint_resumes_with_and_without_offload(tmp_path):
@@ -200,21 +208,42 @@ def test_the_8b_plan_offloads_and_says_which_memory_binds():
     assert p.memory.host_total <= 400 << 30 and p.binds == "GPU"
     text = format_plan(p)
     assert "predicted host peak" in text and "binds: GPU" in text and "| offload_params | True |" in text
-    tight = plan(GPTConfig.preset("llama-8b"), seq_length=32768, budget="78GiB", host_budget="145GiB")
-    assert tight.binds == "host"
+    # the GPU's room beside the activations holds units' states: the output layer, the embedding and 15 layers
+    assert p.resident_units == 17 and "| resident_units | 17 (the output layer, the embedding, 15 layers) |" in text
+    assert p.memory.total + p.memory.host_total < memory_model.step_memory(
+        p.config.replace(seq_length=32768), seq_length=32768, offload_params=True
+    ).host_total + (78 << 30)
+    tight = plan(GPTConfig.preset("llama-8b"), seq_length=32768, budget="78GiB", host_budget="145GiB",
+                 offload_params=True, resident_units=0)  # fmt: skip
+    assert tight.binds == "host" and tight.resident_units == 0
 
 
 def test_a_short_host_is_named_with_what_is_missing():
     with pytest.raises(ValueError, match=r"host .* GiB \(budget 100\.00 GiB\); host is short by .* GiB"):
-        plan(GPTConfig.preset("llama-8b"), seq_length=32768, budget="78GiB", host_budget="100GiB")
+        plan(GPTConfig.preset("llama-8b"), seq_length=32768, budget="78GiB", host_budget="100GiB",
+             offload_params=True, resident_units=0)  # fmt: skip
+    # the GPU holds what the host cannot: the fewest resident units the host needs, then as many as the GPU holds
+    fits = plan(GPTConfig.preset("llama-8b"), seq_length=32768, budget="78GiB", host_budget="60GiB")
+    assert fits.memory.host_total <= 60 << 30 and fits.memory.total <= 78 << 30 and fits.resident_units == 19
+    with pytest.raises(ValueError, match=r"32 units on the GPU\)\) needs GPU .*; GPU is short by"):
+        plan(GPTConfig.preset("llama-8b"), seq_length=32768, budget="78GiB", host_budget="20GiB")
+    with pytest.raises(ValueError, match="resident_units=3 keeps units of offloaded states on the GPU"):
+        plan(GPTConfig.preset("llama-8b"), seq_length=32768, budget="78GiB", resident_units=3)
+    with pytest.raises(ValueError, match="resident_units must be an int from 0 to 34"):
+        plan(GPTConfig.preset("llama-8b"), seq_length=32768, budget="78GiB", offload_params=True, resident_units=35)
 
 
 def test_parallel_ranks_share_the_states_and_split_the_sequence():
-    one = plan(GPTConfig.preset("llama-8b"), seq_length=65536, budget="78GiB", offload_params=True)
+    one = plan(GPTConfig.preset("llama-8b"), seq_length=65536, budget="78GiB", offload_params=True, resident_units=0)
     four = plan(GPTConfig.preset("llama-8b"), seq_length=65536, budget="78GiB", offload_params=True,
-                data_parallel=2, context_parallel=2)  # fmt: skip
+                data_parallel=2, context_parallel=2, resident_units=0)  # fmt: skip
     assert four.memory.seq_length == 32768 and four.config.seq_length == 65536
     assert four.memory.host_states == math.ceil(one.memory.host_states / 4)
+    # a quarter of the states per rank: every unit stays on the GPU, sharded over the four ranks
+    chosen = plan(GPTConfig.preset("llama-8b"), seq_length=65536, budget="78GiB", offload_params=True,
+                  data_parallel=2, context_parallel=2)  # fmt: skip
+    assert chosen.resident_units == 34 and chosen.memory.host_states == 0
+    assert "sharded over the ranks, none in host memory" in chosen.describe()
     with pytest.raises(ValueError, match="not divisible by context_parallel=3"):
         plan(GPTConfig.preset("llama-8b"), seq_length=65536, budget="78GiB", context_parallel=3)
     with pytest.raises(ValueError, match="data_parallel must be a positive int"):
@@ -235,7 +264,8 @@ def test_plan_cli_plans_both_memories(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "binds: GPU" in text and "fp32 parameters, gradients, AdamW states" in text
     entry = json.loads(out.read_text())["65536"]
-    assert entry["offload_params"] is True and entry["predicted_host_bytes"] > 16 * 8e9
+    assert entry["offload_params"] is True and entry["resident_units"] == 8
+    assert 16 * 8e9 * 24 / 34 < entry["predicted_host_bytes"] < 16 * 8e9  # the host holds 24 of 34 units' states
     assert main(["--preset", "llama-8b", "--seq-length", "65536", "--budget", "78GiB", "--offload-params", "off"]) == 2
     assert "offload_params (parameters in host memory) may train longer" in capsys.readouterr().err
 
@@ -379,10 +409,10 @@ def test_overlapped_host_step_equals_the_plain_step_to_the_bit():
     gen = torch.Generator().manual_seed(4)
     batches = [torch.randint(0, TINY["vocab_size"], (2, TINY["seq_length"]), generator=gen) for _ in range(3)]
 
-    def train(overlap: bool, delay: float = 0.0):
+    def train(overlap: bool, delay: float = 0.0, resident: int = 0):
         torch.manual_seed(0)
         model = GPT(cfg)
-        offload_model(model)
+        offload_model(model, resident_units=resident)
         opt = host_adamw(model, lr=1e-2)
         stepper = OverlappedHostStep(opt, model) if overlap else None
         if delay:
@@ -403,10 +433,11 @@ def test_overlapped_host_step_equals_the_plain_step_to_the_bit():
         return model, opt
 
     ref_model, ref_opt = train(False)
-    for delay in (0.0, 0.02):
-        model, opt = train(True, delay)
+    # resident units (the root and the embedding; all four units) are stepped at once, the rest behind the forward
+    for delay, resident in ((0.0, 0), (0.02, 0), (0.02, 2), (0.0, 4)):
+        model, opt = train(True, delay, resident)
         for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
-            assert torch.equal(p.full_tensor(), q.full_tensor()), (delay, name)
+            assert torch.equal(p.full_tensor(), q.full_tensor()), (delay, resident, name)
             assert p.grad is None, name
         states = [opt.state[p] for p in model.parameters()]
         for a, b in zip(states, [ref_opt.state[q] for q in ref_model.parameters()], strict=True):
@@ -447,6 +478,45 @@ def test_overlapped_host_step_equals_the_plain_step_to_the_bit():
     stepper.step()
     with pytest.raises(RuntimeError, match="overlapped host optimizer step failed: disk on fire"):
         model(x, labels=x)
+
+
+def test_resident_units_keep_their_states_out_of_the_offload():
+    """``resident_units``: the first units in the forward's gathering order (the root, then the embedding and the
+    layers) are sharded without FSDP2's CPU offload policy, the rest with it; a step with resident units equals the
+    plain model's (float64); bad counts are refused naming the argument."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from longctx.distributed.offload import resident_parameters, unit_parameters
+
+    cfg = GPTConfig(**TINY, share_embeddings_and_output_weights=False, **FULL)
+    torch.manual_seed(0)
+    plain = GPT(cfg).double()
+    torch.manual_seed(0)
+    model = GPT(cfg).double()
+    offload_model(model, resident_units=2)
+    policy = [m._get_fsdp_state()._fsdp_param_group.offload_policy for m in [model, *decoder_units(model)]]
+    assert [isinstance(p, CPUOffloadPolicy) for p in policy] == [False, False, True, True]
+    owners = unit_parameters(model)
+    assert resident_parameters(model) == {id(p) for ps in owners[:2] for p in ps}
+    opt = host_adamw(model, lr=1e-2, weight_decay=0.0, max_grad_norm=0.5, overlap=True)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randint(0, TINY["vocab_size"], (2, TINY["seq_length"]), generator=gen)
+        model(x, labels=x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        plain(x, labels=x).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+        ref.step()
+        ref.zero_grad(set_to_none=True)
+    opt.wait()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-10, atol=1e-12, msg=name)
+    with pytest.raises(ValueError, match="resident_units=5 is more than the model's 4 units"):
+        offload_model(GPT(cfg), resident_units=5)
+    with pytest.raises(ValueError, match="resident_units must be an int >= 0, got -1"):
+        offload_model(GPT(cfg), resident_units=-1)
 
 
 def _slow_unit_steps(stepper, before) -> None:

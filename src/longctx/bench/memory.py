@@ -36,11 +36,13 @@ __all__ = ["main"]
 CLIP_GRAD = 1.0  # `longctx train`'s default --clip-grad: the offloaded steps clip as training does
 
 
-def _gpt_step_runner(config, S: int, device: torch.device, offload_params: bool = False, overlap: bool = True):
+def _gpt_step_runner(config, S: int, device: torch.device, offload_params: bool = False, overlap: bool = True,
+                     resident_units: int = 0):  # fmt: skip
     """A training step of the longctx GPT of ``config`` on one sequence of S tokens; ``offload_params``: its
     parameters, gradients and AdamW states in host memory (`longctx.distributed.offload`), the host's part taken as
     `longctx train` takes it: the gradient norm (`host_grad_norm`), then the clipped AdamW step on the CPU, behind
-    the next step's forward (`OverlappedHostStep`), or at once with ``overlap=False``."""
+    the next step's forward (`OverlappedHostStep`), or at once with ``overlap=False``; ``resident_units`` of the
+    units keep their states on the GPU (`apply_fsdp`)."""
     from longctx.models.gpt import GPT
 
     torch.manual_seed(0)
@@ -51,7 +53,7 @@ def _gpt_step_runner(config, S: int, device: torch.device, offload_params: bool 
 
         with build_device(parameter_count(config)[1], device):
             model = GPT(config)
-        offload_model(model)
+        offload_model(model, resident_units=resident_units)
         opt = host_adamw(model, lr=1e-5, max_grad_norm=CLIP_GRAD, overlap=overlap)  # a HostAdamW
         host_step = opt.host_step
     else:
@@ -286,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
         "it (distributed.offload.OverlappedHostStep; the optimizer column is then the norm and the step's start), "
         "or all of it before the next step (the optimizer column is its whole time) (default overlapped)",
     )
+    ap.add_argument(
+        "--resident-units",
+        type=int,
+        default=None,
+        help="offloaded plans: units kept on the GPU (default: what the plan fits)",
+    )
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--no-hf", action="store_true", help="leave out the transformers baseline")
@@ -335,14 +343,17 @@ def main(argv: list[str] | None = None) -> int:
         if str(S) in plans:
             cfg = base.replace(**plans[str(S)]["settings"])
             off = bool(plans[str(S)].get("offload_params", offload))
+            resident = int(plans[str(S)].get("resident_units", args.resident_units or 0)) if off else 0
         else:
-            chosen = plan(base, seq_length=S, budget=args.budget, host_budget=args.host_budget, offload_params=offload)
-            cfg, off = chosen.config, chosen.offload_params
-        row: dict[str, Any] = {"s": S, "plan": describe(cfg, off), "offload_params": off, "settings": {
+            chosen = plan(base, seq_length=S, budget=args.budget, host_budget=args.host_budget, offload_params=offload,
+                          resident_units=args.resident_units)  # fmt: skip
+            cfg, off, resident = chosen.config, chosen.offload_params, chosen.resident_units
+        row: dict[str, Any] = {"s": S, "plan": describe(cfg, off, resident), "offload_params": off,
+                               "resident_units": resident, "settings": {
             k: getattr(cfg, k) for k in ("recompute_granularity", "recompute_method", "recompute_num_layers",
                                          "recompute_skip_core_attention", "sequence_chunk_size", "cpu_offloading",
                                          "cpu_offloading_num_layers")}}  # fmt: skip
-        pred = step_memory(cfg, seq_length=S, offload_params=off)
+        pred = step_memory(cfg, seq_length=S, offload_params=off, resident_units=resident)
         row["predicted_bytes"], row["predicted_optimizer_bytes"] = pred.total, pred.optimizer_states
         row["predicted_host_bytes"], row["model_flops"] = pred.host_total, model_flops(cfg, S)
         is_long = S in longest and S not in seqs
@@ -351,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         overlap = args.host_step == "overlapped"
         if off:
             row["plan"] += ", the host's AdamW step " + ("behind the next forward" if overlap else "in place")
-        row["longctx"] = _measure(_gpt_step_runner, cfg, S, steps, warm, device, offload_params=off, overlap=overlap)
+        row["longctx"] = _measure(_gpt_step_runner, cfg, S, steps, warm, device, offload_params=off, overlap=overlap,
+                                  resident_units=resident)  # fmt: skip
         if hf and not is_long and not off:
             row["hf"] = _measure(_hf_step_runner, base, S, steps, warm, device)
         rows.append(row)

@@ -256,6 +256,7 @@ def apply_fsdp(
     offload_params: bool = False,
     param_dtype: torch.dtype | None = None,
     units: list[torch.nn.Module] | None = None,
+    resident_units: int = 0,
 ) -> str:
     """Shard ``model`` over the "dp" dim: FSDP2 on each decoder layer, the embedding and the root; returns
     ``"fsdp2"``, ``"fsdp2-offload"``, or ``"allreduce"`` (parameters whole on every rank, gradients summed by
@@ -280,11 +281,26 @@ def apply_fsdp(
             GPU bytes of the unsharded weights; gradients are reduced in float32); None keeps the parameters'.
         units: the modules sharded one by one, in the order they run (default: the GPT's embedding when untied,
             then its layers); the root holds what is left.
+        resident_units: with ``offload_params``, how many units keep their shards of the parameters, gradients
+            and optimizer states on the GPU, counted in the order the forward gathers them: the root (the output
+            projection and final norm), then ``units`` in order. The rest are offloaded. A resident unit costs
+            the GPU 16 bytes a parameter (its fp32 weight, gradient and AdamW's two states, this rank's shard) and
+            saves the host as much; its copies and its optimizer step leave the host's critical path, and the
+            next step's forward starts on it without waiting for the host's step (`OverlappedHostStep`). The
+            planner picks it (`longctx.memory.plan`); ``model._longctx_resident_units`` keeps it.
 
     Raises:
-        ValueError: ``offload_params`` where FSDP2 is not importable (there is no offload without it).
+        ValueError: ``offload_params`` where FSDP2 is not importable (there is no offload without it), or a
+            ``resident_units`` that is not between 0 and the number of units + 1 (or not 0 without offload).
     """
     _check_mesh(mesh)
+    if isinstance(resident_units, bool) or not isinstance(resident_units, int) or resident_units < 0:
+        raise ValueError(f"resident_units must be an int >= 0, got {resident_units!r}")
+    if resident_units and not offload_params:
+        raise ValueError(
+            f"resident_units={resident_units} keeps units on the GPU out of offloaded ones: pass offload_params=True, "
+            "or resident_units=0"
+        )
     if not offload_params and param_dtype is None and mesh["dp"].size() == 1:
         return "allreduce"
     if not fsdp_available():
@@ -304,15 +320,22 @@ def apply_fsdp(
             units = decoder_units(model)
         except TypeError:  # a model of one's own: its layers, if it has them
             units = list(getattr(model, "layers", []))
+    if resident_units > len(units) + 1:
+        raise ValueError(
+            f"resident_units={resident_units} is more than the model's {len(units) + 1} units (the root and "
+            f"{len(units)} sharded ones): pass at most {len(units) + 1}"
+        )
     kw: dict[str, Any] = {}
-    if offload_params:
-        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")  # pinned: async copies
     if param_dtype is not None:  # cast_forward_inputs=False: RoPE's float32 cos / sin stay float32
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
                                                cast_forward_inputs=False)  # fmt: skip
+    offload = dict(kw, offload_policy=CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")) if offload_params else kw
+    resident = [model, *units][:resident_units]  # in the order the forward gathers them
     for unit in units:
-        fully_shard(unit, mesh=dp_mesh, **kw)
-    fully_shard(model, mesh=dp_mesh, **kw)
+        fully_shard(unit, mesh=dp_mesh, **(kw if any(unit is r for r in resident) else offload))
+    fully_shard(model, mesh=dp_mesh, **(kw if resident_units else offload))
+    if offload_params:
+        model._longctx_resident_units = resident_units
     for module in [*units, model]:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM

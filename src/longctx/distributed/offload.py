@@ -63,6 +63,7 @@ def offload_model(
     *,
     param_dtype: torch.dtype | str | None = "auto",
     units: list[nn.Module] | None = None,
+    resident_units: int = 0,
 ) -> Any:
     """Shard ``model`` with FSDP2's CPU offload policy (`longctx.distributed.mesh.apply_fsdp`), in place; returns
     the mesh.
@@ -75,6 +76,8 @@ def offload_model(
         param_dtype: the dtype the units compute in (bfloat16: the copies and the GPU's weights are halved); None
             computes in the parameters' dtype; "auto": bfloat16 on a GPU, None on the CPU (nothing to gain there).
         units: the modules sharded one by one (default `decoder_units`).
+        resident_units: how many units keep their states on the GPU, in the order the forward gathers them (the
+            root, then ``units``): see `longctx.distributed.mesh.apply_fsdp`.
     """
     from longctx.distributed.mesh import apply_fsdp, decoder_units, init_mesh
 
@@ -83,8 +86,24 @@ def offload_model(
     if param_dtype == "auto":
         param_dtype = torch.bfloat16 if mesh.device_type == "cuda" else None
     apply_fsdp(model, mesh, offload_params=True, param_dtype=param_dtype,
-               units=decoder_units(model) if units is None else units)  # fmt: skip
+               units=decoder_units(model) if units is None else units, resident_units=resident_units)  # fmt: skip
     return mesh
+
+
+def unit_parameters(model: nn.Module, units: list[nn.Module] | None = None) -> list[list[nn.Parameter]]:
+    """The parameters of each unit of an offloaded model, in the order the forward gathers them: the root's own
+    (what no unit holds), then each of ``units`` (default `decoder_units`)."""
+    from longctx.distributed.mesh import decoder_units
+
+    units = decoder_units(model) if units is None else list(units)
+    in_units = {id(p) for u in units for p in u.parameters()}
+    return [[p for p in model.parameters() if id(p) not in in_units], *[list(u.parameters()) for u in units]]
+
+
+def resident_parameters(model: nn.Module, units: list[nn.Module] | None = None) -> set[int]:
+    """The ids of the parameters whose states `apply_fsdp`'s ``resident_units`` kept on the GPU."""
+    k = getattr(model, "_longctx_resident_units", 0)
+    return {id(p) for ps in unit_parameters(model, units)[:k] for p in ps} if k else set()
 
 
 def host_adamw(
@@ -110,7 +129,8 @@ def host_adamw(
             that is not positive.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    on_gpu = [p for p in params if p.device.type != "cpu"]
+    resident = resident_parameters(model)
+    on_gpu = [p for p in params if p.device.type != "cpu" and id(p) not in resident]
     if on_gpu:
         raise ValueError(
             f"host_adamw steps parameters in host memory, but {len(on_gpu)} of them are on {on_gpu[0].device}: "
@@ -144,8 +164,9 @@ def host_grad_norm(parameters: Any, chunk: int = 1 << 23) -> torch.Tensor:
 
     torch's norm of a CPU tensor runs on about one core, so an 8B model's fp32 gradients take seconds; here every
     shard is cut into pieces of ``chunk`` elements whose norms run side by side on `host_thread_share` threads
-    (each op on one core), summed in float64. DTensor shards are summed over the ranks that shard them (and not
-    over the ranks that replicate them), so every rank gets the same norm.
+    (each op on one core), summed in float64. Gradients on a GPU (units kept resident) are normed there. DTensor
+    shards are summed over the ranks that shard them (and not over the ranks that replicate them), so every rank
+    gets the same norm.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -156,7 +177,14 @@ def host_grad_norm(parameters: Any, chunk: int = 1 << 23) -> torch.Tensor:
             continue
         key = (g.device_mesh, tuple(g.placements)) if hasattr(g, "device_mesh") else None
         groups.setdefault(key, []).append(_local(g))
-    pieces = [(key, part) for key, gs in groups.items() for g in gs for part in g.reshape(-1).split(chunk)]
+    pieces = [(key, part) for key, gs in groups.items() for g in gs if g.device.type == "cpu"
+              for part in g.reshape(-1).split(chunk)]  # fmt: skip
+    totals: dict[Any, float] = {key: 0.0 for key in groups}
+    for key, gs in groups.items():  # resident gradients: their norms on their device, one transfer
+        there = [g for g in gs if g.device.type != "cpu"]
+        if there:
+            norms = torch._foreach_norm(there, 2.0)
+            totals[key] += float(torch.stack(norms).to(torch.float64).square().sum())
 
     def sumsq(part: torch.Tensor) -> float:
         return float(torch.linalg.vector_norm(part, dtype=torch.promote_types(part.dtype, torch.float32))) ** 2
@@ -164,7 +192,6 @@ def host_grad_norm(parameters: Any, chunk: int = 1 << 23) -> torch.Tensor:
     share = host_thread_share()
     with host_threads(1), ThreadPoolExecutor(share, initializer=torch.set_num_threads, initargs=(1,)) as pool:
         sums = list(pool.map(sumsq, [part for _, part in pieces]))
-    totals: dict[Any, float] = {key: 0.0 for key in groups}
     for (key, _), v in zip(pieces, sums, strict=True):
         totals[key] += v
     total = 0.0
@@ -176,7 +203,7 @@ def host_grad_norm(parameters: Any, chunk: int = 1 << 23) -> torch.Tensor:
             parts = [Partial() if isinstance(pl, Shard) else Replicate() for pl in placements]
             v = float(DTensor.from_local(torch.tensor(v, dtype=torch.float64), mesh, parts).full_tensor())
         total += v
-    wide = any(part.dtype == torch.float64 for _, part in pieces)
+    wide = any(g.dtype == torch.float64 for gs in groups.values() for g in gs)
     return torch.tensor(total**0.5, dtype=torch.float64 if wide else torch.float32)
 
 
@@ -198,7 +225,9 @@ class OverlappedHostStep:
     the ones it prefetches are stepped, so no gather reads a shard the step is still writing. The result is the step
     of ``optimizer.step()`` then ``zero_grad()``, to the bit: the same fused kernel over the same parameters with the
     same gradients and hyperparameters, and AdamW's states are the optimizer's own (its ``state_dict`` is
-    unchanged). What it hides is the CPU step's time behind the GPU's compute of the units before.
+    unchanged). What it hides is the CPU step's time behind the GPU's compute of the units before. Units kept
+    resident on the GPU (`apply_fsdp`'s ``resident_units``, the first ones the forward gathers) are stepped at once
+    in ``step()``: their kernels queue ahead of the next forward's, which starts on them without waiting.
 
     The background thread steps the shards' local tensors (views of the same storage), not the DTensors: a DTensor
     op's dispatch is Python, which would hold the interpreter lock against the main thread's kernel launches for the
@@ -227,8 +256,10 @@ class OverlappedHostStep:
         from longctx.distributed.mesh import decoder_units
 
         units = decoder_units(model) if units is None else list(units)
-        in_units = {id(p) for u in units for p in u.parameters()}
-        owners = [[p for p in model.parameters() if id(p) not in in_units], *[list(u.parameters()) for u in units]]
+        owners = unit_parameters(model, units)
+        # the units whose states stay on the GPU (`apply_fsdp`'s resident_units): stepped at once, in step(), by
+        # kernels queued ahead of the next forward's
+        self._resident = getattr(model, "_longctx_resident_units", 0)
         where = {id(p): j for j, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.optimizer = optimizer
         self.background = background
@@ -276,13 +307,21 @@ class OverlappedHostStep:
         # a first step creates the states through the DTensors, reading each .grad when it runs: at once, before a
         # zero_grad() after step() can clear them
         self._ran_at_once = not self.background or any(u is not None and u[3] for u in work)
+        items = list(enumerate(work))
         if self._ran_at_once:
-            self._run(work, grad_scale)
+            self._run(items, grad_scale)
             self._raise()
             return
+        k = self._resident
+        if k:  # the resident units' step: GPU kernels, queued now, ahead of the next forward
+            self._run(items[:k], grad_scale)
+            if self._error is not None:  # no step of the others follows: nothing is left to wait for
+                for e in self._done:
+                    e.set()
+                self._raise()
         # not a daemon: a process ending while a step runs waits for it (a daemon thread would be torn down inside
         # torch's operations as the interpreter shuts down)
-        self._thread = threading.Thread(target=self._run, args=(work, grad_scale), name="longctx-host-step",
+        self._thread = threading.Thread(target=self._run, args=(items[k:], grad_scale), name="longctx-host-step",
                                         daemon=False)  # fmt: skip
         self._thread.start()
 
@@ -323,11 +362,11 @@ class OverlappedHostStep:
         stepper.state = collections.defaultdict(dict, state)
         return stepper, grads, held, False
 
-    def _run(self, work: list, grad_scale: float | None) -> None:
+    def _run(self, items: list[tuple[int, Any]], grad_scale: float | None) -> None:
         t0 = time.perf_counter()
         try:
             with host_threads():
-                for i, unit in enumerate(work):
+                for i, unit in items:
                     if unit is not None:
                         stepper, grads, held, _ = unit
                         if grad_scale is not None and grads:
@@ -340,8 +379,8 @@ class OverlappedHostStep:
             self._error = exc
         finally:
             self._ran_s = time.perf_counter() - t0
-            for e in self._done:
-                e.set()
+            for i, _ in items:
+                self._done[i].set()
 
     def _wait_until(self, last: int) -> None:
         if not self._done[last].is_set():

@@ -202,18 +202,63 @@ def _one_layer_shapes(config: GPTConfig) -> ParameterShapes:
                            of(lambda i: i not in layer and i != embedding))  # fmt: skip
 
 
-def offloaded_state_bytes(config: GPTConfig, shards: int, optimizer_bytes_per_parameter: int = 8) -> int:
+def offloaded_state_bytes(
+    config: GPTConfig, shards: int, optimizer_bytes_per_parameter: int = 8, resident_units: int = 0
+) -> int:
     """Host bytes of one rank's states with ``offload_params``: for every parameter, its dim-0 shard (padded to a
     multiple of ``shards``, as FSDP2 shards) as the float32 weight and the float32 gradient FSDP2 copies back, each
     a pinned block (`pinned_block_bytes`: the up and down projections of llama-8b, 224 MiB each, take 256), and
     the optimizer's states (pageable). Counted on a model without storage (the layers are alike: one stands for
-    all)."""
+    all). The units kept on the GPU (``resident_units``, `resident_split`) hold none of it."""
     ps = parameter_shapes(config)
+    root, embedding, layers = resident_split(config, resident_units)
 
     def host(part: tuple[tuple[torch.Size, int], ...]) -> int:
         return host_state_bytes([shape for shape, _ in part], shards, optimizer_bytes_per_parameter)
 
-    return ps.num_layers * host(ps.layer) + host(ps.embedding) + host(ps.others)
+    return ((ps.num_layers - layers) * host(ps.layer) + (0 if embedding else host(ps.embedding))
+            + (0 if root else host(ps.others)))  # fmt: skip
+
+
+def resident_units_of(config: GPTConfig) -> int:
+    """How many units an offloaded ``GPT(config)`` has to keep resident (`resident_split`): the root, the embedding
+    when untied, the layers."""
+    return 1 + (0 if config.share_embeddings_and_output_weights else 1) + config.num_layers
+
+
+def resident_split(config: GPTConfig, resident_units: int) -> tuple[bool, bool, int]:
+    """Which parts of ``GPT(config)`` ``resident_units`` keeps on the GPU (`longctx.distributed.mesh.apply_fsdp`,
+    counted in the order the forward gathers the units: the root with the final norm and the output projection,
+    the embedding when untied, the layers from the first): (the root, the embedding, how many layers). A tied
+    embedding is the root's."""
+    n = resident_units_of(config)
+    if isinstance(resident_units, bool) or not isinstance(resident_units, int) or not 0 <= resident_units <= n:
+        raise ValueError(f"resident_units must be an int from 0 to {n} (the model's units), got {resident_units!r}")
+    tied = config.share_embeddings_and_output_weights
+    root = resident_units >= 1
+    embedding = root if tied else resident_units >= 2
+    return root, embedding, max(0, resident_units - (1 if tied else 2))
+
+
+def resident_shard_elements(config: GPTConfig, resident_units: int, shards: int) -> tuple[int, int, int]:
+    """One rank's elements of the resident units' parameters (dim-0 shards, padded as FSDP2 pads): (the root's with
+    a tied embedding, the untied embedding's, one layer's); zero for a part not resident."""
+    ps = parameter_shapes(config)
+    root, embedding, layers = resident_split(config, resident_units)
+
+    def elements(part: tuple[tuple[torch.Size, int], ...]) -> int:
+        out = 0
+        for shape, _ in part:
+            rows = shape[0] if len(shape) else 1
+            out += -(-rows // shards) * (shape.numel() // max(rows, 1))
+        return out
+
+    tied = config.share_embeddings_and_output_weights
+    return (
+        elements(ps.others + (ps.embedding if tied else ())) if root else 0,
+        elements(ps.embedding) if embedding and not tied else 0,
+        elements(ps.layer) if layers else 0,
+    )
 
 
 def host_state_bytes(shapes: list[torch.Size], shards: int, optimizer_bytes_per_parameter: int = 8) -> int:
@@ -255,6 +300,7 @@ class StepMemory:
     # copies between), the host this rank's shard of the fp32 weights, gradients and AdamW states
     offload_params: bool = False
     host_states: int = 0
+    resident_units: int = 0  # offload_params: units whose states stay on the GPU (`resident_split`)
     host_overhead: int = 0  # the process's own host memory (libraries, the CUDA context)
     lora: bool = False  # a LoRA run: the parameters are the frozen base and the adapters, only these train
     # checkpoints already freed when the peak comes (each layer's backward frees its checkpoint as its gradients
@@ -273,7 +319,14 @@ class StepMemory:
 
     def rows(self) -> list[tuple[str, int]]:
         """(item, bytes) for a table, summing to ``total``."""
-        if self.offload_params:
+        if self.offload_params and self.resident_units:
+            first = [
+                ("units in flight (bf16 weights, gradients, host copies); resident units' fp32 weights",
+                 self.parameters),
+                ("gradients (resident units' fp32; the others copied to the host per unit)", self.gradients),
+                ("optimizer states (resident units'; the others on the host)", self.optimizer_states),
+            ]  # fmt: skip
+        elif self.offload_params:
             first = [
                 ("units in flight (bf16 weights, gradients, host copies)", self.parameters),
                 ("gradients (reduced and copied to the host per unit)", self.gradients),
@@ -426,6 +479,7 @@ def step_memory(
     lora_targets: tuple[str, ...] = LORA_TARGETS,
     context_parallel: int = 1,
     cp_method: str = "ring",
+    resident_units: int = 0,
 ) -> StepMemory:
     """Predicted peak memory of one training step (forward, backward, AdamW) of ``GPT(config)``.
 
@@ -456,6 +510,9 @@ def step_memory(
             attention is ``cp_method``'s own code (`CP_TRACED`; the others traced as the ring). Kept attention
             outputs (``recompute_skip_core_attention``) do not apply there: the context-parallel attention is
             recomputed with its chunk.
+        resident_units: with ``offload_params``, the units whose states stay on the GPU (`resident_split`): their
+            fp32 weights and AdamW's states for the whole step, their fp32 gradients from their backward on
+            (`_with_resident`); the host holds the others'.
 
     Returns:
         A `StepMemory`.
@@ -464,10 +521,9 @@ def step_memory(
                          autocast_dtype=autocast_dtype, optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
                          overhead=overhead, exact=exact, offload_params=offload_params, shards=shards,
                          lora_rank=lora_rank, lora_targets=tuple(lora_targets), context_parallel=context_parallel,
-                         cp_method=cp_method)[0]  # fmt: skip
+                         cp_method=cp_method, resident_units=resident_units)[0]  # fmt: skip
 
 
-@functools.lru_cache(maxsize=256)  # step_memory's cache: step_memory.cache_clear() clears it
 def step_segments(
     config: GPTConfig,
     *,
@@ -483,11 +539,75 @@ def step_segments(
     lora_targets: tuple[str, ...] = LORA_TARGETS,
     context_parallel: int = 1,
     cp_method: str = "ring",
+    resident_units: int = 0,
 ) -> tuple[StepMemory, dict[str, int]]:
     """`step_memory`'s prediction and the peak of each segment of the step's timeline at ``seq_length`` that it is
     read from (``"embedding"``, ``"forward i"``, ``"loss"``, ``"forward end"``, ``"loss backward"``,
     ``"backward i"``): traced bytes, without the parameters, optimizer states and overhead. The predicted
     ``traced`` is at least the largest of them."""
+    if resident_units and not offload_params:
+        raise ValueError(f"resident_units={resident_units} keeps units of an offloaded model on the GPU: pass "
+                         "offload_params=True, or resident_units=0")  # fmt: skip
+    resident_split(config, resident_units)  # a count the model has
+    mem, segments = _step_segments(config, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                                   autocast_dtype=autocast_dtype, overhead=overhead, exact=exact,
+                                   optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
+                                   offload_params=offload_params, shards=shards, lora_rank=lora_rank,
+                                   lora_targets=lora_targets, context_parallel=context_parallel,
+                                   cp_method=cp_method)  # fmt: skip
+    if resident_units:
+        return _with_resident(mem, segments, config, resident_units, shards, optimizer_bytes_per_parameter)
+    return mem, segments
+
+
+def _with_resident(
+    mem: StepMemory,
+    segments: dict[str, int],
+    config: GPTConfig,
+    resident_units: int,
+    shards: int,
+    optimizer_bytes_per_parameter: int,
+) -> tuple[StepMemory, dict[str, int]]:
+    """An offloaded step's prediction with ``resident_units`` kept on the GPU: their shards' fp32 weights (with the
+    parameters) and AdamW's states for the whole step; their fp32 gradients from the end of their unit's backward
+    (FSDP2's reduce-scatter leaves them on the GPU) to the optimizer step: a resident layer's in the backward of
+    every layer before it, the root's and the embedding's (whose gradients come last, at the end of the backward)
+    in the first layer's, where the backward ends. The host's states are those of the other units."""
+    root, embedding, layer = resident_shard_elements(config, resident_units, shards)
+    _, _, layers = resident_split(config, resident_units)
+    resident = root + embedding + layers * layer
+    seg = dict(segments)
+    for i in range(config.num_layers):
+        held = 4 * layer * max(0, layers - 1 - i)  # resident layers after layer i, finished before its backward
+        if i == 0:
+            held += 4 * (root + embedding)
+        if f"backward {i}" in seg:
+            seg[f"backward {i}"] += held
+    host = offloaded_state_bytes(config, shards, optimizer_bytes_per_parameter, resident_units)
+    out = dataclasses.replace(mem, parameters=mem.parameters + 4 * resident, gradients=4 * resident,
+                              optimizer_states=optimizer_bytes_per_parameter * resident, host_states=host,
+                              resident_units=resident_units)  # fmt: skip
+    return _at_peak(out, max(seg.values(), default=0)), seg
+
+
+@functools.lru_cache(maxsize=256)  # step_memory's cache: step_memory.cache_clear() clears it
+def _step_segments(
+    config: GPTConfig,
+    *,
+    seq_length: int,
+    micro_batch_size: int = 1,
+    autocast_dtype: torch.dtype | None = torch.bfloat16,
+    optimizer_bytes_per_parameter: int = 8,
+    overhead: int = CUDA_OVERHEAD_BYTES,
+    exact: bool = False,
+    offload_params: bool = False,
+    shards: int = 1,
+    lora_rank: int | None = None,
+    lora_targets: tuple[str, ...] = LORA_TARGETS,
+    context_parallel: int = 1,
+    cp_method: str = "ring",
+) -> tuple[StepMemory, dict[str, int]]:
+    """`step_segments` with every unit's states where ``offload_params`` puts them."""
     if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length < 1:
         raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
     if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
@@ -523,7 +643,7 @@ def step_segments(
     return _at_peak(dataclasses.replace(b, seq_length=S, **at), peak), segments
 
 
-step_memory.cache_clear = step_segments.cache_clear  # type: ignore[attr-defined]
+step_memory.cache_clear = _step_segments.cache_clear  # type: ignore[attr-defined]
 
 
 @functools.lru_cache(maxsize=256)  # the two shorter traces serve every longer length with the same chunk sizes

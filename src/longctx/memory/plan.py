@@ -33,6 +33,9 @@ from longctx.memory.model import (
     lora_parameters,
     offloaded_state_bytes,
     parameter_shapes,
+    resident_shard_elements,
+    resident_split,
+    resident_units_of,
     step_memory,
     step_segments,
     units_in_flight,
@@ -68,6 +71,7 @@ class Plan:
     lora_rank: int | None = None  # a LoRA run: adapters of this rank on lora_targets, the base frozen
     lora_targets: tuple[str, ...] = LORA_TARGETS
     cp_method: str = "ring"  # the context-parallel method planned (context_parallel > 1)
+    resident_units: int = 0  # offload_params: units whose states stay on the GPU (`apply_fsdp`)
 
     @property
     def binds(self) -> str:
@@ -82,14 +86,14 @@ class Plan:
         return {k: getattr(self.config, k) for k in PLAN_FIELDS}
 
     def describe(self) -> str:
-        text = describe(self.config, self.offload_params)
+        text = describe(self.config, self.offload_params, self.resident_units)
         if self.lora_rank is not None:
             text += f", LoRA rank {self.lora_rank} on {', '.join(self.lora_targets)} (base frozen in bf16)"
         return text
 
 
-def describe(c: GPTConfig, offload_params: bool = False) -> str:
-    """One line naming a config's memory settings (and ``offload_params``)."""
+def describe(c: GPTConfig, offload_params: bool = False, resident_units: int = 0) -> str:
+    """One line naming a config's memory settings (and ``offload_params``, with its ``resident_units``)."""
     if c.recompute_granularity is None:
         parts = ["no recompute"]
     else:
@@ -100,9 +104,24 @@ def describe(c: GPTConfig, offload_params: bool = False) -> str:
         parts.append(f"sequence chunks of {c.sequence_chunk_size}")
     if c.cpu_offloading:
         parts.append(f"cpu offloading of {c.cpu_offloading_num_layers or c.num_layers} layers")
-    if offload_params:
+    if offload_params and resident_units == resident_units_of(c):
+        parts.append("parameters, gradients and optimizer states sharded over the ranks, none in host memory")
+    elif offload_params:
         parts.append("parameters, gradients and optimizer states in host memory")
+        if resident_units:
+            parts[-1] += f" but for {resident_text(c, resident_units)} ({resident_units} units on the GPU)"
     return ", ".join(parts)
+
+
+def resident_text(c: GPTConfig, resident_units: int) -> str:
+    """What ``resident_units`` keeps on the GPU, in words ("the output layer, the embedding, 3 layers")."""
+    if not resident_units:
+        return "none"
+    _, embedding, layers = resident_split(c, resident_units)
+    tied = c.share_embeddings_and_output_weights
+    kept = ["the output layer" + (" and the tied embedding" if tied else "")]
+    kept += (["the embedding"] if embedding and not tied else []) + ([f"{layers} layer{'s' if layers > 1 else ''}"] if layers else [])
+    return ", ".join(kept)
 
 
 def _layer_flops(c: GPTConfig, B: int, S: int) -> tuple[float, float, float, float]:
@@ -142,9 +161,10 @@ def _step_seconds(c: GPTConfig, B: int, S: int) -> float:
 
 
 def _offload_seconds(c: GPTConfig, n_params: int, shards: int, B: int, S: int) -> float:
-    """What offloading the states adds to a step: the CPU AdamW step, and the copies the compute cannot hide
-    (FSDP2 copies each unit's fp32 shard to the GPU three times: forward, recomputation, backward; and its fp32
-    gradients back once)."""
+    """What offloading the states of ``n_params`` parameters adds to a step: the CPU AdamW step, and the copies the
+    compute cannot hide (FSDP2 copies each unit's fp32 shard to the GPU three times: forward, recomputation,
+    backward; and its fp32 gradients back once). Resident units are not counted in ``n_params``: their copies and
+    step are the GPU's."""
     n = n_params / shards
     copies = 16 * n / _PCIE_BYTES
     return 28 * n / _HOST_ADAM_BYTES + max(0.0, copies - _step_seconds(c, B, S))
@@ -260,6 +280,7 @@ def plan(
     lora_rank: int | None = None,
     lora_targets: tuple[str, ...] | list[str] = LORA_TARGETS,
     cp_method: str = "ring",
+    resident_units: int | None = None,
 ) -> Plan:
     """The plan that fits ``budget`` (and ``host_budget``) at the least predicted added cost.
 
@@ -282,10 +303,14 @@ def plan(
         lora_rank, lora_targets: a LoRA fine-tuning run (PEFT's adapters of this rank on these linears, by their
             transformers names): the base frozen in bf16 on the GPU (no gradients, no optimizer states), the float32
             adapters trained (`longctx.memory.model.step_memory`).
+        resident_units: with offloaded states, how many units keep theirs on the GPU (`apply_fsdp`: the output
+            layer, the embedding, the first layers); None: the plan chooses the most that fit the GPU's budget
+            beside the plan's activations, and at least as many as the host's budget needs. Each resident unit
+            takes its copies and its optimizer step off the host's critical path.
 
     Returns:
         A `Plan` whose ``config`` is ``config`` at ``seq_length`` with the chosen settings: ``GPT(plan.config)``
-        trains at the planned length, with ``plan.offload_params``.
+        trains at the planned length, with ``plan.offload_params`` and ``plan.resident_units``.
 
     Raises:
         ValueError: no plan fits; the message says which memory is short and by how much (the most frugal plan's
@@ -309,6 +334,11 @@ def plan(
     check_lora(lora_rank, lora_targets)
     if lora_rank is not None and offload_params:
         raise ValueError("offload_params with lora_rank is not planned: a LoRA run's frozen bf16 base stays on the GPU")
+    if resident_units is not None:
+        resident_split(config, resident_units)  # a count the model has
+        if offload_params is not True:
+            raise ValueError(f"resident_units={resident_units} keeps units of offloaded states on the GPU: pass "
+                             "offload_params=True (or leave resident_units to the plan)")  # fmt: skip
     ranks = data_parallel * context_parallel
     S, B = seq_length // context_parallel, micro_batch_size
     n_params, _ = parameter_count(config)
@@ -324,23 +354,53 @@ def plan(
     cp_kw = dict(context_parallel=context_parallel, cp_method=cp_method) if context_parallel > 1 else {}
     kw_of = {off: dict(offload_params=off, shards=ranks, **cp_kw) if off else dict(lora, **cp_kw) for off in modes}
     bounds = {off: _PeakBound(config, S, B, **kw_of[off]) for off in modes}
+    best: tuple[float, int, GPTConfig, StepMemory, float] | None = None  # offloaded: (cost, units, plan, memory, ..)
     for cost, _, cand, off in walk:
+        if best is not None and _added_seconds(cand, B, S) >= best[0]:
+            break  # offloaded plans come last, in order of added time: none after this one can cost less
+        # the host's units resident on the GPU: the fewest the host's budget needs (or the ones asked for)
+        k = 0
+        if off:
+            fixed = resident_units
+            k = fixed if fixed is not None else _fewest_resident(cand, ranks, B, S, host_limit)
+            if k is None:
+                continue
         # the checkpoints and the states a plan keeps on the GPU for sure: plans that cannot fit are not traced
-        if _held_for_sure(cand, off, ranks, lora_rank, lora_targets, B, S) > limit:
+        extra = _resident_held(cand, k, ranks) if off else 0
+        if _held_for_sure(cand, off, ranks, lora_rank, lora_targets, B, S) + extra > limit:
             continue
-        if host_limit is not None and host_need(cand, off, ranks, B, S) > host_limit:
+        if host_limit is not None and host_need(cand, off, ranks, B, S, k) > host_limit:
             continue  # the host side is known without a trace
         if cand != bounds[off].none:
             low = bounds[off].lower(cand)
-            if low is not None and low > limit:
+            if low is not None and low + extra > limit:
                 continue
-        mem = step_memory(cand, seq_length=S, micro_batch_size=B, **kw_of[off])
-        if mem.total <= limit and (host_limit is None or _host_per_machine(mem, ranks) <= host_limit):
+        resident = {"resident_units": k} if off else {}
+        mem = step_memory(cand, seq_length=S, micro_batch_size=B, **kw_of[off], **resident)
+        if mem.total > limit or (host_limit is not None and _host_per_machine(mem, ranks) > host_limit):
+            continue
+        if not off:
             return Plan(dataclasses.replace(cand, seq_length=seq_length), mem, cost, limit, off, host_limit,
                         data_parallel, context_parallel, lora_rank, lora_targets, cp_method)  # fmt: skip
+        if resident_units is None:  # as many more as the GPU's budget holds: each takes work off the host
+            k, mem = _most_resident(cand, k, mem, limit, S, B, kw_of[off])
+        n_off = n_params - ranks * sum(_resident_elements(cand, k, ranks))
+        total = _added_seconds(cand, B, S) + _offload_seconds(cand, n_off, ranks, B, S)
+        if best is None or total < best[0]:
+            best = (total, k, cand, mem, cost)
+    if best is not None:
+        total, k, cand, mem, _ = best
+        return Plan(dataclasses.replace(cand, seq_length=seq_length), mem, total, limit, True, host_limit,
+                    data_parallel, context_parallel, lora_rank, lora_targets, cp_method, resident_units=k)  # fmt: skip
     frugal = _frugal(config, S, context_parallel)
     off = modes[-1]
-    frugal_mem = step_memory(frugal, seq_length=S, micro_batch_size=B, **kw_of[off])
+    k = 0  # offloaded: the resident units the host's budget needs (all of them where it needs more)
+    if off:
+        k = resident_units if resident_units is not None else _fewest_resident(frugal, ranks, B, S, host_limit)
+        k = resident_units_of(frugal) if k is None else k
+    frugal_mem = step_memory(
+        frugal, seq_length=S, micro_batch_size=B, **kw_of[off], **({"resident_units": k} if off else {})
+    )
     short = [f"GPU {frugal_mem.total / 2**30:.2f} GiB (budget {limit / 2**30:.2f} GiB)"]
     host_frugal = _host_per_machine(frugal_mem, ranks)
     if host_limit is not None:
@@ -355,7 +415,7 @@ def plan(
     batch = f" in micro batches of {B} sequences" if B > 1 else ""
     raise ValueError(
         f"no plan trains S={seq_length:,}{batch} in {limit / 2**30:.2f} GiB{where}: the most frugal one "
-        f"({describe(frugal, off)}) needs {', '.join(short)}; {'; '.join(missing) or 'it does not fit'}. "
+        f"({describe(frugal, off, k)}) needs {', '.join(short)}; {'; '.join(missing) or 'it does not fit'}. "
         + (f"The longest sequence these budgets train is about {longest:,} tokens" if longest else
            "No length fits these budgets")
         + ("" if off or lora_rank is not None else "; offload_params (parameters in host memory) may train longer")
@@ -376,11 +436,46 @@ def _held_for_sure(c: GPTConfig, off: bool, ranks: int, lora_rank: int | None, l
     return static + _kept_lower_bound(c, B, S, 2 if off or lora_rank is not None else 4)
 
 
-def host_need(c: GPTConfig, offload_params: bool, ranks: int, B: int, S: int) -> int:
+def _resident_elements(c: GPTConfig, k: int, ranks: int) -> tuple[int, int, int]:
+    """One rank's elements of the resident units: (output layer, embedding, all resident layers)."""
+    root, embedding, layer = resident_shard_elements(c, k, ranks)
+    return root, embedding, layer * resident_split(c, k)[2]
+
+
+def _resident_held(c: GPTConfig, k: int, ranks: int) -> int:
+    """GPU bytes ``k`` resident units hold for the whole step: fp32 weights and AdamW's two states."""
+    return 12 * sum(_resident_elements(c, k, ranks))
+
+
+def _fewest_resident(c: GPTConfig, ranks: int, B: int, S: int, host_limit: int | None) -> int | None:
+    """The fewest resident units whose plan ``c`` fits the host's budget (0 without one), None if none does."""
+    if host_limit is None:
+        return 0
+    return next((k for k in range(resident_units_of(c) + 1) if host_need(c, True, ranks, B, S, k) <= host_limit),
+                None)  # fmt: skip
+
+
+def _most_resident(c: GPTConfig, k: int, mem: StepMemory, limit: int, S: int, B: int, kw: dict
+                   ) -> tuple[int, StepMemory]:  # fmt: skip
+    """The most resident units (from ``k``, which fits with ``mem``) whose predicted GPU peak fits ``limit``: the
+    peak grows with each unit, so a bisection; each step reuses the plan's trace."""
+    lo, hi = k, resident_units_of(c)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        m = step_memory(c, seq_length=S, micro_batch_size=B, **kw, resident_units=mid)
+        if m.total <= limit:
+            lo, mem = mid, m
+        else:
+            hi = mid - 1
+    return lo, mem
+
+
+def host_need(c: GPTConfig, offload_params: bool, ranks: int, B: int, S: int, resident_units: int = 0) -> int:
     """A plan's host bytes, every rank of the host together, without its trace (what `step_memory` puts there:
-    the offloaded states, the offloaded checkpoints, the process); ``S`` is each rank's tokens."""
+    the offloaded states but the ``resident_units``', the offloaded checkpoints, the process); ``S`` is each
+    rank's tokens."""
     _, _, checkpoints = kept_bytes(c, S, B, 2 if offload_params else 4, step_memory.__kwdefaults__["autocast_dtype"])
-    states = offloaded_state_bytes(c, ranks) if offload_params else 0
+    states = offloaded_state_bytes(c, ranks, resident_units=resident_units) if offload_params else 0
     return ranks * (states + checkpoints + HOST_OVERHEAD_BYTES)
 
 
@@ -468,6 +563,8 @@ def format_plan(p: Plan) -> str:
     ]
     lines += [f"| {k} | {v} |" for k, v in p.settings.items()]
     lines.append(f"| offload_params | {p.offload_params} |")
+    if p.offload_params:
+        lines.append(f"| resident_units | {p.resident_units} ({resident_text(p.config, p.resident_units)}) |")
     lines += ["", "| predicted GPU peak | GiB |", "|---|---|"]
     lines += [f"| {name} | {b / 2**30:.2f} |" for name, b in m.rows()]
     lines.append(f"| **total** | **{m.total / 2**30:.2f}** |")
@@ -526,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offload-params", choices=("auto", "on", "off"), default="auto",
                     help="parameters, gradients and AdamW states in host memory: auto lets the plan choose "
                     "(default auto)")  # fmt: skip
+    ap.add_argument("--resident-units", type=int, default=None,
+                    help="with offloaded states: how many units keep theirs on the GPU (the output layer, the "
+                    "embedding, then the first layers); default: the most that fit --budget")  # fmt: skip
     ap.add_argument("--lora-rank", type=count_arg("--lora-rank", 1), default=None,
                     help="plan a LoRA fine-tuning run: adapters of this rank, the base frozen in bf16")  # fmt: skip
     ap.add_argument("--lora-targets", default=",".join(LORA_TARGETS),
@@ -538,6 +638,7 @@ def main(argv: list[str] | None = None) -> int:
                  micro_batch_size=args.micro_batch_size, host_budget=args.host_budget,
                  data_parallel=args.data_parallel, context_parallel=args.context_parallel,
                  offload_params=offload, lora_rank=args.lora_rank, cp_method=args.cp_method,
+                 resident_units=args.resident_units,
                  lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))  # fmt: skip
     except (ValueError, TypeError) as e:
         print(f"longctx plan: {e}", file=sys.stderr)
@@ -545,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_plan(p))
     if args.json:
         out = {str(args.seq_length): {"budget": args.budget, "settings": p.settings, "offload_params": p.offload_params,
+                                      "resident_units": p.resident_units,
                                       "predicted_bytes": p.memory.total,
                                       "predicted_host_bytes": p.memory.host_total}}  # fmt: skip
         with open(args.json, "w") as f:

@@ -109,6 +109,9 @@ class TrainConfig:
     # the optimizer steps on the CPU; longctx.distributed.offload): a model larger than the GPU, such as llama-8b.
     # With memory_budget the plan turns it on where nothing fits otherwise.
     offload_params: bool = False
+    # with offload_params: how many units (the output layer, the embedding, the first layers: the order the forward
+    # gathers them) keep their states on the GPU; None: the plan of memory_budget chooses, 0 without one
+    offload_resident_units: int | None = None
     # host memory the plan of memory_budget may use ("400GiB"); None: what this machine has available
     host_memory_budget: str | None = None
 
@@ -183,6 +186,14 @@ class TrainConfig:
                 "dp_shard 'replicate' keeps whole parameters on every GPU, offload_params shards them into host "
                 "memory: drop one of --dp-shard replicate and --offload-params"
             )
+        if self.offload_resident_units is not None:
+            if self.offload_resident_units < 0:
+                raise ValueError(f"offload_resident_units must be >= 0, got {self.offload_resident_units}")
+            if not self.offload_params:
+                raise ValueError(
+                    f"offload_resident_units={self.offload_resident_units} keeps units of offloaded states on the "
+                    "GPU: pass --offload-params too"
+                )
         if not _DEVICE.fullmatch(self.device):
             hint = " (use 'cuda' for an NVIDIA GPU)" if self.device.lower() in ("gpu", "nvidia", "cuda:") else ""
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}{hint}")
@@ -524,6 +535,9 @@ _TRAIN_HELP: dict[str, str] = {
     "memory_budget": "GPU memory for a step, e.g. 40GiB: longctx plan chooses the recompute / offloading settings",
     "offload_params": "parameters, gradients and AdamW states in host memory (FSDP2 CPU offload; the optimizer "
     "steps on the CPU): a model larger than the GPU",
+    "offload_resident_units": "with --offload-params, how many units keep their states on the GPU (the output layer, "
+    "the embedding, then the first layers): no copies, no host optimizer step for them (default: what "
+    "--memory-budget's plan fits, else 0)",
     "host_memory_budget": "host memory the plan of --memory-budget may use, e.g. 400GiB (default: what is available)",
 }
 

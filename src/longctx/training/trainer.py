@@ -241,6 +241,7 @@ class Trainer:
         if cfg.model.get("attention_backend") is None:
             mcfg = dataclasses.replace(mcfg, attention_backend=default_backend(mcfg, self.device, self.use_bf16))
         self.offload = cfg.offload_params  # parameters, gradients and optimizer states in host memory
+        self.resident_units = cfg.offload_resident_units or 0  # of them, the units kept on the GPU
         if cfg.memory_budget is not None:  # the plan's memory settings replace the configured ones
             from longctx.layers.offload import host_memory_available
             from longctx.memory.plan import plan
@@ -251,8 +252,10 @@ class Trainer:
                           micro_batch_size=cfg.micro_batch_size, host_budget=host,
                           data_parallel=cfg.data_parallel, context_parallel=cfg.context_parallel,
                           cp_method=cfg.context_parallel_method(),
-                          offload_params=True if cfg.offload_params else None)  # fmt: skip
+                          offload_params=True if cfg.offload_params else None,
+                          resident_units=cfg.offload_resident_units)  # fmt: skip
             mcfg, self.offload = chosen.config, chosen.offload_params
+            self.resident_units = chosen.resident_units
             if not cfg.quiet:
                 print(f"memory plan for {cfg.memory_budget}: {chosen.describe()} (predicted peak "
                       f"{chosen.memory.total / 2**30:.2f} GiB, host {chosen.memory.host_total / 2**30:.2f} GiB)",
@@ -320,7 +323,11 @@ class Trainer:
                 self.dp_strategy = "allreduce"
             else:
                 self.dp_strategy = apply_fsdp(
-                    self.model, self.mesh, offload_params=self.offload, param_dtype=unit_dtype
+                    self.model,
+                    self.mesh,
+                    offload_params=self.offload,
+                    param_dtype=unit_dtype,
+                    resident_units=self.resident_units if self.offload else 0,
                 )
             self.backend += f" | data-parallel {cfg.data_parallel} ({self.dp_strategy})"
         # on the host: torch's fused CPU AdamW; FSDP2's sharded GPU parameters: the foreach implementation; whole
@@ -819,7 +826,8 @@ def host_check(mcfg: GPTConfig, cfg: TrainConfig, distributed: bool) -> None:
     avail = host_memory_available()
     ranks = cfg.data_parallel * cfg.context_parallel
     local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))  # the ranks sharing this machine's memory
-    need = host_need(mcfg, True, ranks, cfg.micro_batch_size, mcfg.seq_length // cfg.context_parallel)
+    need = host_need(mcfg, True, ranks, cfg.micro_batch_size, mcfg.seq_length // cfg.context_parallel,
+                     cfg.offload_resident_units or 0)  # fmt: skip
     need = need // ranks * local
     error = None
     if avail is not None and need > avail:
