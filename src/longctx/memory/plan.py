@@ -120,7 +120,8 @@ def resident_text(c: GPTConfig, resident_units: int) -> str:
     _, embedding, layers = resident_split(c, resident_units)
     tied = c.share_embeddings_and_output_weights
     kept = ["the output layer" + (" and the tied embedding" if tied else "")]
-    kept += (["the embedding"] if embedding and not tied else []) + ([f"{layers} layer{'s' if layers > 1 else ''}"] if layers else [])
+    kept += ["the embedding"] if embedding and not tied else []
+    kept += [f"{layers} layer{'s' if layers > 1 else ''}"] if layers else []
     return ", ".join(kept)
 
 
