@@ -571,18 +571,18 @@ def _with_resident(
     """An offloaded step's prediction with ``resident_units`` kept on the GPU: their shards' fp32 weights (with the
     parameters) and AdamW's states for the whole step; their fp32 gradients from the end of their unit's backward
     (FSDP2's reduce-scatter leaves them on the GPU) to the optimizer step: a resident layer's in the backward of
-    every layer before it, the root's and the embedding's (whose gradients come last, at the end of the backward)
-    in the first layer's, where the backward ends. The host's states are those of the other units."""
+    every layer before it; the root's and the embedding's only once the backward is over (their units' backward
+    ends last: the root's encloses the whole model), in a segment of their own, ``"backward end"``, which holds
+    every resident gradient and no activation. The host's states are those of the other units."""
     root, embedding, layer = resident_shard_elements(config, resident_units, shards)
     _, _, layers = resident_split(config, resident_units)
     resident = root + embedding + layers * layer
     seg = dict(segments)
     for i in range(config.num_layers):
         held = 4 * layer * max(0, layers - 1 - i)  # resident layers after layer i, finished before its backward
-        if i == 0:
-            held += 4 * (root + embedding)
         if f"backward {i}" in seg:
             seg[f"backward {i}"] += held
+    seg["backward end"] = 4 * resident
     host = offloaded_state_bytes(config, shards, optimizer_bytes_per_parameter, resident_units)
     out = dataclasses.replace(mem, parameters=mem.parameters + 4 * resident, gradients=4 * resident,
                               optimizer_states=optimizer_bytes_per_parameter * resident, host_states=host,

@@ -510,7 +510,8 @@ def _longest_fitting(
     """The longest S (a multiple of 1024 x context_parallel) that a frugal plan fits in ``limit`` and the host
     limit, 0 if none. Without a host limit the most frugal plan (every checkpoint offloaded) fits longest; with one,
     offloading checkpoints trades GPU memory for host memory, so the plans that offload fewer layers (`_tradeoffs`)
-    may fit where the most frugal one's host side does not."""
+    may fit where the most frugal one's host side does not; with offloaded states, the units whose states the host
+    cannot hold stay on the GPU (`_fewest_resident`)."""
     memory_kw = memory_kw or {}
     offload = bool(memory_kw.get("offload_params"))
     lora_rank, lora_targets = memory_kw.get("lora_rank"), memory_kw.get("lora_targets", LORA_TARGETS)
@@ -523,11 +524,12 @@ def _longest_fitting(
             if host_limit is not None
             else [_frugal(config, s, context_parallel)]
         ):
-            if host_limit is not None and host_need(c, offload, ranks, B, s) > host_limit:
+            k = _fewest_resident(c, ranks, B, s, host_limit) if offload else 0  # what the host cannot hold
+            if k is None or (host_limit is not None and host_need(c, offload, ranks, B, s, k) > host_limit):
                 continue
-            if _held_for_sure(c, offload, ranks, lora_rank, lora_targets, B, s) > limit:
+            if _held_for_sure(c, offload, ranks, lora_rank, lora_targets, B, s) + _resident_held(c, k, ranks) > limit:
                 continue
-            mem = step_memory(c, seq_length=s, micro_batch_size=B, **memory_kw)
+            mem = step_memory(c, seq_length=s, micro_batch_size=B, **memory_kw, **({"resident_units": k} if k else {}))
             if mem.total <= limit and (host_limit is None or _host_per_machine(mem, ranks) <= host_limit):
                 return True
         return False
