@@ -519,6 +519,32 @@ def test_resident_units_keep_their_states_out_of_the_offload():
         offload_model(GPT(cfg), resident_units=-1)
 
 
+def test_resident_units_in_the_memory_model_are_the_sharded_units_bytes():
+    """The memory model's resident units are `apply_fsdp`'s: their shards' bytes (16 a parameter on the GPU) and the
+    host's states of the others, counted on a model sharded with ``resident_units``; a first step's peak is the
+    optimizer step's where the resident states are created."""
+    from longctx.distributed.offload import resident_parameters
+
+    cfg = GPTConfig(**TINY, share_embeddings_and_output_weights=False, **FULL)
+    model = GPT(cfg)
+    offload_model(model, resident_units=3)  # the output layer and final norm, the embedding, the first layer
+    resident = resident_parameters(model)
+    n_res = sum(p.numel() for p in model.parameters() if id(p) in resident)
+    shapes = [p.shape for p in model.parameters() if id(p) not in resident]
+    mem = memory_model.step_memory(cfg, seq_length=64, offload_params=True, resident_units=3)
+    assert mem.resident_bytes == 16 * n_res and mem.optimizer_states == 8 * n_res and mem.gradients == 4 * n_res
+    assert mem.host_states == memory_model.host_state_bytes(shapes, 1)
+    plain = memory_model.step_memory(cfg, seq_length=64, offload_params=True)
+    assert mem.parameters == plain.parameters + 4 * n_res and mem.total > plain.total
+    assert mem.first_step_peak == max(mem.total - mem.optimizer_states, mem.resident_bytes + mem.overhead)
+    assert memory_model.resident_split(cfg, 3) == (True, True, 1)
+    assert memory_model.resident_split(cfg.replace(share_embeddings_and_output_weights=True), 3) == (True, True, 2)
+    with pytest.raises(ValueError, match="resident_units must be an int from 0 to 4"):
+        memory_model.step_memory(cfg, seq_length=64, offload_params=True, resident_units=5)
+    with pytest.raises(ValueError, match="resident_units=1 keeps units of an offloaded model on the GPU"):
+        memory_model.step_memory(cfg, seq_length=64, resident_units=1)
+
+
 def _slow_unit_steps(stepper, before) -> None:
     """Run ``before()`` ahead of every unit's step of ``stepper`` (an `OverlappedHostStep`): a slow or failing
     background thread."""

@@ -135,6 +135,12 @@ def _measure(make, config, S: int, steps: int, warmup: int, device: torch.device
     return {"s": S, "status": r.code, "error": r.error, "secs": r.secs}
 
 
+def _first_step_prediction(r: dict[str, Any]) -> int:
+    """The predicted GPU peak of a first step (`StepMemory.first_step_peak`; rows written before it was recorded:
+    the predicted peak less AdamW's states)."""
+    return r.get("predicted_first_step_bytes") or r["predicted_bytes"] - r.get("predicted_optimizer_bytes", 0)
+
+
 def _gib(b) -> str:
     return "-" if b is None else f"{b / 2**30:.1f}"
 
@@ -165,8 +171,8 @@ def report(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         o, h = r.get("longctx", {}), r.get("hf", {})
         ok_o, ok_h = o.get("status") == "ok", h.get("status") == "ok"
         pred = r.get("predicted_bytes")
-        if pred and r.get("first_step"):  # a first step's peak comes before AdamW's states exist
-            pred -= r.get("predicted_optimizer_bytes", 0)
+        if pred and r.get("first_step"):  # a first step: AdamW's states exist only from its optimizer step on
+            pred = _first_step_prediction(r)
         lines.append(
             f"| {r['s']:,}{star if r.get('first_step') else ''} | {r.get('plan', '-')} | "
             + (f"{o['tokens_per_s']:,.0f} | {_mfu(r, o)} | {_gib(o['peak_bytes'])} | " if ok_o
@@ -182,8 +188,10 @@ def report(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     if any(r.get("first_step") for r in rows + offloaded):
         lines += [
             "",
-            "\\* one step without warm-up: its time includes compiling the kernels for that length, and its peak "
-            "comes before AdamW's states exist, so it is compared with the predicted peak less those states.",
+            "\\* one step without warm-up: its time includes compiling the kernels for that length, and AdamW's "
+            "states exist only from its optimizer step on, so it is compared with the predicted peak of a first "
+            "step: the forward and backward's without the states, or the optimizer step's, where the states are "
+            "created beside the weights and gradients on the GPU, whichever is higher.",
         ]
     return "\n".join(lines) + "\n"
 
@@ -221,7 +229,7 @@ def _offload_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str
         o = r.get("longctx", {})
         pred, host_pred = r.get("predicted_bytes"), r.get("predicted_host_bytes")
         if pred and r.get("first_step"):
-            pred -= r.get("predicted_optimizer_bytes", 0)
+            pred = _first_step_prediction(r)
         if o.get("status") != "ok":
             lines.append(f"| {r['s']:,} | {r.get('plan', '-')} | {o.get('status', '-')} |" + " - |" * 14)
             continue
@@ -355,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "cpu_offloading_num_layers")}}  # fmt: skip
         pred = step_memory(cfg, seq_length=S, offload_params=off, resident_units=resident)
         row["predicted_bytes"], row["predicted_optimizer_bytes"] = pred.total, pred.optimizer_states
+        row["predicted_first_step_bytes"] = pred.first_step_peak
         row["predicted_host_bytes"], row["model_flops"] = pred.host_total, model_flops(cfg, S)
         is_long = S in longest and S not in seqs
         row["first_step"] = is_long  # one step, no warm-up: AdamW's states do not exist yet at its peak

@@ -301,6 +301,7 @@ class StepMemory:
     offload_params: bool = False
     host_states: int = 0
     resident_units: int = 0  # offload_params: units whose states stay on the GPU (`resident_split`)
+    resident_bytes: int = 0  # their fp32 weights, gradients and AdamW states (16 bytes a parameter of the shard)
     host_overhead: int = 0  # the process's own host memory (libraries, the CUDA context)
     lora: bool = False  # a LoRA run: the parameters are the frozen base and the adapters, only these train
     # checkpoints already freed when the peak comes (each layer's backward frees its checkpoint as its gradients
@@ -311,6 +312,17 @@ class StepMemory:
     def total(self) -> int:
         """Predicted GPU peak."""
         return self.parameters + self.optimizer_states + self.traced + self.overhead
+
+    @property
+    def first_step_peak(self) -> int:
+        """Predicted GPU peak of a first step, before AdamW's states exist: the forward and backward's peak without
+        the states, or the optimizer step where the states are created beside every weight and gradient (with the
+        activations gone; offloaded, only the resident units' are on the GPU then), whichever is higher."""
+        if self.offload_params:
+            at_step = self.resident_bytes + self.overhead
+        else:
+            at_step = self.parameters + self.gradients + self.optimizer_states + self.overhead
+        return max(self.total - self.optimizer_states, at_step)
 
     @property
     def host_total(self) -> int:
@@ -586,7 +598,8 @@ def _with_resident(
     host = offloaded_state_bytes(config, shards, optimizer_bytes_per_parameter, resident_units)
     out = dataclasses.replace(mem, parameters=mem.parameters + 4 * resident, gradients=4 * resident,
                               optimizer_states=optimizer_bytes_per_parameter * resident, host_states=host,
-                              resident_units=resident_units)  # fmt: skip
+                              resident_units=resident_units,
+                              resident_bytes=(8 + optimizer_bytes_per_parameter) * resident)  # fmt: skip
     return _at_peak(out, max(seg.values(), default=0)), seg
 
 
