@@ -137,6 +137,11 @@ def test_offload_params_through_apply_trains_like_the_plain_model():
     assert hasattr(model.model.layers[0].mlp.up_proj.weight, "full_tensor")  # sharded by FSDP2
     got = losses(model, host_adamw(model, lr=1e-2, weight_decay=0.0))
     assert got == pytest.approx(ref, rel=1e-9)
+    # the output layer and the embedding kept out of the offload: the same losses, the optimizer over both
+    model = lt.apply(_llama(), offload_params=True, offload_resident_units=2, **RECOMPUTE)
+    assert model._longctx_resident_units == 2
+    got = losses(model, host_adamw(model, lr=1e-2, weight_decay=0.0, max_grad_norm=1e9, overlap=True))
+    assert got == pytest.approx(ref, rel=1e-9)
 
 
 def test_offload_params_guards():
@@ -144,6 +149,10 @@ def test_offload_params_guards():
         lt.apply(_llama(), offload_params="yes")
     with pytest.raises(ValueError, match="mesh is where offload_params shards the states"):
         lt.apply(_llama(), mesh=object())
+    with pytest.raises(ValueError, match="offload_resident_units=2 keeps units of offloaded states on the GPU"):
+        lt.apply(_llama(), offload_resident_units=2)
+    with pytest.raises(TypeError, match="offload_resident_units must be an int, got '2'"):
+        lt.apply(_llama(), offload_params=True, offload_resident_units="2")
 
 
 # -- the planner's LoRA runs --------------------------------------------------------------------------------------

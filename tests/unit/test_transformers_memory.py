@@ -148,6 +148,18 @@ def test_the_host_side_and_offloaded_states_of_an_apply_step():
     assert off.host == HOST_OVERHEAD_BYTES + L * S * h * 2 + host_state_bytes(shapes, 1)  # bf16 residual
     assert host_state_bytes(shapes, 1) >= 16 * sum(p.numel() for p in model.parameters())
     assert off.traced < plain.traced  # bf16 units, no gradients kept
+    # the output layer, the embedding and the first layer resident: their fp32 weights, AdamW states and gradients on
+    # the GPU, their states off the host
+    kept = dict(offloaded, offload_params=True, offload_resident_units=3)
+    res = memory.step_memory(config, seq_length=S, apply_kwargs=kept)
+    n_res = root + model.model.embed_tokens.weight.numel() + layer
+    assert res.parameters == off.parameters + 4 * n_res and res.optimizer_states == 8 * n_res
+    assert res.traced == max(off.traced + 4 * layer, 4 * n_res)
+    rest = [p.shape for n, p in model.named_parameters() if n.startswith("model.layers.") and not n.startswith(
+        "model.layers.0.")]  # fmt: skip
+    assert res.host == HOST_OVERHEAD_BYTES + L * S * h * 2 + host_state_bytes(rest, 1)
+    with pytest.raises(ValueError, match="offload_resident_units must be from 0 to"):
+        memory.step_memory(config, seq_length=S, apply_kwargs=dict(kept, offload_resident_units=L + 3))
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
     with pytest.raises(ValueError, match="offload_params with lora is not modelled"):
         memory.step_memory(config, seq_length=S, lora=lora, dtype=torch.bfloat16,

@@ -349,6 +349,7 @@ def apply(
     context_parallel_backend: str = "auto",
     offload_params: bool = False,
     mesh: Any = None,
+    offload_resident_units: int = 0,
 ) -> nn.Module:
     """Put longctx into a transformers causal LM, in place (Liger-Kernel's ``apply_liger_kernel_to_*`` idea).
 
@@ -412,6 +413,9 @@ def apply(
         offload_params: parameters, gradients and optimizer states in host memory (FSDP2's CPU offload).
         mesh: the ("dp", "cp") DeviceMesh of `longctx.distributed.init_mesh` the offloaded states are sharded over
             (with ``offload_params`` only).
+        offload_resident_units: with ``offload_params``, how many units keep their states on the GPU, in the order
+            the forward gathers them: the root (``lm_head`` and the final norm), the input embedding, then the first
+            decoder layers (`longctx.distributed.mesh.apply_fsdp`; `longctx.plan` says how many fit).
 
     Returns:
         The same model.
@@ -435,6 +439,13 @@ def apply(
         raise TypeError(f"offload_params must be True or False, got {offload_params!r}")
     if mesh is not None and not offload_params:
         raise ValueError("mesh is where offload_params shards the states: pass offload_params=True, or no mesh")
+    if isinstance(offload_resident_units, bool) or not isinstance(offload_resident_units, int):
+        raise TypeError(f"offload_resident_units must be an int, got {offload_resident_units!r}")
+    if offload_resident_units and not offload_params:
+        raise ValueError(
+            f"offload_resident_units={offload_resident_units} keeps units of offloaded states on the GPU: pass "
+            "offload_params=True too"
+        )
     if offload_params and context_parallel_group is not None and mesh is None:
         raise ValueError(
             "offload_params with context parallelism shards the states over the data x context parallel ranks: pass "
@@ -551,7 +562,7 @@ def apply(
     if offload_params:
         from longctx.distributed.offload import offload_model
 
-        _patch_save_pretrained(model, wrapper, offload_model(model, mesh))
+        _patch_save_pretrained(model, wrapper, offload_model(model, mesh, resident_units=offload_resident_units))
     for m in {id(model): model, id(wrapper): wrapper}.values():
         m._longctx_applied = True
         m._longctx_context_parallel = None if offload_params else cp  # offloaded: FSDP2 summed over dp x cp

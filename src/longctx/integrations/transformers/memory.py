@@ -133,7 +133,8 @@ def step_memory(
         dtype: the weights' dtype (bf16 for a LoRA run's frozen base, fp32 for full training under autocast).
         lora: a ``peft.LoraConfig``: the model under PEFT's adapters (only they train); None trains every weight.
         apply_kwargs: the settings of `apply` (recomputation, ``cpu_offloading``, ``fused_loss``, ``offload_params``
-            with its ``mesh``: the states sharded over ``mesh.size()`` ranks); default {}.
+            with its ``mesh``: the states sharded over ``mesh.size()`` ranks, and ``offload_resident_units``: those
+            units' states on the GPU); default {}.
         autocast_dtype: the autocast of training (bf16), or None.
         overhead: the CUDA libraries' allowance (default the memory model's).
 
@@ -153,6 +154,7 @@ def step_memory(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     settings = dict(apply_kwargs or {})
     offload = settings.pop("offload_params", False)
+    resident_units = settings.pop("offload_resident_units", 0)
     mesh = settings.pop("mesh", None)
     shards = 1 if mesh is None else mesh.size()  # the ranks the states are sharded over
     if offload and lora is not None:
@@ -165,15 +167,28 @@ def step_memory(
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     host = HOST_OVERHEAD_BYTES + _offloaded_checkpoints(model, settings, micro_batch_size * seq_length, weights)
+    resident = late = 0  # elements of the resident units' shards; of them, the root's and embedding's
     if offload:  # each gradient goes to the host once made (counted in the units in flight)
         from longctx.distributed.mesh import decoder_units
+        from longctx.distributed.offload import unit_parameters
+        from longctx.integrations.transformers.apply import _decoder
 
         units = decoder_units(model)
         in_units = {id(p) for u in units for p in u.parameters()}
         layer = sum(p.numel() for p in units[-1].parameters())
         root = sum(p.numel() for p in model.parameters() if id(p) not in in_units)
         params = units_in_flight(layer, root, shards, 2)
-        host += host_state_bytes([p.shape for p in model.parameters()], shards)
+        owners = unit_parameters(model, units)
+        if not 0 <= resident_units <= len(owners):
+            raise ValueError(f"offload_resident_units must be from 0 to {len(owners)} (the model's units), got "
+                             f"{resident_units!r}")  # fmt: skip
+        in_layers = {id(p) for p in _decoder(model).layers.parameters()}
+        kept = [p for ps in owners[:resident_units] for p in ps]
+        shard = [-(-p.shape[0] // shards) * (p.numel() // max(p.shape[0], 1)) if p.dim() else 1 for p in kept]
+        resident = sum(shard)
+        late = sum(n for p, n in zip(kept, shard, strict=True) if id(p) not in in_layers)
+        kept_ids = {id(p) for p in kept}
+        host += host_state_bytes([p.shape for p in model.parameters() if id(p) not in kept_ids], shards)
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     tracker = LiveBytesTracker()
@@ -185,12 +200,15 @@ def step_memory(
                 loss = model(input_ids=x, labels=x).loss
             loss.backward()
             del loss
+    # resident units: fp32 weights and AdamW's states all step; the layers' gradients counted as held at the peak
+    # (an upper bound: each is made in its layer's backward), the root's and the embedding's only after the backward
+    traced = max(tracker.peak + 4 * (resident - late), 4 * resident)  # or the backward's end: every gradient
     return StepPeak(
         seq_length=seq_length,
-        parameters=params,
+        parameters=params + 4 * resident,
         trained_parameters=trained,
-        optimizer_states=0 if offload else 8 * trained,
-        traced=tracker.peak,
+        optimizer_states=8 * resident if offload else 8 * trained,
+        traced=traced,
         overhead=CUDA_OVERHEAD_BYTES if overhead is None else overhead,
         host=host,
         offload_params=offload,
