@@ -127,18 +127,17 @@ def _add_lora(model: GPT, rank: int, targets: tuple[str, ...]) -> None:
 
 def units_in_flight(layer_parameters: int, root_parameters: int, shards: int, param_bytes: int) -> int:
     """GPU bytes FSDP2 holds for an offloaded model at a step's peak (in a layer's backward): the root unit's
-    weights (unsharded for the whole step), two layers' weights (the one running, the next one prefetched), the
-    prefetched layer's fp32 shard on its way from the host, and the finished layer's gradients with the float32
-    reduce-scatter's input and output before they go to the host. ``param_bytes``: bytes of a weight as the
-    units compute (2 for bf16)."""
+    weights (unsharded for the whole step) and its gradient (the output projection's, unsharded from the loss's
+    backward until the root's own post-backward at the end of the step), the running layer's weights and the
+    prefetched one's, and a finished layer's float32 gradient shard on its way to the host. ``param_bytes``: bytes
+    of a weight as the units compute (2 for bf16). Read off the blocks live at the peak of llama-8b steps on an
+    H200 (`dev/offload_peak.py`): by then the prefetched shard's float32 copy is cast and freed, and so are the
+    finished layer's bf16 gradients and the reduce-scatter's float32 input."""
     n, w = layer_parameters, shards
     return (
-        param_bytes * root_parameters
+        2 * param_bytes * root_parameters  # the root's weights and its gradient
         + 2 * param_bytes * n  # running and prefetched layers
-        + 4 * n // w  # the prefetched layer's fp32 shard, copied from the host
-        + param_bytes * n
-        + 4 * n
-        + 4 * n // w  # gradients, reduce-scatter input and output (float32)
+        + 4 * n // w  # a finished layer's gradient shard (float32), before its copy to the host ends
     )
 
 
