@@ -258,7 +258,7 @@ def test_parallel_ranks_share_the_states_and_split_the_sequence():
     chosen = plan(GPTConfig.preset("llama-8b"), seq_length=65536, budget="78GiB", offload_params=True,
                   data_parallel=2, context_parallel=2)  # fmt: skip
     assert chosen.resident_units == 34 and chosen.memory.host_states == 0
-    assert "sharded over the ranks, none in host memory" in chosen.describe()
+    assert "optimizer states on the GPU, sharded by FSDP2 (every unit resident)" in chosen.describe()
     with pytest.raises(ValueError, match="not divisible by context_parallel=3"):
         plan(GPTConfig.preset("llama-8b"), seq_length=65536, budget="78GiB", context_parallel=3)
     with pytest.raises(ValueError, match="data_parallel must be a positive int"):

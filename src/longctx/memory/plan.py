@@ -105,7 +105,7 @@ def describe(c: GPTConfig, offload_params: bool = False, resident_units: int = 0
     if c.cpu_offloading:
         parts.append(f"cpu offloading of {c.cpu_offloading_num_layers or c.num_layers} layers")
     if offload_params and resident_units == resident_units_of(c):
-        parts.append("parameters, gradients and optimizer states sharded over the ranks, none in host memory")
+        parts.append("parameters, gradients and optimizer states on the GPU, sharded by FSDP2 (every unit resident)")
     elif offload_params:
         parts.append("parameters, gradients and optimizer states in host memory")
         if resident_units:
