@@ -287,3 +287,21 @@ def test_progress_rate_is_over_the_recent_steps():
     r.skip(30.0)  # an evaluation after step 5
     r.mark(6, 10.0 + 5 + 30.0)
     assert r.steps_per_second() == 1.0
+
+
+def test_the_default_learning_rate_follows_the_models_width():
+    """Unset, lr is the published rate for the model's width (the demo models keep 3e-3) and min_lr a tenth of it;
+    an lr below the demo's min_lr no longer needs min_lr set with it."""
+    from longctx.training.config import TrainConfig, default_lr
+
+    tiny = TrainConfig(preset="tiny")
+    assert (tiny.lr, tiny.min_lr) == pytest.approx((3e-3, 3e-4), rel=1e-12)
+    big = TrainConfig(preset="llama-8b")
+    assert (big.lr, big.min_lr) == pytest.approx((1.5e-4, 1.5e-5), rel=1e-12)
+    assert TrainConfig(preset="llama-350m").lr == 3e-4 and TrainConfig(preset="gpt2-small").lr == 6e-4
+    assert [default_lr(h) for h in (64, 512, 768, 1024, 3072, 4096, 8192)] == [3e-3, 3e-3, 6e-4, 3e-4, 3e-4, 1.5e-4,
+                                                                               1.5e-4]  # fmt: skip
+    low = TrainConfig(preset="tiny", lr=1e-4)
+    assert low.min_lr == pytest.approx(1e-5)
+    with pytest.raises(ValueError, match=r"min_lr \(0.01\) must be <= lr \(0.003\)"):
+        TrainConfig(preset="tiny", min_lr=1e-2)

@@ -47,6 +47,20 @@ DP_SHARD = ("fsdp2", "replicate")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
+def default_lr(hidden_size: int) -> float:
+    """The peak learning rate a run gets unless it sets one, by the model's width: 3e-3 for the small demo models
+    (hidden 512 or less), and the rates published for models of that width (GPT-3's 6e-4 for 768, 3e-4 for 1024
+    to 3072 as GPT-3 350M and Llama 3; 1.5e-4 from 4096, between GPT-3 6.7B's 1.2e-4 and Llama 3 8B's 3e-4, which
+    used million-token batches). A wide model at the small models' rate diverges within its warmup."""
+    if hidden_size <= 512:
+        return 3e-3
+    if hidden_size < 1024:
+        return 6e-4
+    if hidden_size < 4096:
+        return 3e-4
+    return 1.5e-4
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything a training run needs.
@@ -70,8 +84,8 @@ class TrainConfig:
     # optimisation
     train_iters: int = 1500
     micro_batch_size: int = 32
-    lr: float = 3e-3
-    min_lr: float = 3e-4
+    lr: float | None = None  # None: by the model's width (`default_lr`)
+    min_lr: float | None = None  # None: lr / 10
     lr_warmup_iters: int = 50
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
@@ -151,8 +165,6 @@ class TrainConfig:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.min_lr > self.lr:
-            raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr}): the schedule decays from lr to min_lr")
         if self.doc_separator is not None:
             if self.data is None:
                 raise ValueError(
@@ -202,7 +214,13 @@ class TrainConfig:
                 "resume and overwrite exclude each other: --resume continues the run in --save, "
                 "--overwrite starts a new one there; pass one of them"
             )
-        self.model_config()  # the model settings, validated by GPTConfig (its ValueError names the field)
+        width = self.model_config().hidden_size  # the model settings, validated by GPTConfig (its ValueError names
+        if self.lr is None:  # the field)
+            object.__setattr__(self, "lr", default_lr(width))
+        if self.min_lr is None:
+            object.__setattr__(self, "min_lr", min(self.lr / 10, default_lr(width) / 10))
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr}): the schedule decays from lr to min_lr")
 
     def context_parallel_method(self) -> str:
         """The context-parallel method the run uses: ``cp_method``, or for "auto" the fastest measured on its data:
@@ -498,8 +516,9 @@ _TRAIN_HELP: dict[str, str] = {
     "num_values": "recall task: size of the value vocabulary (chance accuracy is 1/num_values)",
     "train_iters": "optimiser steps of the whole run (alias --steps)",
     "micro_batch_size": "sequences per step and data-parallel rank (alias --batch-size)",
-    "lr": "peak learning rate, after warmup (scientific notation accepted: 3e-3)",
-    "min_lr": "learning rate at the end of the cosine decay",
+    "lr": "peak learning rate, after warmup (scientific notation accepted: 3e-3; default: by the model's width, "
+    "3e-3 up to hidden 512 (the demo models), 6e-4 below 1024, 3e-4 below 4096, 1.5e-4 from 4096)",
+    "min_lr": "learning rate at the end of the cosine decay (default: lr / 10)",
     "lr_warmup_iters": "steps of linear warmup",
     "weight_decay": "AdamW weight decay (matrices only)",
     "adam_beta1": "AdamW beta1",
