@@ -420,6 +420,7 @@ def plan(
         + (f"The longest sequence these budgets train is about {longest:,} tokens" if longest else
            "No length fits these budgets")
         + ("" if off or lora_rank is not None else "; offload_params (parameters in host memory) may train longer")
+        + (f"; a micro batch of fewer than {B} sequences (micro_batch_size, --batch-size) needs less" if B > 1 else "")
     )  # fmt: skip
 
 
