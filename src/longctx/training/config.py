@@ -214,8 +214,9 @@ class TrainConfig:
                 "resume and overwrite exclude each other: --resume continues the run in --save, "
                 "--overwrite starts a new one there; pass one of them"
             )
-        width = self.model_config().hidden_size  # the model settings, validated by GPTConfig (its ValueError names
-        if self.lr is None:  # the field)
+        # the model settings, validated by GPTConfig (its ValueError names the field); the rates by its width
+        width = self.model_config().hidden_size
+        if self.lr is None:
             object.__setattr__(self, "lr", default_lr(width))
         if self.min_lr is None:
             object.__setattr__(self, "min_lr", min(self.lr / 10, default_lr(width) / 10))
