@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
+from typing import Any
 from unittest import mock
 
 import torch
@@ -535,39 +536,21 @@ def step_memory(
                          cp_method=cp_method, resident_units=resident_units)[0]  # fmt: skip
 
 
-def step_segments(
-    config: GPTConfig,
-    *,
-    seq_length: int,
-    micro_batch_size: int = 1,
-    autocast_dtype: torch.dtype | None = torch.bfloat16,
-    optimizer_bytes_per_parameter: int = 8,
-    overhead: int = CUDA_OVERHEAD_BYTES,
-    exact: bool = False,
-    offload_params: bool = False,
-    shards: int = 1,
-    lora_rank: int | None = None,
-    lora_targets: tuple[str, ...] = LORA_TARGETS,
-    context_parallel: int = 1,
-    cp_method: str = "ring",
-    resident_units: int = 0,
-) -> tuple[StepMemory, dict[str, int]]:
-    """`step_memory`'s prediction and the peak of each segment of the step's timeline at ``seq_length`` that it is
-    read from (``"embedding"``, ``"forward i"``, ``"loss"``, ``"forward end"``, ``"loss backward"``,
-    ``"backward i"``): traced bytes, without the parameters, optimizer states and overhead. The predicted
-    ``traced`` is at least the largest of them."""
-    if resident_units and not offload_params:
+def step_segments(config: GPTConfig, *, resident_units: int = 0, **kw: Any) -> tuple[StepMemory, dict[str, int]]:
+    """`step_memory`'s prediction (the same arguments) and the peak of each segment of the step's timeline at
+    ``seq_length`` that it is read from (``"embedding"``, ``"forward i"``, ``"loss"``, ``"forward end"``, ``"loss
+    backward"``, ``"backward i"``; with resident units, ``"backward end"``): traced bytes, without the parameters,
+    optimizer states and overhead. The predicted ``traced`` is at least the largest of them."""
+    if resident_units and not kw.get("offload_params"):
         raise ValueError(f"resident_units={resident_units} keeps units of an offloaded model on the GPU: pass "
                          "offload_params=True, or resident_units=0")  # fmt: skip
     resident_split(config, resident_units)  # a count the model has
-    mem, segments = _step_segments(config, seq_length=seq_length, micro_batch_size=micro_batch_size,
-                                   autocast_dtype=autocast_dtype, overhead=overhead, exact=exact,
-                                   optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
-                                   offload_params=offload_params, shards=shards, lora_rank=lora_rank,
-                                   lora_targets=lora_targets, context_parallel=context_parallel,
-                                   cp_method=cp_method)  # fmt: skip
+    if "lora_targets" in kw:
+        kw["lora_targets"] = tuple(kw["lora_targets"])  # a cache key
+    mem, segments = _step_segments(config, **kw)
     if resident_units:
-        return _with_resident(mem, segments, config, resident_units, shards, optimizer_bytes_per_parameter)
+        return _with_resident(mem, segments, config, resident_units, kw.get("shards", 1),
+                              kw.get("optimizer_bytes_per_parameter", 8))  # fmt: skip
     return mem, segments
 
 
