@@ -305,3 +305,13 @@ def test_the_default_learning_rate_follows_the_models_width():
     assert low.min_lr == pytest.approx(1e-5)
     with pytest.raises(ValueError, match=r"min_lr \(0.01\) must be <= lr \(0.003\)"):
         TrainConfig(preset="tiny", min_lr=1e-2)
+
+
+def test_the_default_micro_batch_is_the_demos_32_or_one_long_sequence():
+    """Unset, micro_batch_size is the recall demo's 32 sequences for the demo models and one sequence for the wide
+    presets (an 8B at 32K tokens takes one a step); set, it is kept."""
+    from longctx.training.config import TrainConfig
+
+    assert TrainConfig(preset="tiny").micro_batch_size == 32
+    assert TrainConfig(preset="llama-8b").micro_batch_size == 1
+    assert TrainConfig(preset="llama-350m", micro_batch_size=4).micro_batch_size == 4

@@ -125,7 +125,9 @@ def test_every_train_flag_has_help_with_its_default():
         if action.option_strings[0] not in ("--steps", "--batch-size"):
             assert "(default: " in action.help, action.option_strings
     helps = {a.option_strings[0]: a.help for a in parser._actions if a.option_strings}
-    assert "(default: 1500)" in helps["--train-iters"] and "(default: 32)" in helps["--micro-batch-size"]
+    assert "(default: 1500)" in helps["--train-iters"] and "(default: 32 for the demo models" in helps[
+        "--micro-batch-size"]  # fmt: skip
+    assert "(default: by the model's width" in helps["--lr"] and helps["--lr"].count("default") == 1
     assert "(default: runs/recall)" in helps["--save"] and "(default: 2)" in helps["--num-layers"]  # demo's
     assert "metrics.jsonl" in parser.epilog and "--overwrite" in parser.epilog
 

@@ -83,7 +83,7 @@ class TrainConfig:
     num_values: int = RecallTask.num_values
     # optimisation
     train_iters: int = 1500
-    micro_batch_size: int = 32
+    micro_batch_size: int | None = None  # None: 32 for the demo models, 1 for the others (`default_lr`'s widths)
     lr: float | None = None  # None: by the model's width (`default_lr`)
     min_lr: float | None = None  # None: lr / 10
     lr_warmup_iters: int = 50
@@ -216,6 +216,8 @@ class TrainConfig:
             )
         # the model settings, validated by GPTConfig (its ValueError names the field); the rates by its width
         width = self.model_config().hidden_size
+        if self.micro_batch_size is None:  # the recall demo's 32 short sequences; one long sequence for the rest
+            object.__setattr__(self, "micro_batch_size", 32 if width <= 512 else 1)
         if self.lr is None:
             object.__setattr__(self, "lr", default_lr(width))
         if self.min_lr is None:
@@ -517,9 +519,8 @@ _TRAIN_HELP: dict[str, str] = {
     "num_values": "recall task: size of the value vocabulary (chance accuracy is 1/num_values)",
     "train_iters": "optimiser steps of the whole run (alias --steps)",
     "micro_batch_size": "sequences per step and data-parallel rank (alias --batch-size)",
-    "lr": "peak learning rate, after warmup (scientific notation accepted: 3e-3; default: by the model's width, "
-    "3e-3 up to hidden 512 (the demo models), 6e-4 below 1024, 3e-4 below 4096, 1.5e-4 from 4096)",
-    "min_lr": "learning rate at the end of the cosine decay (default: lr / 10)",
+    "lr": "peak learning rate, after warmup (scientific notation accepted: 3e-3)",
+    "min_lr": "learning rate at the end of the cosine decay",
     "lr_warmup_iters": "steps of linear warmup",
     "weight_decay": "AdamW weight decay (matrices only)",
     "adam_beta1": "AdamW beta1",
@@ -556,9 +557,8 @@ _TRAIN_HELP: dict[str, str] = {
     "offload_params": "parameters, gradients and AdamW states in host memory (FSDP2 CPU offload; the optimizer "
     "steps on the CPU): a model larger than the GPU",
     "offload_resident_units": "with --offload-params, how many units keep their states on the GPU (the output layer, "
-    "the embedding, then the first layers): no copies, no host optimizer step for them (default: what "
-    "--memory-budget's plan fits, else 0)",
-    "host_memory_budget": "host memory the plan of --memory-budget may use, e.g. 400GiB (default: what is available)",
+    "the embedding, then the first layers): no copies, no host optimizer step for them",
+    "host_memory_budget": "host memory the plan of --memory-budget may use, e.g. 400GiB",
 }
 
 
@@ -590,9 +590,21 @@ _MODEL_HELP: dict[str, str] = {
 }
 
 
+# defaults that depend on the run, in words
+_DEFAULT_TEXT = {
+    "bf16": "on CUDA only",
+    "micro_batch_size": "32 for the demo models (hidden 512 or less), else 1",
+    "lr": "by the model's width: 3e-3 up to hidden 512 (the demo models), 6e-4 below 1024, 3e-4 below 4096, 1.5e-4 "
+    "from 4096",
+    "min_lr": "lr / 10",
+    "offload_resident_units": "what --memory-budget's plan fits, else 0",
+    "host_memory_budget": "what this machine has available",
+}
+
+
 def _default_text(name: str) -> str:
-    if name == "bf16":
-        return "on CUDA only"
+    if name in _DEFAULT_TEXT:
+        return _DEFAULT_TEXT[name]
     if name == "resume":
         return "off; without PATH: <save>/checkpoint.pt"
     value = _DEFAULTS[name]
