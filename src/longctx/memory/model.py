@@ -247,11 +247,7 @@ def resident_shard_elements(config: GPTConfig, resident_units: int, shards: int)
     root, embedding, layers = resident_split(config, resident_units)
 
     def elements(part: tuple[tuple[torch.Size, int], ...]) -> int:
-        out = 0
-        for shape, _ in part:
-            rows = shape[0] if len(shape) else 1
-            out += -(-rows // shards) * (shape.numel() // max(rows, 1))
-        return out
+        return sum(shard_elements(shape, shards) for shape, _ in part)
 
     tied = config.share_embeddings_and_output_weights
     return (
@@ -261,13 +257,18 @@ def resident_shard_elements(config: GPTConfig, resident_units: int, shards: int)
     )
 
 
+def shard_elements(shape: torch.Size, shards: int) -> int:
+    """Elements of one rank's FSDP2 shard of a parameter of ``shape``: its dim 0 split over ``shards``, padded up."""
+    rows = shape[0] if len(shape) else 1
+    return -(-rows // shards) * (shape.numel() // max(rows, 1))
+
+
 def host_state_bytes(shapes: list[torch.Size], shards: int, optimizer_bytes_per_parameter: int = 8) -> int:
     """Host bytes of one rank's offloaded states of parameters of these ``shapes`` (`offloaded_state_bytes`: each
     dim-0 shard's float32 weight and gradient in pinned blocks, the optimizer's states pageable)."""
 
     def host(shape: torch.Size) -> int:
-        rows = shape[0] if len(shape) else 1
-        shard = -(-rows // shards) * (shape.numel() // max(rows, 1))
+        shard = shard_elements(shape, shards)
         return 2 * pinned_block_bytes(4 * shard) + optimizer_bytes_per_parameter * shard
 
     return sum(map(host, shapes))

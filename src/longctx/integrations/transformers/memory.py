@@ -147,7 +147,13 @@ def step_memory(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from longctx.memory.measure import LiveBytesTracker
-    from longctx.memory.model import CUDA_OVERHEAD_BYTES, HOST_OVERHEAD_BYTES, host_state_bytes, units_in_flight
+    from longctx.memory.model import (
+        CUDA_OVERHEAD_BYTES,
+        HOST_OVERHEAD_BYTES,
+        host_state_bytes,
+        shard_elements,
+        units_in_flight,
+    )
 
     for name, value in (("seq_length", seq_length), ("micro_batch_size", micro_batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -184,7 +190,7 @@ def step_memory(
                              f"{resident_units!r}")  # fmt: skip
         in_layers = {id(p) for p in _decoder(model).layers.parameters()}
         kept = [p for ps in owners[:resident_units] for p in ps]
-        shard = [-(-p.shape[0] // shards) * (p.numel() // max(p.shape[0], 1)) if p.dim() else 1 for p in kept]
+        shard = [shard_elements(p.shape, shards) for p in kept]
         resident = sum(shard)
         late = sum(n for p, n in zip(kept, shard, strict=True) if id(p) not in in_layers)
         kept_ids = {id(p) for p in kept}
